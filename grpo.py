@@ -1,0 +1,446 @@
+"""GRPO for vision-language GUI agents: advantages, per-token log-probs, the clipped loss,
+rollout micro-batches, the ARPO replay buffer and the distillation (SFT) step.
+
+Used by train_explore.py (ScreenExplorer) and train_arpo.py (ARPO); nothing here talks to a VM.
+Tests: `python -m pytest -q tests/test_grpo.py`. Benchmark: `python bench/logprobs.py`.
+
+One update, top to bottom (see `update_policy`):
+    samples (prompt + completion ids, reward, advantage)  ->  padded micro-batches  ->
+    old log-probs (no grad)  ->  [reference log-probs, only if beta > 0]  ->
+    clipped surrogate per token, aggregated, accumulated over micro-batches  ->  clip grad  ->  step
+
+Where this departs from the papers (on purpose, each one small):
+1. The loss is DAPO-style "clip-higher" (separate eps_low / eps_high, ARPO uses 0.2 / 0.3) and the
+   KL term is the k3 estimator of DeepSeekMath, applied only when beta > 0 (ScreenExplorer: 0.04,
+   ARPO: 0, no reference model at all).
+2. Two aggregations: "seq-mean-token-mean" (GRPO as written: mean over tokens, then over
+   sequences) and "token-mean" (DAPO: one mean over all tokens of the batch, so long trajectories
+   weigh more). Sequences with no target token are left out of the sequence mean.
+3. With the default single optimizer step per rollout the update is exactly on-policy: the ratio is
+   1 and clipping never fires. `mini_batch_size` / `epochs` give verl-style several steps per
+   rollout, where old log-probs are fixed before the first step and clipping matters.
+4. Replay injection replaces the (first) lowest-scoring member of a failed group, where ARPO picks
+   one at random; in a group that qualifies (std < 0.05) every member scores about the same.
+5. Log-probs are recomputed by the trainer, never taken from the sampler (vLLM's numbers differ
+   slightly from HF's; mixing them would bias the ratio).
+"""
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+
+# ----------------------------------------------------------------------------------------------
+# Advantages
+
+
+def group_advantages(rewards, group_ids=None, eps: float = 1e-6) -> torch.Tensor:
+    """(r - mean_g) / (std_g + eps) within each group; returns (N,) float32.
+
+    group_ids: one id per reward (int or str), or None for one group (ScreenExplorer normalises
+    every step of the rollout buffer together). torch.std is the unbiased one (divides by n - 1).
+    A group of one, or one where every reward is equal, gets advantage 0: it carries no signal.
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)  # (N,)
+    ids = [0] * len(r) if group_ids is None else list(group_ids)
+    if len(ids) != len(r):
+        raise ValueError(f"group_advantages got {len(r)} rewards but {len(ids)} group ids; pass one id per reward.")
+    members: dict[Any, list[int]] = {}
+    for i, g in enumerate(ids):
+        members.setdefault(g, []).append(i)
+    adv = torch.zeros_like(r)  # (N,)
+    for idx in members.values():
+        g = r[idx]  # (G,)
+        # Checked explicitly: mean of equal floats is not always exactly equal to them, and
+        # (r - mean) / (0 + 1e-6) would then blow a rounding error up into a large advantage.
+        if len(idx) < 2 or bool((g == g[0]).all()):
+            continue
+        adv[idx] = (g - g.mean()) / (g.std() + eps)  # ALGO: GRPO group-relative advantage, (G,)
+    return adv
+
+
+def assign_advantages(samples: list["Sample"], eps: float = 1e-6) -> torch.Tensor:
+    """Fill sample.advantage from sample.reward, normalised within sample.group. Returns (N,)."""
+    adv = group_advantages([s.reward for s in samples], [s.group for s in samples], eps)  # (N,)
+    for s, a in zip(samples, adv.tolist()):
+        s.advantage = a  # ALGO: the trajectory's advantage is broadcast to all its target tokens
+    return adv
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probs of chosen tokens
+
+# Rows of logits handled per logsumexp call: bounds the temporary to ~16M floats (64 MB).
+_LSE_CHUNK_ELEMS = 1 << 24
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[..., index] without materialising a full log_softmax.
+
+    logits (..., V), index (...) -> (...), in float32 (float64 stays float64). log p(i) is
+    logits[i] - logsumexp(logits); the logsumexp runs over a few rows at a time, each chunk
+    upcast to float32 first: a bf16 logsumexp over 152k entries loses ~2 digits, and the GRPO
+    ratio exp(new - old) magnifies any such error.
+    """
+    V = logits.shape[-1]
+    flat = logits.reshape(-1, V)  # (N, V)
+    idx = index.reshape(-1, 1).to(torch.long)  # (N, 1)
+    out_dtype = torch.promote_types(logits.dtype, torch.float32)
+    picked = flat.gather(-1, idx).squeeze(-1).to(out_dtype)  # (N,)
+    rows = max(1, _LSE_CHUNK_ELEMS // V)
+    lse = [torch.logsumexp(flat[i:i + rows].to(out_dtype), dim=-1) for i in range(0, flat.shape[0], rows)]  # [(n,)]
+    lse = torch.cat(lse) if lse else picked.new_zeros(0)  # (N,)
+    return (picked - lse).reshape(index.shape)  # (...)
+
+
+# ----------------------------------------------------------------------------------------------
+# Samples and batches
+
+
+@dataclass
+class Sample:
+    """One training sequence: a prompt + completion (ScreenExplorer step) or a whole multi-turn
+    trajectory (ARPO). target_mask is 1 on the tokens the policy produced (the loss's tokens)."""
+    input_ids: list[int]
+    target_mask: list[int]
+    pixel_values: torch.Tensor | None  # (N_patches, D) of all this sample's images, in order
+    image_grid_thw: torch.Tensor | None  # (N_img, 3)
+    reward: float = 0.0
+    advantage: float = 0.0
+    group: int | str = 0
+
+
+def step_sample(prompt, completion_ids: Sequence[int], reward: float = 0.0, group: int | str = 0) -> Sample:
+    """ScreenExplorer step: an Encoded prompt (model.encode_chat) followed by the sampled tokens,
+    used verbatim (re-tokenising the text could give other ids than the ones sampled)."""
+    ids = list(prompt.input_ids) + [int(t) for t in completion_ids]
+    mask = [0] * len(prompt.input_ids) + [1] * len(completion_ids)
+    return Sample(ids, mask, prompt.pixel_values, prompt.image_grid_thw, float(reward), 0.0, group)
+
+
+def trajectory_sample(encoded, reward: float = 0.0, group: int | str = 0) -> Sample:
+    """ARPO trajectory: the whole conversation encoded once (model.encode_chat with
+    add_generation_prompt=False), target_mask already 1 on every assistant turn."""
+    return Sample(list(encoded.input_ids), list(encoded.target_mask), encoded.pixel_values,
+                  encoded.image_grid_thw, float(reward), 0.0, group)
+
+
+def micro_batches(samples: Sequence[Sample], size: int) -> Iterator[list[Sample]]:
+    """Consecutive chunks of `size` samples (order kept, so old log-probs line up)."""
+    size = max(1, int(size))
+    for i in range(0, len(samples), size):
+        yield list(samples[i:i + size])
+
+
+def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
+    """Right-pad samples into one batch. Images of all samples are concatenated in sample order,
+    which is the order the model's placeholder tokens appear in when reading the batch row-major."""
+    B, T = len(samples), max(len(s.input_ids) for s in samples)
+    input_ids = torch.full((B, T), int(pad_id), dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
+    completion_mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
+    for b, s in enumerate(samples):
+        n = len(s.input_ids)
+        if len(s.target_mask) != n:
+            raise ValueError(f"sample {b} has {n} input ids but {len(s.target_mask)} target-mask entries; build it with step_sample or trajectory_sample.")
+        input_ids[b, :n] = torch.tensor(s.input_ids, dtype=torch.long)  # (n,)
+        attention_mask[b, :n] = 1
+        completion_mask[b, :n] = torch.tensor(s.target_mask, dtype=torch.long)  # (n,)
+    pix = [s.pixel_values for s in samples if s.pixel_values is not None]
+    thw = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "completion_mask": completion_mask,
+        "pixel_values": torch.cat(pix) if pix else None,  # (sum N_patches, D)
+        "image_grid_thw": torch.cat(thw) if thw else None,  # (N_img, 3)
+        "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),  # (B,)
+    }
+
+
+def per_token_logps(model, batch: dict) -> torch.Tensor:
+    """logps[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) on completion tokens, 0 elsewhere: (B, T).
+
+    The vocabulary projection is what eats memory: a 4k-token screenshot prompt at V = 151,936 is
+    2.5 GB of float32 logits per sample, twice that with a log_softmax beside it. Only the
+    positions just before a completion token are needed, so the model is asked for exactly those
+    via transformers' boolean `logits_to_keep` (hidden states are gathered before lm_head) and
+    the lm_head output is (N_completion, V). Works the same through a peft (LoRA) wrapper.
+    """
+    ids = batch["input_ids"]  # (B, T)
+    dev = next(model.parameters()).device
+    target = batch["completion_mask"].bool().to(dev)  # (B, T)
+    target[:, 0] = False  # the first token has no context to be predicted from
+    keep = torch.zeros_like(target)  # (B, T)
+    keep[:, :-1] = target[:, 1:]  # position t - 1 predicts token t
+    kwargs = dict(input_ids=ids.to(dev), attention_mask=batch["attention_mask"].to(dev), use_cache=False)
+    if batch.get("pixel_values") is not None:
+        kwargs["pixel_values"] = batch["pixel_values"].to(dev)  # (sum N_patches, D)
+        kwargs["image_grid_thw"] = batch["image_grid_thw"].to(dev)  # (N_img, 3)
+        # Qwen2.5-VL only builds its 3-D (time, height, width) rotary positions for image tokens when
+        # told which tokens are image tokens; without this it silently falls back to 1-D positions.
+        kwargs["mm_token_type_ids"] = (kwargs["input_ids"] == model.config.image_token_id).int()  # (B, T)
+    logits = model(**kwargs, logits_to_keep=keep).logits  # (N_completion, V)
+    lp = selective_log_softmax(logits, kwargs["input_ids"][target])  # (N_completion,)
+    # Row-major order of `keep` and `target` is the same, so masked_scatter puts each value back.
+    return torch.zeros(target.shape, dtype=lp.dtype, device=dev).masked_scatter(target, lp)  # (B, T)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss
+
+
+def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float = 0.2,
+              eps_high: float = 0.28, beta: float = 0.0, agg: str = "seq-mean-token-mean"):
+    """Clipped GRPO surrogate. logps, old_logps, ref_logps, mask: (B, T); advantages (B,) or (B, T).
+
+    per token: -min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A)
+               + beta * (exp(ref - logps) - (ref - logps) - 1),        ratio = exp(logps - old_logps)
+    Returns (loss, metrics); metrics are floats: kl (masked mean of the k3 term), clip_low /
+    clip_high (share of target tokens whose clipped branch is the active one, so their gradient
+    is zero: A < 0 with ratio < 1 - eps_low, resp. A > 0 with ratio > 1 + eps_high), ratio_mean,
+    adv_mean / adv_std (over sequences for (B,) advantages, over target tokens for (B, T)),
+    tokens, and the mean policy-gradient part pg_loss.
+    """
+    if agg not in ("seq-mean-token-mean", "token-mean"):
+        raise ValueError(f"unknown aggregation {agg!r}; use 'seq-mean-token-mean' or 'token-mean'.")
+    m = mask.to(logps.dtype)  # (B, T)
+    adv = advantages.to(logps.dtype)
+    A = adv[:, None] if adv.dim() == 1 else adv  # (B, 1) or (B, T)
+    ratio = torch.exp(logps - old_logps.detach())  # ALGO: importance ratio pi / pi_old, (B, T)
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)  # ALGO: (B, T)
+    pg = -torch.min(ratio * A, clipped * A)  # ALGO: pessimistic (clipped) surrogate, (B, T)
+    per_token = pg  # (B, T)
+    kl = torch.zeros_like(pg)  # (B, T)
+    if ref_logps is not None:
+        d = ref_logps.detach() - logps  # (B, T)
+        kl = torch.exp(d) - d - 1  # ALGO: k3 estimator of KL(pi || pi_ref), >= 0, (B, T)
+        if beta != 0.0:
+            per_token = pg + beta * kl  # ALGO: (B, T)
+
+    n_tok = m.sum(1)  # (B,)
+    if agg == "seq-mean-token-mean":
+        seq = (per_token * m).sum(1) / n_tok.clamp(min=1)  # ALGO: each sequence's token mean, (B,)
+        has = (n_tok > 0).to(seq.dtype)  # (B,)
+        loss = (seq * has).sum() / has.sum().clamp(min=1)  # ALGO: mean over sequences
+    else:
+        loss = (per_token * m).sum() / m.sum().clamp(min=1)  # ALGO: one mean over all tokens
+
+    with torch.no_grad():
+        N = m.sum().clamp(min=1)
+        A_full = A.expand_as(m)  # (B, T)
+        low = ((ratio < 1 - eps_low) & (A_full < 0)).to(m.dtype)  # (B, T)
+        high = ((ratio > 1 + eps_high) & (A_full > 0)).to(m.dtype)  # (B, T)
+        adv_vals = adv if adv.dim() == 1 else adv[m.bool()]  # (B,) or (N,)
+        metrics = {
+            "loss": float(loss),
+            "pg_loss": float((pg * m).sum() / N),
+            "kl": float((kl * m).sum() / N),
+            "clip_low": float((low * m).sum() / N),
+            "clip_high": float((high * m).sum() / N),
+            "ratio_mean": float((ratio * m).sum() / N),
+            "adv_mean": float(adv_vals.mean()) if adv_vals.numel() else 0.0,
+            "adv_std": float(adv_vals.std()) if adv_vals.numel() > 1 else 0.0,
+            "tokens": float(m.sum()),
+        }
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# The update
+
+
+def _unwrap(policy_or_model):
+    """(model, pad_id) from a model.Policy or a bare model."""
+    model = getattr(policy_or_model, "model", None)
+    if isinstance(model, torch.nn.Module) and hasattr(policy_or_model, "tokenizer"):
+        pad = getattr(policy_or_model.tokenizer, "pad_token_id", None)
+        return model, 0 if pad is None else int(pad)
+    # Padding is right-sided and masked out of attention and loss, so its id does not matter.
+    return policy_or_model, 0
+
+
+def _units(mask: torch.Tensor, agg: str) -> float:
+    """What the loss is a mean over: sequences with a target token, or target tokens."""
+    n_tok = mask.sum(1)  # (B,)
+    return float((n_tok > 0).sum()) if agg == "seq-mean-token-mean" else float(n_tok.sum())
+
+
+def _clip_and_step(model, optimizer, max_grad_norm) -> tuple[float, bool]:
+    params = [p for p in model.parameters() if p.grad is not None]
+    limit = max_grad_norm if max_grad_norm and max_grad_norm > 0 else float("inf")
+    norm = float(torch.nn.utils.clip_grad_norm_(params, limit)) if params else 0.0
+    if not math.isfinite(norm):
+        # A NaN/inf gradient would poison every weight; drop this step, keep training.
+        optimizer.zero_grad(set_to_none=True)
+        return norm, False
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, True
+
+
+def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_batch_size: int = 4,
+                  eps_low: float = 0.2, eps_high: float = 0.28, beta: float = 0.0,
+                  ref_fn: Callable[[dict], torch.Tensor] | None = None, max_grad_norm: float = 1.0,
+                  agg: str = "seq-mean-token-mean", mini_batch_size: int | None = None,
+                  epochs: int = 1) -> dict:
+    """One GRPO update on a rollout; returns metrics averaged over its optimizer steps.
+
+    samples carry .advantage already (assign_advantages). By default the whole rollout is one
+    optimizer step, accumulated over micro-batches of `micro_batch_size` (memory knob only: the
+    loss is scaled so the gradient equals the full-batch one). `mini_batch_size` splits the rollout
+    into several steps and `epochs` repeats them; old log-probs are fixed before the first step.
+    Reference for beta > 0: `ref_fn(batch) -> (B, T)` (e.g. a frozen copy), or, for a peft model,
+    the same weights with the LoRA adapter disabled. beta == 0 computes no reference at all.
+    """
+    model, pad_id = _unwrap(policy_or_model)
+    samples = list(samples)
+    if not samples:
+        return {}
+    if beta != 0.0 and ref_fn is None and not hasattr(model, "disable_adapter"):
+        raise ValueError("beta > 0 needs a reference policy: pass ref_fn, or train with LoRA (--lora-rank) so the adapter can be switched off.")
+    model.train()  # gradient checkpointing only runs in train mode; dropout is 0 in our configs
+    batches = [collate(mb, pad_id) for mb in micro_batches(samples, micro_batch_size)]
+    # Which micro-batches make up each optimizer step (mini_batch_size is rounded down to whole
+    # micro-batches); by default all of them, i.e. one step.
+    per_step = len(batches) if not mini_batch_size else max(1, mini_batch_size // max(1, micro_batch_size))
+    steps = [list(range(i, min(i + per_step, len(batches)))) for i in range(0, len(batches), per_step)]
+    # On-policy shortcut: with one step in total, the weights that score the tokens are the
+    # weights old_logps would come from, so old = current logps, detached (a second forward
+    # would return the same numbers at a third more compute).
+    single = len(steps) == 1 and epochs == 1
+    with torch.no_grad():
+        old = [None if single else per_token_logps(model, b) for b in batches]  # [(B, T)]
+        ref = [None] * len(batches)
+        if beta != 0.0:
+            for i, b in enumerate(batches):
+                if ref_fn is not None:
+                    ref[i] = ref_fn(b)  # (B, T)
+                else:
+                    with model.disable_adapter():  # LoRA off = the starting policy
+                        ref[i] = per_token_logps(model, b)  # (B, T)
+
+    avg_keys = ("pg_loss", "kl", "clip_low", "clip_high", "ratio_mean")
+    totals: dict[str, float] = {}
+    optimizer.zero_grad(set_to_none=True)
+    for _ in range(max(1, epochs)):
+        for step in steps:
+            units = sum(_units(batches[i]["completion_mask"], agg) for i in step)
+            sums = dict.fromkeys(("loss", "tokens") + avg_keys, 0.0)
+            for i in step:
+                b = batches[i]
+                logps = per_token_logps(model, b)  # (B, T)
+                dev = logps.device
+                loss, m = grpo_loss(logps, logps.detach() if single else old[i].to(dev),
+                                    b["advantages"].to(dev), b["completion_mask"].to(dev),
+                                    None if ref[i] is None else ref[i].to(dev), eps_low, eps_high, beta, agg)
+                w = _units(b["completion_mask"], agg) / max(units, 1.0)
+                (loss * w).backward()  # ALGO: this micro-batch's share of the step's mean loss
+                sums["loss"] += m["loss"] * w
+                sums["tokens"] += m["tokens"]
+                for key in avg_keys:
+                    sums[key] += m[key] * m["tokens"]  # token-weighted across micro-batches
+            for key in avg_keys:
+                sums[key] /= max(sums["tokens"], 1.0)
+            sums["grad_norm"], ok = _clip_and_step(model, optimizer, max_grad_norm)
+            sums["skipped"] = 0.0 if ok else 1.0
+            for key, v in sums.items():
+                totals[key] = totals.get(key, 0.0) + v
+    n_steps = len(steps) * max(1, epochs)
+    metrics = {key: v / n_steps for key, v in totals.items()}
+    adv = torch.tensor([s.advantage for s in samples])  # (N,)
+    metrics.update(adv_mean=float(adv.mean()), adv_std=float(adv.std()) if len(adv) > 1 else 0.0,
+                   steps=float(n_steps), tokens=totals["tokens"] / max(1, epochs))
+    return metrics
+
+
+def distill_step(policy_or_model, optimizer, samples: Sequence[Sample], micro_batch_size: int = 4,
+                 max_grad_norm: float = 1.0) -> dict:
+    """Experience-stream distillation: one SFT step, NLL averaged over all target tokens."""
+    model, pad_id = _unwrap(policy_or_model)
+    batches = [collate(mb, pad_id) for mb in micro_batches(list(samples), micro_batch_size)]
+    total = sum(float(b["completion_mask"][:, 1:].sum()) for b in batches)
+    if total == 0:
+        return {"nll": 0.0, "tokens": 0.0, "grad_norm": 0.0}
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    nll = 0.0
+    for b in batches:
+        logps = per_token_logps(model, b)  # (B, T), 0 off target
+        loss = -logps.sum() / total  # ALGO: token-mean negative log-likelihood
+        loss.backward()
+        nll += float(loss)
+    norm, ok = _clip_and_step(model, optimizer, max_grad_norm)
+    return {"nll": nll, "tokens": total, "grad_norm": norm, "skipped": 0.0 if ok else 1.0}
+
+
+# ----------------------------------------------------------------------------------------------
+# ARPO replay buffer
+
+
+class ReplayBuffer:
+    """Per-task store of successful trajectories (ARPO). Trajectories are opaque: whatever the
+    train script keeps (they must be picklable for checkpoints).
+
+    Call order per iteration: inject into each new group first, then add its members, so an
+    injected success always comes from an earlier iteration.
+    """
+
+    def __init__(self, capacity_per_task: int = 8, success_threshold: float = 0.1, seed: int = 0):
+        self.capacity_per_task = int(capacity_per_task)
+        self.success_threshold = float(success_threshold)
+        self.data: dict[str, list[tuple[Any, float]]] = {}  # task -> [(trajectory, score)], oldest first
+        self.rng = random.Random(seed)  # own RNG: resuming from state_dict replays the same choices
+
+    def add(self, task_id, trajectory, score: float) -> bool:
+        """Keep a success (score strictly above the threshold); returns whether it was kept."""
+        if not (float(score) > self.success_threshold):  # ALGO: success = score > 0.1 (NaN is not)
+            return False
+        items = self.data.setdefault(str(task_id), [])
+        items.append((trajectory, float(score)))
+        if len(items) > self.capacity_per_task:
+            items.pop(0)  # ALGO: bounded per task, oldest out: stays close to the current policy
+        return True
+
+    def sample(self, task_id):
+        """A random stored success of this task, or None."""
+        items = self.data.get(str(task_id))
+        return self.rng.choice(items)[0] if items else None
+
+    def inject(self, task_id, trajectories: list, scores: Sequence[float], std_below: float = 0.05,
+               mean_below: float = 0.2) -> tuple[list, list[float], bool]:
+        """If the group failed alike (std < std_below and mean < mean_below), replace its lowest
+        scorer with a stored success so GRPO sees a non-zero advantage. Returns new lists + flag."""
+        trajectories, scores = list(trajectories), [float(s) for s in scores]
+        if not scores:
+            return trajectories, scores, False
+        std = statistics.stdev(scores) if len(scores) > 1 else 0.0  # unbiased, as group_advantages
+        items = self.data.get(str(task_id))
+        if not (std < std_below and statistics.fmean(scores) < mean_below) or not items:  # ALGO
+            return trajectories, scores, False
+        traj, score = self.rng.choice(items)
+        worst = min(range(len(scores)), key=scores.__getitem__)
+        trajectories[worst], scores[worst] = traj, score  # ALGO: one success into the failed group
+        return trajectories, scores, True
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.data.values())
+
+    def state_dict(self) -> dict:
+        """Plain lists, ints and floats (plus the trajectories): fits torch.save / pickle."""
+        version, internal, gauss = self.rng.getstate()
+        return {"capacity_per_task": self.capacity_per_task, "success_threshold": self.success_threshold,
+                "data": {k: [[t, s] for t, s in v] for k, v in self.data.items()},
+                "rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.capacity_per_task = int(d["capacity_per_task"])
+        self.success_threshold = float(d["success_threshold"])
+        self.data = {k: [(t, float(s)) for t, s in v] for k, v in d["data"].items()}
+        version, internal, gauss = d["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))

@@ -1,0 +1,572 @@
+"""The policy: a Qwen2.5-VL that looks at screenshots and writes actions.
+
+    from model import load_policy, explore_messages, generate
+    policy = load_policy("tiny")                      # random weights, CPU, no download
+    policy = load_policy("Qwen/Qwen2.5-VL-3B-Instruct", lora_rank=64)   # a real checkpoint (GPU)
+    gens = generate(policy, [explore_messages(img)] * 8, max_new_tokens=128)
+
+What is here, top to bottom:
+  1. load_policy / save_policy: Hugging Face transformers + peft (LoRA) or full fine-tuning; or
+     `"tiny"`, a random-weight Qwen2.5-VL of the REAL class built from a small config, with a
+     byte-level BPE tokenizer trained in milliseconds on an embedded corpus. It is what every test
+     and every CPU run uses.
+  2. Prompts: the ScreenExplorer exploration prompt and the UI-TARS-1.5 multi-turn prompt.
+  3. encode_chat: chat messages -> token ids + target mask + pixel values. We do the processor's
+     job ourselves (Qwen2VLImageProcessorPil for the pixels, our own `<|image_pad|>` expansion),
+     because the Qwen2.5-VL processor class needs torchvision, which cannot load beside CPU torch.
+  4. generate: one batched, left-padded HF `generate` call for N prompts, returning the sampled
+     token ids and their sampling log-probs.
+  5. VLLMEngine: the same, on vLLM, with weights synced after every update. GPU only, imported
+     lazily; it CANNOT be exercised on a CPU machine and is untested here.
+
+Where we depart from the papers:
+  - ScreenExplorer's exact prompt text is not published in full; ours asks for the same JSON
+    (`intent`, `action`) with the same action names.
+  - UI-TARS's multi-turn history drops the user turns whose screenshot fell out of the last K
+    (as the UI-TARS/OSWorld agent does); the assistant turns all stay, as text.
+  - Sampling never emits the vision placeholder tokens (`<|image_pad|>` & co.): a random model
+    would otherwise write them into its answer and desynchronise images and placeholders.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+# --------------------------------------------------------------------------------------------
+# Constants: Qwen's special tokens, the chat format, image size caps
+
+# The special tokens of Qwen2/2.5-VL, in their vocabulary order (151643 ... 151656 in the real one).
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+# Tokens a policy must never sample: they mean "an image goes here" to the model's forward pass.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+DEFAULT_SYSTEM = "You are a helpful assistant."
+
+# Qwen's ChatML template (what the real checkpoints ship, written out for the tiny tokenizer).
+# encode_chat builds the same token sequence piece by piece so it can mark the assistant tokens;
+# a test checks that the two agree.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\\n" + DEFAULT_SYSTEM + "<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+# Image size caps (pixels of the resized image). 1280 * 28 * 28 ~ 1280 visual tokens before the
+# 2x2 merge, i.e. a 1280x720 screen passes at (almost) full resolution: 1288x728 -> 1196 tokens.
+DEFAULT_MIN_PIXELS = 4 * 28 * 28
+DEFAULT_MAX_PIXELS = 1280 * 28 * 28
+
+
+class ModelNotFound(SystemExit):
+    """A model name that cannot be loaded. A SystemExit, so an uncaught one prints one sentence."""
+
+
+@dataclass
+class Policy:
+    model: Any                  # Qwen2_5_VLForConditionalGeneration, or a peft PeftModel around it
+    tokenizer: Any              # a fast tokenizer with Qwen's special tokens and chat template
+    image_processor: Any        # Qwen2VLImageProcessorPil (PIL + numpy, no torchvision)
+    device: torch.device
+    dtype: torch.dtype
+    name: str
+    lora: bool
+    engine: Any = None          # a VLLMEngine when generation runs on vLLM, else None (HF generate)
+
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    target_mask: list[int]                # 1 on assistant tokens (content + <|im_end|>), else 0
+    pixel_values: torch.Tensor | None     # (N_patches, 3 * 2 * 14 * 14) for all images, in order
+    image_grid_thw: torch.Tensor | None   # (N_img, 3): patches along time, height, width
+    image_sizes: list[tuple[int, int]]    # (w, h) of each image as the model saw it (resized)
+
+
+@dataclass
+class Generation:
+    text: str                   # the completion, special tokens removed
+    prompt: Encoded             # what the model was given
+    completion_ids: list[int]   # sampled ids, up to and including the stop token, no padding
+    logprobs: list[float]       # log-prob of each sampled id under the sampling distribution
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: the tiny model and tokenizer, real checkpoints, LoRA
+
+
+def _image_processor_class():
+    # transformers 5.x names the PIL/numpy processor `...Pil`; `Qwen2VLImageProcessor` there is the
+    # torchvision one. Older versions only have the PIL one, under the plain name.
+    import transformers
+    return getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
+
+
+# A small corpus for the tiny tokenizer's BPE merges: the prompts and answers it will actually see,
+# so that prompts come out a few hundred tokens long instead of one token per byte.
+def _tiny_corpus() -> list[str]:
+    lines = [EXPLORE_PROMPT, UITARS_PROMPT, DEFAULT_SYSTEM]
+    for x, y in [(12, 640), (300, 200), (1000, 512), (77, 33), (640, 360), (5, 715)]:
+        lines += [
+            f'{{"intent": "Open the file manager to look at the files", "action": "Click({x}, {y})"}}',
+            f'{{"intent": "Type a note", "action": "Text({x}, {y}, \\"hello world\\")"}}',
+            f'{{"intent": "Copy the text", "action": "Key(\\"ctrl+c\\")"}}',
+            f'{{"intent": "See more", "action": "ScrollDown({x}, {y})"}}',
+            f"Thought: The calculator is open, I click the button.\nAction: click(start_box='({x},{y})')",
+            f"Thought: I type the text.\nAction: type(content='hello world\\n')",
+            f"Thought: Save the file.\nAction: hotkey(key='ctrl s')",
+            f"Thought: Done.\nAction: finished(content='done')",
+        ]
+    return lines * 4
+
+
+def build_tiny_tokenizer():
+    """A byte-level BPE with Qwen's pre-tokenizer split and special tokens, trained in ~10 ms."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    # Qwen2's split rule (letters, single digits, punctuation runs, newlines), then bytes -> chars.
+    split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    # 256 byte tokens (any text encodes) + merges up to 1024; the BPE trainer is deterministic.
+    trainer = trainers.BpeTrainer(vocab_size=1024, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_tiny_corpus(), trainer)
+    # Special tokens go after the BPE vocabulary, in Qwen's order.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", padding_side="left")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(tokenizer, vocab_size: int | None = None):
+    """A Qwen2.5-VL config with the real structure at toy width: ~0.3M parameters (vocab 1088)."""
+    from transformers import Qwen2_5_VLConfig
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab = vocab_size or ((len(tokenizer) + 63) // 64 * 64)  # round up like real vocabularies
+    text = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,  # head_dim 16, grouped-query attention
+        max_position_embeddings=8192, rms_norm_eps=1e-6,
+        # mrope: the 8 rotary frequency pairs of a 16-dim head split over (time, height, width),
+        # like 3B's [16, 24, 24] for head_dim 128.
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]},
+        # Larger-than-usual init so the random model's next-token distribution is peaked: greedy
+        # decoding then has clear winners (batched vs single-prompt tests are not decided by noise).
+        initializer_range=0.2,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+    )
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+        spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=64,
+        fullatt_block_indexes=[1], tokens_per_second=2, initializer_range=0.2,
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=False,
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+
+
+def _neutral_generation_config(model, tokenizer):
+    # Checkpoints ship sampling defaults (Qwen2.5-VL: top_k=1, repetition_penalty=1.05). In RL we
+    # sample from the policy itself, so every such knob is switched off here; generate() passes
+    # temperature/top_p explicitly.
+    from transformers import GenerationConfig
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    model.generation_config = GenerationConfig(
+        eos_token_id=stop, pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0,
+        top_p=1.0, top_k=0, repetition_penalty=1.0)
+
+
+def _inner_model(model):
+    # The Qwen2_5_VLModel inside: model.model, or one level deeper through a peft wrapper.
+    return model.get_base_model().model if hasattr(model, "get_base_model") else model.model
+
+
+def mm_token_types(model, input_ids: torch.Tensor) -> dict:
+    """{"mm_token_type_ids": (B, T) 0 text / 1 image / 2 video} if this transformers wants it, else {}.
+
+    HF generate() computes the 3D rotary positions of the prompt from this argument before any
+    forward runs, so generate must be given it explicitly (the hook below only covers forwards).
+    """
+    config = _inner_model(model).config
+    if "mm_token_type_ids" not in inspect.signature(_inner_model(model).forward).parameters:
+        return {}
+    types = (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()  # (B, T)
+    return {"mm_token_type_ids": types}
+
+
+def _add_mrope_hook(model):
+    # transformers >= 5.x computes Qwen2.5-VL's 3D (time, height, width) rotary positions only when
+    # the forward is given `mm_token_type_ids`; without them every token silently gets 1D positions
+    # and log-probs no longer match generation. The Qwen processor makes them; we don't use it, so
+    # this pre-hook derives them from input_ids for EVERY forward (grpo's log-probs, anyone's).
+    # It sits on the inner Qwen2_5_VLModel, which the outer model calls with keywords.
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if kwargs.get("mm_token_type_ids") is None and ids is not None and kwargs.get("image_grid_thw") is not None:
+            kwargs.update(mm_token_types(model, ids))
+        return args, kwargs
+
+    _inner_model(model).register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def load_policy(name: str = "tiny", lora_rank: int = 0, lora_alpha: int = 16,
+                gradient_checkpointing: bool = False, device: str | None = None, dtype=None,
+                min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS,
+                seed: int = 0, vocab_size: int | None = None) -> Policy:
+    """A Hugging Face id, a local checkpoint folder (e.g. one save_policy wrote), or "tiny".
+
+    lora_rank > 0 wraps the language model's q/k/v/o/gate/up/down projections in LoRA adapters
+    (the vision tower stays frozen); 0 means full fine-tuning. bf16 on CUDA, fp32 on CPU.
+    vocab_size only applies to "tiny" (e.g. 151936 to measure memory at the real vocabulary size).
+    """
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    ip_class = _image_processor_class()
+    if name == "tiny":
+        tokenizer = build_tiny_tokenizer()
+        torch.manual_seed(seed)  # the same seed gives the same weights: tests are reproducible
+        model = Qwen2_5_VLForConditionalGeneration(tiny_config(tokenizer, vocab_size))
+        image_processor = ip_class(min_pixels=min_pixels, max_pixels=max_pixels,
+                                   patch_size=14, temporal_patch_size=2, merge_size=2)
+    else:
+        looks_local = name.startswith(("/", ".", "~")) or os.path.isdir(os.path.expanduser(name))
+        if looks_local and not os.path.isdir(os.path.expanduser(name)):
+            raise ModelNotFound(f"No model folder at '{name}'; pass a checkpoint folder or a Hugging Face "
+                                "id, or use --model tiny for the random-weight test model.")
+        name = os.path.expanduser(name)
+        try:
+            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(name, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
+            # The caps are ours, not the checkpoint's: they set how many tokens a screenshot costs.
+            image_processor = ip_class.from_pretrained(name, min_pixels=min_pixels, max_pixels=max_pixels)
+        except OSError as e:  # transformers reports missing files, repos and network errors as OSError
+            reason = str(e).strip().splitlines()[0][:200]
+            raise ModelNotFound(f"Could not load model '{name}' ({reason}); download it first or pass a "
+                                "local checkpoint folder, or use --model tiny for the random-weight test model.")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = "<|endoftext|>"
+    tokenizer.padding_side = "left"
+    _neutral_generation_config(model, tokenizer)
+    _add_mrope_hook(model)
+    model.to(device=device, dtype=dtype)
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing also works with frozen inputs (the LoRA case).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+        # A regex, because the vision blocks also have gate/up/down_proj and must stay frozen.
+        targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0,
+                                                 target_modules=targets, bias="none"))
+    return Policy(model=model, tokenizer=tokenizer, image_processor=image_processor, device=device,
+                  dtype=dtype, name=name, lora=lora_rank > 0)
+
+
+@contextlib.contextmanager
+def disabled_adapter(policy: Policy):
+    """Inside this block the policy IS the base model: reference log-probs for the KL term.
+
+    With LoRA the base weights never change, so switching the adapter off gives the reference
+    model without a second copy in memory. Full fine-tuning has no such switch.
+    """
+    if not policy.lora:
+        raise ValueError("A KL term against the base model needs LoRA (--lora-rank > 0); with full "
+                         "fine-tuning set the KL coefficient to 0.")
+    with policy.model.disable_adapter():
+        yield policy
+
+
+def merged_weights(policy: Policy):
+    """Yield (name, tensor) in the plain Hugging Face naming, LoRA folded in: W + B @ A * scale.
+
+    The training copy is left untouched (no merge/unmerge round trip, which drifts bf16 weights);
+    each merged matrix is computed on the fly. Used to save checkpoints and to sync vLLM.
+    """
+    if not policy.lora:
+        yield from policy.model.state_dict().items()
+        return
+    from peft.tuners.lora import LoraLayer
+    base = policy.model.get_base_model()
+    lora_layers = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for key, tensor in base.state_dict().items():
+        if ".lora_" in key:
+            continue  # the adapter matrices themselves; folded into the base weight below
+        if ".base_layer." in key:
+            module, param = key.split(".base_layer.")
+            if param == "weight":
+                tensor = tensor + lora_layers[module].get_delta_weight("default")  # (out, in)
+            key = f"{module}.{param}"
+        yield key, tensor
+
+
+def save_policy(policy: Policy, path: str) -> None:
+    """save_pretrained: model (LoRA merged in), tokenizer, image processor.
+
+    A LoRA policy is saved MERGED, as a plain Qwen2.5-VL checkpoint: load_policy(path), vLLM and
+    `from_pretrained` all load it without peft (the adapter itself is not kept; to continue LoRA
+    training from it, load it with lora_rank > 0, which starts a fresh adapter on merged weights).
+    """
+    os.makedirs(path, exist_ok=True)
+    base = policy.model.get_base_model() if policy.lora else policy.model
+    state = {k: v.detach().to("cpu").contiguous() for k, v in merged_weights(policy)}
+    base.save_pretrained(path, state_dict=state)
+    policy.tokenizer.save_pretrained(path)
+    policy.image_processor.save_pretrained(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+
+EXPLORE_PROMPT = """You are exploring a computer desktop to learn what it can do. Look at the screenshot and choose ONE action that will show you something new: open an application, a menu, a file, a button you have not tried.
+Answer with one JSON object and nothing else:
+{"intent": "<what you expect to happen>", "action": "<one action>"}
+Actions (x, y are pixel coordinates in this screenshot):
+Move(x, y)
+Click(x, y)
+RightClick(x, y)
+DoubleClick(x, y)
+ScrollUp(x, y)
+ScrollDown(x, y)
+Text(x, y, "text to type")
+Key("ctrl+c")"""
+
+UITARS_PROMPT = """You are a GUI agent. You are given a task and your action history, with screenshots. You need to perform the next action to complete the task.
+
+## Output Format
+```
+Thought: ...
+Action: ...
+```
+
+## Action Space
+click(start_box='(x1,y1)')
+left_double(start_box='(x1,y1)')
+right_single(start_box='(x1,y1)')
+drag(start_box='(x1,y1)', end_box='(x3,y3)')
+hotkey(key='ctrl c') # Split keys with a space and use lowercase. At most 3 keys.
+type(content='xxx') # Escape ', " and newlines as \\', \\" and \\n. End with \\n to submit.
+scroll(start_box='(x1,y1)', direction='down or up or right or left')
+wait() # Sleep for 5s and take a screenshot to check for any changes.
+finished(content='xxx') # The task is done (or impossible: then say why).
+call_user() # The task cannot be done without help from the user.
+
+## Note
+- Use English in `Thought` part.
+- Write a small plan and finally summarize your next action (with its target element) in one sentence in `Thought` part.
+
+## User Instruction
+"""
+
+
+def explore_messages(image: Image.Image) -> list[dict]:
+    """ScreenExplorer: the fixed exploration instruction and one screenshot."""
+    return [{"role": "user", "content": [{"type": "image", "image": image},
+                                         {"type": "text", "text": EXPLORE_PROMPT}]}]
+
+
+def uitars_messages(instruction: str, screenshots: list, thoughts_actions: list,
+                    max_images: int = 15) -> list[dict]:
+    """UI-TARS-1.5 multi-turn prompt: instruction, then (screenshot, answer) pairs.
+
+    screenshots[i] was seen before answer thoughts_actions[i]. One more screenshot than answers
+    is a prompt for the next step; equal counts is a whole trajectory (for training). Only the
+    last `max_images` screenshots are kept; the user turns of older ones are dropped, their
+    answers stay as text.
+    """
+    messages = [{"role": "user", "content": UITARS_PROMPT + instruction}]
+    first_kept = max(0, len(screenshots) - max_images)
+    for i, shot in enumerate(screenshots):
+        if i >= first_kept:
+            messages.append({"role": "user", "content": [{"type": "image", "image": shot}]})
+        if i < len(thoughts_actions):
+            messages.append({"role": "assistant", "content": thoughts_actions[i]})
+    return messages
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding: messages -> ids, target mask, pixels
+
+
+def expand_image_tokens(ids: list[int], mask: list[int], grid_thw: torch.Tensor, pad_id: int,
+                        merge_size: int) -> tuple[list[int], list[int]]:
+    """Replace the i-th single <|image_pad|> by one pad per visual token of image i.
+
+    The vision tower cuts the resized image into grid_t * grid_h * grid_w patches of 14x14 px and
+    its merger fuses each merge_size x merge_size block into one token for the language model, so
+    the language model reserves grid_t * grid_h * grid_w // merge_size**2 positions per image.
+    """
+    out_ids, out_mask, image = [], [], 0
+    for tok, m in zip(ids, mask):
+        if tok == pad_id:
+            t, h, w = grid_thw[image].tolist()
+            n = t * h * w // merge_size**2
+            out_ids += [pad_id] * n
+            out_mask += [0] * n  # image tokens are never targets
+            image += 1
+        else:
+            out_ids.append(tok)
+            out_mask.append(m)
+    assert image == len(grid_thw), "one <|image_pad|> per image"
+    return out_ids, out_mask
+
+
+def _special(policy: Policy, token: str) -> int:
+    return policy.tokenizer.convert_tokens_to_ids(token)
+
+
+def _text_ids(policy: Policy, text: str) -> list[int]:
+    ids = policy.tokenizer(text, add_special_tokens=False).input_ids
+    # A vision token written as text ("<|image_pad|>" in a thought) would desynchronise images
+    # and placeholders; it carries no meaning in text, so it is dropped.
+    vision = {_special(policy, t) for t in VISION_TOKENS}
+    return [i for i in ids if i not in vision]
+
+
+def encode_chat(policy: Policy, messages: list[dict], add_generation_prompt: bool = True) -> Encoded:
+    """Token ids of a chat in Qwen's ChatML format, with images processed and expanded.
+
+    target_mask is 1 on each assistant turn's content tokens and its <|im_end|>: exactly what the
+    model would have sampled. Assistant content may be a list of token ids (the sampled ones),
+    used verbatim; if they do not end in <|im_end|> (cut at max_new_tokens), an <|im_end|> closes
+    the turn but is NOT a target, since the model never sampled it.
+    """
+    im_start, im_end = _special(policy, "<|im_start|>"), _special(policy, "<|im_end|>")
+    pad = _special(policy, "<|image_pad|>")
+    ids, mask, images = [], [], []
+
+    def add(tokens, target=0):
+        ids.extend(tokens)
+        mask.extend([target] * len(tokens))
+
+    if not messages or messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": DEFAULT_SYSTEM}] + list(messages)
+    for msg in messages:
+        target = 1 if msg["role"] == "assistant" else 0
+        add([im_start] + _text_ids(policy, msg["role"] + "\n"))  # the turn header is never a target
+        content = msg["content"]
+        if target and isinstance(content, (list, tuple)) and all(isinstance(t, int) for t in content):
+            add(list(content), 1)  # sampled ids, verbatim
+            if not content or content[-1] != im_end:
+                add([im_end], 0)   # closes a truncated turn; never sampled, so not a target
+            add(_text_ids(policy, "\n"))
+            continue
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        for part in parts:
+            if part["type"] == "image":
+                images.append(part["image"])
+                add([_special(policy, "<|vision_start|>"), pad, _special(policy, "<|vision_end|>")])
+            elif part["type"] == "text":
+                add(_text_ids(policy, part["text"]), target)
+        add([im_end], target)
+        add(_text_ids(policy, "\n"))
+    if add_generation_prompt:
+        add([im_start] + _text_ids(policy, "assistant\n"))
+
+    pixel_values = grid = None
+    sizes = []
+    if images:
+        ip = policy.image_processor
+        out = ip(images=[im.convert("RGB") for im in images], return_tensors="pt")
+        pixel_values, grid = out["pixel_values"], out["image_grid_thw"]  # (N_patches, 1176), (N_img, 3)
+        ids, mask = expand_image_tokens(ids, mask, grid, pad, ip.merge_size)
+        sizes = [(int(w) * ip.patch_size, int(h) * ip.patch_size) for _, h, w in grid.tolist()]
+    return Encoded(input_ids=ids, target_mask=mask, pixel_values=pixel_values,
+                   image_grid_thw=grid, image_sizes=sizes)
+
+
+# --------------------------------------------------------------------------------------------
+# Generation: one batched HF generate call
+
+
+def _left_pad(policy: Policy, encs: list[Encoded]):
+    """Stack prompts into (B, T) with padding on the LEFT, so every row's next token is at T."""
+    pad = policy.tokenizer.pad_token_id
+    T = max(len(e.input_ids) for e in encs)
+    input_ids = torch.full((len(encs), T), pad, dtype=torch.long)    # (B, T)
+    attention_mask = torch.zeros((len(encs), T), dtype=torch.long)    # (B, T)
+    for b, e in enumerate(encs):
+        input_ids[b, T - len(e.input_ids):] = torch.tensor(e.input_ids)
+        attention_mask[b, T - len(e.input_ids):] = 1
+    pix = [e.pixel_values for e in encs if e.pixel_values is not None]
+    grids = [e.image_grid_thw for e in encs if e.image_grid_thw is not None]
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if pix:
+        batch["pixel_values"] = torch.cat(pix)      # (sum N_patches, 1176), in batch order
+        batch["image_grid_thw"] = torch.cat(grids)  # (N_img, 3)
+        batch.update(mm_token_types(policy.model, input_ids))
+    return batch
+
+
+@torch.no_grad()
+def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: int = 128,
+             temperature: float = 1.0, top_p: float = 1.0) -> list[Generation]:
+    """Sample one completion per prompt, all N prompts in ONE generate call.
+
+    temperature 0 means greedy. logprobs[i] is log pi(token_i | prefix) under the distribution the
+    token was actually drawn from: the model's softmax at `temperature`, restricted to the top-p
+    nucleus and with the vision placeholder tokens removed. At temperature 1 and top_p 1 that is
+    the policy's own log-prob (what GRPO's ratio needs, up to the removed tokens' ~0 mass); for
+    greedy it is the temperature-1 log-prob of the argmax.
+    """
+    if policy.engine is not None:
+        return policy.engine.generate(policy, batch_messages, max_new_tokens, temperature, top_p)
+    from transformers import GenerationConfig
+    encs = [encode_chat(policy, m) for m in batch_messages]
+    batch = {k: v.to(policy.device) for k, v in _left_pad(policy, encs).items()}
+    if "pixel_values" in batch:
+        batch["pixel_values"] = batch["pixel_values"].to(policy.dtype)
+    stop = list(policy.model.generation_config.eos_token_id)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
+        else dict(do_sample=False)  # top_k=0: no top-k cut (HF's default is 50)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, **sampling, eos_token_id=stop, pad_token_id=policy.tokenizer.pad_token_id,
+        suppress_tokens=[_special(policy, t) for t in VISION_TOKENS],
+        output_scores=True, return_dict_in_generate=True, use_cache=True)
+    was_training = policy.model.training
+    policy.model.eval()
+    out = policy.model.generate(**batch, generation_config=config)
+    policy.model.train(was_training)
+    T = batch["input_ids"].shape[1]
+    new = out.sequences[:, T:]                                     # (B, N_new)
+    # scores[t] are the logits after HF's processors (temperature, top-p, suppression): the
+    # sampling distribution itself. -inf outside the nucleus, never at the sampled token.
+    scores = torch.stack(out.scores, dim=1).float()                # (B, N_new, V)
+    logps = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, N_new)
+    gens = []
+    for b, enc in enumerate(encs):
+        ids = new[b].tolist()
+        n = next((i + 1 for i, t in enumerate(ids) if t in stop), len(ids))  # keep the stop token
+        gens.append(Generation(
+            text=policy.tokenizer.decode(ids[:n], skip_special_tokens=True), prompt=enc,
+            completion_ids=ids[:n], logprobs=logps[b, :n].tolist()))
+    return gens

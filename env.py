@@ -76,39 +76,40 @@ class Action:
 
     @classmethod
     def from_dict(cls, d: Any) -> Action:
-        """Validate a dict (e.g. a trajectory line read back from disk) and build the Action."""
-        if not isinstance(d, dict):
-            raise ValueError(f"an action must be a JSON object, got {type(d).__name__}.")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown action field(s) {unknown}; allowed: {sorted(known)}.")
-        if d.get("type") not in ACTION_TYPES:
-            raise ValueError(f"action type must be one of {list(ACTION_TYPES)}, got {d.get('type')!r}.")
+        """Validate a dict (e.g. a trajectory line read back from disk) with the server's rules
+        (except the screen bounds and key names, which only the VM knows) and build the Action."""
+        t = d.get("type") if isinstance(d, dict) else None
+        if t not in _ACTION_FIELDS:
+            raise ValueError(f"an action needs 'type' in {list(ACTION_TYPES)}, got {t!r}.")
+        d = {k: v for k, v in d.items() if v is not None}
+        required, optional = _ACTION_FIELDS[t]
+        extra = sorted(set(d) - {"type", *required, *optional})
+        if extra:
+            raise ValueError(f"a {t!r} action does not take field(s) {extra}.")
+        missing = [k for k in required if k not in d]
+        if missing or ("x" in d) != ("y" in d):
+            raise ValueError(f"a {t!r} action needs field(s) {missing or ['x', 'y']}.")
         for k in ("x", "y", "x2", "y2", "amount"):
-            v = d.get(k)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-                raise ValueError(f"action field {k!r} must be an integer, got {v!r}.")
-        t = d["type"]
-        if (d.get("x") is None) != (d.get("y") is None):
-            raise ValueError("action fields 'x' and 'y' must be given together.")
-        if t in ("move", "drag") and d.get("x") is None:
-            raise ValueError(f"a {t!r} action needs 'x' and 'y'.")
-        if t == "drag" and (d.get("x2") is None or d.get("y2") is None):
-            raise ValueError("a 'drag' action needs 'x2' and 'y2'.")
-        text = d.get("text")
-        if text is not None and not isinstance(text, str):
-            raise ValueError(f"action field 'text' must be a string, got {text!r}.")
-        if t == "type" and not text:
-            raise ValueError("a 'type' action needs a non-empty 'text'.")
-        keys = d.get("keys")
-        if keys is not None and not (isinstance(keys, list) and all(isinstance(k, str) and k for k in keys)):
-            raise ValueError(f"action field 'keys' must be a list of key names, got {keys!r}.")
-        if t == "key" and not keys:
-            raise ValueError("a 'key' action needs a non-empty 'keys' list, e.g. [\"ctrl\", \"c\"].")
-        if t == "scroll" and d.get("direction") not in DIRECTIONS:
+            if k in d and (isinstance(d[k], bool) or not isinstance(d[k], int)):
+                raise ValueError(f"action field {k!r} must be an integer, got {d[k]!r}.")
+        if t == "type" and not (isinstance(d["text"], str) and 0 < len(d["text"]) <= MAX_TEXT_CHARS
+                                and "\0" not in d["text"]):
+            raise ValueError(f"a 'type' action needs 'text': a string of 1 to {MAX_TEXT_CHARS} characters.")
+        if t == "key" and not (isinstance(d["keys"], list) and 0 < len(d["keys"]) <= MAX_KEYS
+                               and all(isinstance(k, str) and k for k in d["keys"])):
+            raise ValueError(f"a 'key' action needs 'keys': a list of 1 to {MAX_KEYS} key names.")
+        if t == "scroll" and d["direction"] not in DIRECTIONS:
             raise ValueError(f"a 'scroll' action needs 'direction' in {list(DIRECTIONS)}.")
-        return cls(**{k: (list(v) if k == "keys" else v) for k, v in d.items() if v is not None})
+        return cls(**{k: (list(v) if k == "keys" else v) for k, v in d.items()})
+
+
+# type -> (required fields, optional fields): the same table vm_server.py checks POST /action with.
+_ACTION_FIELDS = {
+    "move": (("x", "y"), ()), "click": ((), ("x", "y")), "double_click": ((), ("x", "y")),
+    "right_click": ((), ("x", "y")), "drag": (("x", "y", "x2", "y2"), ()),
+    "scroll": (("direction",), ("x", "y", "amount")), "type": (("text",), ("x", "y")),
+    "key": (("keys",), ()), "wait": ((), ("amount",)), "done": ((), ()), "fail": ((), ()),
+}
 
 
 @dataclass
@@ -252,8 +253,8 @@ def _make(type_: str, point=None, screen=None, image=None, rel1000=False, **kw) 
             return None
         kw["x"], kw["y"] = xy
     text = kw.get("text")
-    if type_ == "type" and (not text or len(text) > MAX_TEXT_CHARS):
-        return None
+    if type_ == "type" and (not text or len(text) > MAX_TEXT_CHARS or "\0" in text):
+        return None  # the server would refuse it: a format failure now, not a 400 later
     return Action(type_, **kw)
 
 
@@ -396,3 +397,502 @@ def parse_action(text: str, style: str, screen: tuple[int, int], image: tuple[in
         return fn(text, screen, image, rel1000)
     except Exception:  # noqa: BLE001 -- the contract: bad model text is a format failure, never a crash
         return None
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. One VM over HTTP, and N of them in lockstep
+
+
+class VMError(RuntimeError):
+    """A VM call failed. `status` is the HTTP status the VM answered with, or None when it could not
+    be reached or did not answer in time (then the VM itself is suspect, not the request)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class VMClient:
+    """One desktop (vm_server.py) over HTTP. Every call has a timeout. Only calls that are safe to
+    repeat are retried on a connection error: screenshot, reset, evaluate; never act or setup (a
+    repeated click or launch is a different episode). A read timeout is never retried: a VM that
+    froze would just freeze us twice."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.session = requests.Session()  # keep-alive: one TCP connection per VM, not one per call
+        if token:
+            self.session.headers["Authorization"] = f"Bearer {token}"
+
+    def _call(self, method: str, path: str, body: Any = None, retries: int = 0) -> requests.Response:
+        where = f"{self.url}{path}"
+        for attempt in range(retries + 1):
+            try:
+                r = self.session.request(method, self.url + path, json=body, timeout=self.timeout)
+            except requests.Timeout:
+                raise VMError(f"{where} did not answer within {self.timeout:g} s; the VM may be frozen or overloaded.") from None
+            except requests.RequestException as e:
+                if attempt < retries:
+                    time.sleep(0.2 * (attempt + 1))
+                    continue
+                raise VMError(f"cannot reach {where} ({type(e).__name__}); check that vm_server.py runs there.") from None
+            if r.status_code >= 500 and attempt < retries:
+                continue
+            if r.status_code != 200:
+                try:
+                    msg = r.json()["error"]
+                except Exception:  # noqa: BLE001 -- not our JSON: show the start of whatever it was
+                    msg = r.text[:200]
+                raise VMError(f"{where} answered {r.status_code}: {msg}", status=r.status_code)
+            return r
+        raise AssertionError("unreachable")
+
+    def health(self) -> dict:
+        return self._call("GET", "/health").json()
+
+    def screenshot(self, format: str = "png", quality: int = 90) -> Image.Image:
+        query = "" if format == "png" else f"?format={format}&quality={quality}"
+        for attempt in range(3):
+            r = self._call("GET", "/screenshot" + query, retries=2)
+            try:
+                img = Image.open(BytesIO(r.content))
+                img.load()  # decode now, so a truncated body fails here and is retried
+                return img.convert("RGB")
+            except Exception as e:  # noqa: BLE001 -- PIL raises several types for a bad image
+                err = VMError(f"{self.url}/screenshot returned an undecodable image ({e}).")
+        raise err
+
+    def act(self, action: Action | dict) -> dict:
+        body = action.to_dict() if isinstance(action, Action) else action
+        return self._call("POST", "/action", body).json()
+
+    def reset(self) -> dict:
+        return self._call("POST", "/reset", {}, retries=1).json()
+
+    def setup(self, steps: list[dict]) -> dict:
+        if not steps:  # the server wants 1..64 steps; a task without setup needs no request
+            return {"ok": True, "results": []}
+        return self._call("POST", "/setup", {"steps": steps}).json()
+
+    def evaluate(self, evaluator: dict) -> dict:
+        return self._call("POST", "/evaluate", evaluator, retries=1).json()
+
+
+@dataclass
+class VMResult:
+    ok: bool
+    value: Any = None
+    error: str | None = None
+
+
+_CALLS = ("health", "screenshot", "act", "reset", "setup", "evaluate")
+
+
+class VMPool:
+    """N desktops driven in lockstep. `vms`: an int (launch that many local Xvfb desktops), or URLs
+    of running vm_server.py instances (a list or one comma-separated string) -- what `--vms` takes.
+
+    Every call fans out in threads and returns one VMResult per VM, in order, within `timeout`
+    seconds, whatever the VMs do: a VM that errors gives ok=False with the error; one that does not
+    answer in time is marked down (`alive[i]` False) and skipped (an immediate error) until
+    `reset()`, which restarts dead local desktops and re-checks remote ones. The pool is driven from
+    one thread (the trainer); the threads inside are its own."""
+
+    def __init__(self, vms: int | str | list[str], token: str | None = None, timeout: float = 30,
+                 screen: tuple[int, int] = (1280, 720)):
+        if isinstance(vms, str) and vms.strip().isdigit():
+            vms = int(vms)
+        if isinstance(vms, str):
+            vms = [u.strip() for u in vms.split(",") if u.strip()]
+        self.timeout, self.screen = timeout, tuple(screen)
+        self.local: list[LocalVM] | None = None
+        if isinstance(vms, int):
+            if vms < 1:
+                raise ValueError(f"--vms must be at least 1, got {vms}.")
+            token = token or _new_token()  # local desktops always get a token: other users share loopback
+            self.local = launch_local_vms(vms, screen=self.screen, token=token)
+            vms = [vm.url for vm in self.local]
+        if not vms:
+            raise ValueError("no VMs given: pass a number of local desktops or a list of URLs.")
+        self.token = token
+        self.urls = list(vms)
+        self.clients = [VMClient(u, token, timeout) for u in self.urls]
+        self.alive = [True] * len(self.urls)
+        self.why_down: list[str | None] = [None] * len(self.urls)
+        # The call still running on each VM. A VM whose last call outlived its deadline gets no new
+        # call until that one ends: its thread is stuck in a socket read (requests ends it after
+        # `timeout`), and piling more requests on a frozen VM would only pile up threads.
+        self._inflight: list[Any] = [None] * len(self.urls)
+        self._generation = [0] * len(self.urls)  # bumped on restart: late results of the old VM are ignored
+        # 2 workers per VM: after a restart the old VM's stuck thread may still hold one.
+        self._executor = ThreadPoolExecutor(max_workers=2 * len(self.urls), thread_name_prefix="vmpool")
+
+    @property
+    def size(self) -> int:
+        return len(self.urls)
+
+    def _mark_down(self, i: int, gen: int, why: str) -> None:
+        if self._generation[i] == gen:
+            self.alive[i], self.why_down[i] = False, why
+
+    def _run(self, i: int, gen: int, fn_name: str, args: tuple) -> VMResult:
+        try:
+            return VMResult(True, getattr(self.clients[i], fn_name)(*args))
+        except VMError as e:
+            if e.status is None:  # unreachable or silent: the VM, not the request, is the problem
+                self._mark_down(i, gen, str(e))
+            return VMResult(False, error=str(e))
+        except Exception as e:  # noqa: BLE001 -- whatever happens in one VM stays in its slot
+            return VMResult(False, error=f"{self.urls[i]}: {type(e).__name__}: {e}")
+
+    def map(self, fn_name: str, args_per_vm: list | None = None, timeout: float | None = None) -> list[VMResult]:
+        """Call VMClient.<fn_name>(args_per_vm[i]) on every VM at once (no argument when
+        args_per_vm is None). A None entry sends nothing to that VM (VMResult(ok=True, value=None)).
+        Returns within `timeout` (default: the pool's) even if some VMs hang."""
+        if fn_name not in _CALLS:
+            raise ValueError(f"VMPool.map: unknown call {fn_name!r}; one of {list(_CALLS)}.")
+        if args_per_vm is not None and len(args_per_vm) != self.size:
+            raise ValueError(f"VMPool.map: {len(args_per_vm)} arguments for {self.size} VMs.")
+        timeout = self.timeout if timeout is None else timeout
+        results: list[VMResult | None] = [None] * self.size
+        futures = {}
+        for i in range(self.size):
+            busy = self._inflight[i] is not None and not self._inflight[i].done()
+            if not self.alive[i]:
+                results[i] = VMResult(False, error=f"{self.urls[i]} is down ({self.why_down[i]}); VMPool.reset() restarts or re-checks it.")
+            elif busy:
+                results[i] = VMResult(False, error=f"{self.urls[i]} is still busy with an earlier call that timed out.")
+            elif args_per_vm is not None and args_per_vm[i] is None:
+                results[i] = VMResult(True)
+            else:
+                args = () if args_per_vm is None else (args_per_vm[i],)
+                fut = self._executor.submit(self._run, i, self._generation[i], fn_name, args)
+                futures[fut] = i
+                self._inflight[i] = fut
+        done, _ = wait_futures(futures, timeout=timeout)
+        for fut, i in futures.items():
+            if fut in done:
+                results[i] = fut.result()  # _run never raises
+            else:
+                why = f"{self.urls[i]} did not finish {fn_name} within {timeout:g} s"
+                self._mark_down(i, self._generation[i], why)
+                results[i] = VMResult(False, error=why + "; it is marked down until VMPool.reset().")
+        return results
+
+    def screenshots(self) -> list[VMResult]:
+        return self.map("screenshot")
+
+    def act(self, actions: list[Action | dict | None]) -> list[VMResult]:
+        return self.map("act", actions)
+
+    def setup(self, steps_per_vm: list[list[dict] | None], timeout: float | None = None) -> list[VMResult]:
+        return self.map("setup", steps_per_vm, timeout)
+
+    def evaluate(self, evaluators: list[dict | None], timeout: float | None = None) -> list[VMResult]:
+        return self.map("evaluate", evaluators, timeout)
+
+    def reset(self, timeout: float | None = None) -> list[VMResult]:
+        """Bring dead VMs back, then POST /reset on every VM. A local desktop is restarted when its
+        process exited, its health check fails, or it was marked down; a remote one is re-checked
+        and comes back if it answers /health. VMs that stay down report an error in their slot."""
+        for i in range(self.size):
+            if not self.alive[i] and self.local is None and (self._inflight[i] is None or self._inflight[i].done()):
+                self.alive[i] = True  # remote: give it a health check below
+        health = self.map("health", timeout=min(10.0, self.timeout))
+        bad = [i for i, h in enumerate(health)
+               if not h.ok or (self.local is not None and self.local[i].proc.poll() is not None)]
+        if self.local is not None and bad:
+            for i in bad:
+                self.local[i].stop()
+            try:
+                fresh = launch_local_vms(len(bad), screen=self.screen, token=self.token)
+            except Exception as e:  # noqa: BLE001 -- reset never raises: the slots stay down
+                for i in bad:
+                    self._mark_down(i, self._generation[i], f"restart failed: {e}")
+                fresh = []
+            for i, vm in zip(bad, fresh):
+                self._generation[i] += 1
+                self.local[i], self.urls[i] = vm, vm.url
+                self.clients[i] = VMClient(vm.url, self.token, self.timeout)
+                self._inflight[i], self.alive[i], self.why_down[i] = None, True, None
+        return self.map("reset", timeout=timeout)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for vm in self.local or []:
+            vm.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. Local desktops: `vm_server.py --xvfb` subprocesses
+
+_LAUNCHED: list[LocalVM] = []  # stopped at interpreter exit, so no Xvfb outlives the trainer
+
+
+@dataclass
+class LocalVM:
+    url: str
+    proc: subprocess.Popen
+    log: str           # the server's stdout + stderr
+    token: str | None = None
+
+    def stop(self) -> None:
+        """Stop the server and everything it started (its own process group). SIGCONT first: a
+        stopped (SIGSTOP) process would hold SIGTERM pending forever."""
+        if self.proc.poll() is None:
+            for sig in (signal.SIGTERM, signal.SIGCONT):
+                _killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        _killpg(self.proc.pid, signal.SIGKILL)  # leftovers in the group (or a server that ignored TERM)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        if self in _LAUNCHED:
+            _LAUNCHED.remove(self)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop_all() -> None:
+    for vm in list(_LAUNCHED):
+        vm.stop()
+
+
+atexit.register(_stop_all)
+
+
+def _new_token() -> str:
+    import secrets
+    return secrets.token_urlsafe(16)
+
+
+def _free_ports(n: int) -> list[int]:
+    # Hold all n sockets open until we have them, so the n ports are distinct. Another process may
+    # still take one before the server binds it; launch_local_vms retries such a VM once.
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _log_tail(path: str, n: int = 600) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-n:].strip()
+    except OSError:
+        return ""
+
+
+def launch_local_vms(n: int, screen: tuple[int, int] = (1280, 720), token: str | None = None,
+                     timeout: float = 90) -> list[LocalVM]:
+    """Start n local desktops (`vm_server.py --xvfb`, each with its own display, HOME and port)
+    and wait until all answer /health. They start in parallel: 8 take about as long as one."""
+    if shutil.which("Xvfb") is None:
+        raise VMError("Xvfb is not installed, so no local desktop can start; run `sudo bash setup.sh`.")
+    server = Path(__file__).resolve().with_name("vm_server.py")
+
+    def start(port: int) -> LocalVM:
+        log = tempfile.NamedTemporaryFile(prefix=f"vm_server-{port}-", suffix=".log", delete=False)
+        cmd = [sys.executable, str(server), "--xvfb", "--host", "127.0.0.1", "--port", str(port),
+               "--screen", f"{screen[0]}x{screen[1]}"]
+        # The token travels in the environment, not argv, so `ps` does not show it.
+        env = dict(os.environ, VM_TOKEN=token or "")
+        # start_new_session: the server leads its own process group, so stop() reaches its Xvfb,
+        # window manager and apps too, and a Ctrl-C in our terminal does not hit them first.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+        log.close()
+        vm = LocalVM(f"http://127.0.0.1:{port}", proc, log.name, token)
+        _LAUNCHED.append(vm)
+        return vm
+
+    vms = [start(p) for p in _free_ports(n)]
+    retried: set[int] = set()
+    pending = set(range(n))
+    deadline = time.monotonic() + timeout
+    probe = [VMClient(vm.url, token, timeout=2) for vm in vms]
+    try:
+        while pending:
+            for i in sorted(pending):
+                if vms[i].proc.poll() is not None:
+                    if i in retried:  # it died twice: not a port race, a real problem
+                        raise VMError(f"local desktop {vms[i].url} exited with code {vms[i].proc.returncode}: "
+                                      f"{_log_tail(vms[i].log)} (full log: {vms[i].log}).")
+                    retried.add(i)  # most likely its port was taken meanwhile: once more on a new port
+                    vms[i] = start(_free_ports(1)[0])
+                    probe[i] = VMClient(vms[i].url, token, timeout=2)
+                    continue
+                try:
+                    probe[i].health()
+                    pending.discard(i)
+                except VMError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise VMError(f"{len(pending)} local desktop(s) did not answer /health within {timeout:g} s; "
+                              f"see {vms[min(pending)].log}.")
+            time.sleep(0.1)
+    except BaseException:
+        for vm in vms:
+            vm.stop()
+        raise
+    return vms
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. Task files (ARPO): tasks/*.json, one task object or a list of them per file
+
+
+class TaskError(ValueError):
+    """A malformed task file; the message names the file and the field."""
+
+
+@dataclass
+class Task:
+    id: str
+    instruction: str
+    setup: list[dict]
+    evaluator: dict
+    max_steps: int = 15
+    infeasible: bool = False
+    apps: tuple[str, ...] = ()
+
+
+_NUMBER = (int, float)
+# type -> {field: (allowed Python types, required)}; mirrors what vm_server.py's /setup and
+# /evaluate accept, so a typo fails when the tasks load, not in the middle of a run.
+_STEPS = {
+    "launch": {"argv": (list, True)},
+    "open": {"path": (str, True)},
+    "write_file": {"path": (str, True), "content": (str, True)},
+    "sleep": {"seconds": (_NUMBER, True)},
+    "command": {"argv": (list, True), "timeout": (_NUMBER, False)},
+}
+_CHECKS = {
+    "file_exists": {"path": (str, True), "exists": (bool, False)},
+    "file_contains": {"path": (str, True), "text": (str, False), "regex": (str, False)},
+    "window_exists": {"title": (str, True), "exists": (bool, False)},
+    "command": {"argv": (list, True), "stdout": (str, False), "regex": (str, False),
+                "exit_code": (int, False), "timeout": (_NUMBER, False)},
+}
+_TASK_FIELDS = {"id", "instruction", "apps", "setup", "evaluator", "max_steps", "infeasible"}
+
+
+def _check_item(item: Any, schema: dict, where: str, fail) -> None:
+    """Validate one setup step / evaluator check against its schema."""
+    if not isinstance(item, dict) or item.get("type") not in schema:
+        fail(where, f"must be an object whose 'type' is one of {sorted(schema)}")
+    fields_ = schema[item["type"]]
+    for k in item:
+        if k != "type" and k not in fields_:
+            fail(f"{where}.{k}", f"is not a field of a {item['type']!r} entry (allowed: {sorted(fields_)})")
+    for k, (types, required) in fields_.items():
+        v = item.get(k)
+        if v is None:
+            if required:
+                fail(f"{where}.{k}", "is missing")
+            continue
+        if isinstance(v, bool) and types is not bool or not isinstance(v, types):
+            fail(f"{where}.{k}", f"has the wrong type ({type(v).__name__})")
+        if k == "argv" and not (v and all(isinstance(a, str) and a for a in v)):
+            fail(f"{where}.argv", "must be a non-empty list of strings")
+        if k == "regex":
+            try:
+                re.compile(v)
+            except re.error as e:
+                fail(f"{where}.regex", f"is not a valid regular expression ({e})")
+    if item["type"] == "sleep" and not 0 <= item["seconds"] <= 30:
+        fail(f"{where}.seconds", "must be between 0 and 30")
+    if item["type"] == "file_contains" and ("text" in item) == ("regex" in item):
+        fail(where, "needs exactly one of 'text' or 'regex'")
+
+
+def _task_from_dict(d: Any, where: str) -> Task:
+    def fail(field_: str, problem: str):
+        raise TaskError(f"{where}: field '{field_}' {problem}; fix the task file.")
+
+    if not isinstance(d, dict):
+        raise TaskError(f"{where}: a task must be a JSON object; fix the task file.")
+    for k in d:
+        if k not in _TASK_FIELDS:
+            fail(k, f"is unknown (allowed: {sorted(_TASK_FIELDS)})")
+    for k in ("id", "instruction"):
+        if not isinstance(d.get(k), str) or not d[k].strip():
+            fail(k, "is missing or not a non-empty string")
+    infeasible = d.get("infeasible", False)
+    if not isinstance(infeasible, bool):
+        fail("infeasible", "must be true or false")
+    max_steps = d.get("max_steps", 15)
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or not 1 <= max_steps <= 100:
+        fail("max_steps", f"must be an integer from 1 to 100, got {max_steps!r}")
+    apps = d.get("apps", [])
+    if not isinstance(apps, list) or not all(isinstance(a, str) for a in apps):
+        fail("apps", "must be a list of strings")
+    setup = d.get("setup", [])
+    if not isinstance(setup, list):
+        fail("setup", "must be a list of steps")
+    for j, step in enumerate(setup):
+        _check_item(step, _STEPS, f"setup[{j}]", fail)
+    ev = d.get("evaluator")
+    if not isinstance(ev, dict):
+        fail("evaluator", "is missing or not an object")
+    for k in ev:
+        if k not in ("conj", "checks"):
+            fail(f"evaluator.{k}", "is unknown (allowed: conj, checks)")
+    if ev.get("conj", "and") not in ("and", "or"):
+        fail("evaluator.conj", "must be 'and' or 'or'")
+    checks = ev.get("checks")
+    if not isinstance(checks, list) or (not checks and not infeasible):
+        fail("evaluator.checks", "must be a non-empty list (only an infeasible task may have none)")
+    for j, check in enumerate(checks):
+        _check_item(check, _CHECKS, f"evaluator.checks[{j}]", fail)
+    return Task(d["id"], d["instruction"], setup, {"conj": ev.get("conj", "and"), "checks": checks},
+                max_steps, infeasible, tuple(apps))
+
+
+def load_tasks(path: str | os.PathLike) -> list[Task]:
+    """Load one task file or every *.json in a directory (sorted). Each file holds a task object
+    or a list of them. Any problem raises TaskError naming the file and the field."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.json"))
+        if not files:
+            raise TaskError(f"{path}: no *.json task files in this directory.")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise TaskError(f"{path}: no such task file or directory.")
+    tasks, seen = [], {}
+    for f in files:
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise TaskError(f"{f}: cannot read it ({e}).") from None
+        except json.JSONDecodeError as e:
+            raise TaskError(f"{f}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}).") from None
+        items = data if isinstance(data, list) else [data]
+        for k, d in enumerate(items):
+            task = _task_from_dict(d, f"{f}" + (f"[{k}]" if isinstance(data, list) else ""))
+            if task.id in seen:
+                raise TaskError(f"{f}: field 'id': duplicate task id {task.id!r} (also in {seen[task.id]}); ids must be unique.")
+            seen[task.id] = f
+            tasks.append(task)
+    return tasks

@@ -321,7 +321,9 @@ def test_action_dict_round_trip():
     ({"type": "key", "keys": "ctrl+c"}, "keys"),
     ({"type": "scroll", "direction": "sideways"}, "direction"),
     ({"type": "drag", "x": 1, "y": 2}, "x2"),
-    ([1, 2], "object"),
+    ([1, 2], "type"),
+    ({"type": "done", "text": "answer"}, "text"),             # the server takes no fields on done
+    ({"type": "type", "text": "a\0b"}, "text"),
 ])
 def test_action_from_dict_rejects(d, word):
     with pytest.raises(ValueError, match=word):

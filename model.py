@@ -200,7 +200,7 @@ def _neutral_generation_config(model, tokenizer):
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
     model.generation_config = GenerationConfig(
         eos_token_id=stop, pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0,
-        top_p=1.0, top_k=0, repetition_penalty=1.0)
+        top_p=1.0, repetition_penalty=1.0)
 
 
 def _inner_model(model):
@@ -279,9 +279,13 @@ def load_policy(name: str = "tiny", lora_rank: int = 0, lora_alpha: int = 16,
     _add_mrope_hook(model)
     model.to(device=device, dtype=dtype)
     if gradient_checkpointing:
-        # Non-reentrant checkpointing also works with frozen inputs (the LoRA case).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        # Non-reentrant checkpointing also works with frozen inputs (the LoRA case). transformers
+        # 5.24 renamed the switch; 5.17 only has the old name.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = model.config.text_config.use_cache = False
     if lora_rank > 0:
         from peft import LoraConfig, get_peft_model
         # A regex, because the vision blocks also have gate/up/down_proj and must stay frozen.
@@ -570,3 +574,88 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
             text=policy.tokenizer.decode(ids[:n], skip_special_tokens=True), prompt=enc,
             completion_ids=ids[:n], logprobs=logps[b, :n].tolist()))
     return gens
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM: GPU generation engine. NOT exercisable on CPU: vLLM needs CUDA, so this path is untested
+# here. It is written against vLLM's documented LLM API (LLM.generate with multi-modal data,
+# LLM.apply_model / collective_rpc for weight loading) and kept small so it is easy to fix.
+
+
+def _collapse_image_pads(ids: list[int], pad: int) -> list[int]:
+    # vLLM expands <|image_pad|> itself from the image it is given: hand it one pad per image.
+    return [t for i, t in enumerate(ids) if t != pad or i == 0 or ids[i - 1] != pad]
+
+
+class VLLMEngine:
+    """Generation on vLLM, colocated with the trainer on the same GPU(s).
+
+        policy.engine = VLLMEngine(policy, checkpoint_dir)   # after load_policy
+        gens = generate(policy, prompts)                     # now runs on vLLM
+        ... update ...; sync_weights(policy)                  # after every optimizer step
+    """
+
+    def __init__(self, policy: Policy, path: str, gpu_memory_utilization: float = 0.35,
+                 max_model_len: int = 32768, max_images: int = 15):
+        # The engine core in THIS process, so weights pass to it as tensors, not over a socket.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise SystemExit("--engine vllm needs vLLM on a CUDA machine (pip install vllm); "
+                             "use --engine hf otherwise.")
+        if not os.path.isdir(path):
+            save_policy(policy, path)  # vLLM loads from disk; a merged LoRA policy loads as-is
+        self.llm = LLM(model=path, dtype=str(policy.dtype).replace("torch.", ""),
+                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                       limit_mm_per_prompt={"image": max_images}, enable_prefix_caching=True)
+
+    def generate(self, policy, batch_messages, max_new_tokens, temperature, top_p):
+        from vllm import SamplingParams
+        encs = [encode_chat(policy, m) for m in batch_messages]
+        pad = _special(policy, "<|image_pad|>")
+        stop = list(policy.model.generation_config.eos_token_id)
+        params = SamplingParams(
+            temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+            stop_token_ids=stop, skip_special_tokens=True,
+            logit_bias={_special(policy, t): -100.0 for t in VISION_TOKENS})
+        prompts = []
+        for messages, enc in zip(batch_messages, encs):
+            # The images resized to exactly what the HF path saw, so vLLM's own resize is a no-op
+            # and its prompt equals enc.input_ids (which the trainer will score).
+            images = [p["image"].convert("RGB").resize(size, Image.BICUBIC)
+                      for p, size in zip(_image_parts(messages), enc.image_sizes)]
+            prompt = {"prompt_token_ids": _collapse_image_pads(enc.input_ids, pad)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        gens = []
+        for enc, out in zip(encs, outs):
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            # vLLM's logprobs are the RAW model's (before temperature/top-p) unless the engine is
+            # built with logprobs_mode="processed_logprobs"; equal to HF's at temperature 1, top_p 1.
+            lps = [lp[t].logprob for t, lp in zip(ids, c.logprobs or [])]
+            gens.append(Generation(text=c.text, prompt=enc, completion_ids=ids, logprobs=lps))
+        return gens
+
+    def sync_weights(self, policy: Policy) -> None:
+        """Copy the trained weights (LoRA merged in) into the engine's model, in place."""
+        weights = list(merged_weights(policy))  # (name, tensor) in HF naming; vLLM maps the names
+        if hasattr(self.llm, "apply_model"):
+            self.llm.apply_model(lambda model: model.load_weights(weights))
+        else:
+            self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(weights))
+        self.llm.reset_prefix_cache()  # cached KV of old weights would be reused otherwise
+
+
+def _image_parts(messages: list[dict]) -> list[dict]:
+    return [p for m in messages if not isinstance(m["content"], str)
+            for p in m["content"] if isinstance(p, dict) and p.get("type") == "image"]
+
+
+def sync_weights(policy: Policy) -> None:
+    """After an optimizer step: push the new weights to the generation engine (no-op for HF)."""
+    if policy.engine is not None:
+        policy.engine.sync_weights(policy)

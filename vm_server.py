@@ -1,0 +1,741 @@
+"""vm_server.py: one desktop served over HTTP (screenshot, action, reset, setup, evaluate).
+
+It runs INSIDE each VM, or as a local desktop of its own on this machine:
+
+    python vm_server.py --xvfb [--screen 1280x720] [--port 8000]   # own Xvfb + openbox + icons
+    python vm_server.py --host 0.0.0.0 --token SECRET              # inside your VM, on its DISPLAY
+
+Endpoints (JSON; errors are 4xx/5xx {"error": "<one sentence>"}; see README "VM protocol"):
+    GET /health, GET /screenshot[?format=png|jpeg&quality=Q], POST /action, POST /reset,
+    POST /setup {"steps": [...]}, POST /evaluate {"conj": "and"|"or", "checks": [...]}.
+With a token every endpoint needs `Authorization: Bearer <token>`; binding to anything but loopback
+without one is refused. Requests execute one at a time (there is one mouse and one keyboard).
+`--port 0` picks a free port; the first stdout line is `vm_server: serving http://HOST:PORT ...`.
+
+Where this departs from OSWorld's in-VM server (the papers' environment):
+  - No endpoint runs code sent by the client: setup/evaluate are a handful of typed steps, and the
+    programs they may start are an allow-list. The token is the security boundary; the allow-list
+    keeps task files honest, it is not a sandbox (`xterm -e ...` runs anything).
+  - Evaluators are generic checks (files, window titles, a command's output) instead of
+    per-application getters, so task files stay small and readable.
+  - `--xvfb` builds a whole desktop (Xvfb, openbox, tint2 taskbar, pcmanfm icons) per server, with
+    its own HOME copied from a template, so N local desktops stand in for N VMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hmac
+import io
+import ipaddress
+import json
+import mimetypes
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+from PIL import ImageGrab
+
+# -------------------------------------------------------------------------------------------------
+# Limits and the allow-list
+
+MAX_BODY = 1 << 20       # 1 MiB per request body: room for a write_file, not for abuse
+MAX_TEXT = 2000          # longest `type` text (env.py turns longer model output into a format failure)
+MAX_KEYS = 8             # a hotkey longer than this is not a hotkey
+MAX_ITEMS = 64           # setup steps / evaluator checks per request
+MAX_READ = 10 << 20      # file_contains reads at most this much of a file
+MAX_OUTPUT = 64 << 10    # command stdout kept (it goes to a temp file, never into our memory)
+PNG_LEVEL = 1            # zlib level 1 encodes a 1920x1080 desktop ~4x faster than Pillow's default
+                         # 6, for files only ~15% bigger: screens are flat colours, cheap to squeeze
+DEFAULT_ALLOW = frozenset(
+    "xterm mousepad galculator pcmanfm xclock xeyes xcalc ls cat grep wc head tail test stat "
+    "sha256sum md5sum mkdir touch cp mv echo sleep true false xdotool wmctrl bc date basename "
+    "dirname find sort uniq diff cmp".split())
+TEXT_EXTS = (".txt", ".md", ".csv", ".json", ".log", ".py", ".sh", ".conf", ".ini", ".xml", ".html")
+
+
+class BadRequest(Exception):
+    """A client mistake: answered with `status` and the message; the server keeps serving."""
+    def __init__(self, msg: str, status: int = 400):
+        super().__init__(msg)
+        self.status = status
+
+
+# -------------------------------------------------------------------------------------------------
+# The local desktop (--xvfb): icons, HOME template, processes
+
+# (file stem, label under the icon, command (allow-listed), icon name from the installed themes)
+DESKTOP_APPS = [
+    ("terminal", "Terminal", "xterm", "utilities-terminal"),
+    ("editor", "Text Editor", "mousepad", "accessories-text-editor"),
+    ("calculator", "Calculator", "galculator", "accessories-calculator"),
+    ("files", "File Manager", "pcmanfm", "system-file-manager"),
+    ("clock", "Clock", "xclock", "clock"),
+    ("eyes", "Eyes", "xeyes", "face-glasses"),
+    ("xcalc", "XCalc", "xcalc", "applications-science"),
+]
+ICON_ORIGIN, ICON_PITCH, ICON_ROWS = (16, 16), (120, 100), 4
+ICON_CENTRE = (58, 30)   # from a cell's top-left to its icon's centre, measured on pcmanfm 1.3.2
+BG_COLOUR = "#2f5f8f"
+
+
+def _cell(i: int) -> tuple[int, int]:
+    """Top-left of desktop cell i: column-major, ICON_ROWS rows, fixed pitch."""
+    return ICON_ORIGIN[0] + ICON_PITCH[0] * (i // ICON_ROWS), ICON_ORIGIN[1] + ICON_PITCH[1] * (i % ICON_ROWS)
+
+
+def desktop_icons(screen: tuple[int, int] = (1280, 720)) -> dict[str, tuple[int, int]]:
+    """Label -> (x, y): the screen pixel to double-click to open that app on an --xvfb desktop.
+
+    pcmanfm draws its desktop icons where the template's desktop-items-0.conf pins them, so the
+    layout is identical on every start and every screen of at least 640x480: Terminal (74, 46),
+    Text Editor (74, 146), Calculator (74, 246), File Manager (74, 346), Clock (194, 46),
+    Eyes (194, 146), XCalc (194, 246). (pcmanfm's own auto-layout sorts by file time, which is
+    not stable; a Tk desktop would be stable but would not look like a desktop a person knows.)
+    """
+    if screen[0] < 640 or screen[1] < 480:
+        raise ValueError(f"the desktop needs a screen of at least 640x480, got {screen}.")
+    return {app[1]: (_cell(i)[0] + ICON_CENTRE[0], _cell(i)[1] + ICON_CENTRE[1])
+            for i, app in enumerate(DESKTOP_APPS)}
+
+
+def template_files() -> dict[str, str]:
+    """Relative path -> content of a fresh HOME. The config files make every app start clean: no
+    first-run dialogs, no session restore, predictable window titles ("notes.txt - Mousepad")."""
+    items = ["[*]", "wallpaper_mode=color", "wallpaper_common=1", f"desktop_bg={BG_COLOUR}",
+             "desktop_fg=#ffffff", "desktop_shadow=#000000", "desktop_font=Sans 11", "show_wm_menu=0",
+             "sort=name;ascending;", "show_documents=0", "show_trash=0", "show_mounts=0", ""]
+    files = {}
+    for i, (stem, label, cmd, icon) in enumerate(DESKTOP_APPS):
+        files[f"Desktop/{stem}.desktop"] = (f"[Desktop Entry]\nType=Application\nName={label}\n"
+                                            f"Exec={cmd}\nIcon={icon}\nTerminal=false\n")
+        items += [f"[{stem}.desktop]", f"x={_cell(i)[0]}", f"y={_cell(i)[1]}", ""]
+    files[".config/pcmanfm/default/desktop-items-0.conf"] = "\n".join(items)
+    # quick_exec: a double-click launches a .desktop file instead of asking "Execute File?".
+    files[".config/libfm/libfm.conf"] = "[config]\nquick_exec=1\n"
+    # mousepad keeps its settings in GSettings; with GSETTINGS_BACKEND=keyfile they live here.
+    files[".config/glib-2.0/settings/keyfile"] = (
+        "[org/xfce/mousepad/preferences/window]\npath-in-title=false\nremember-size=false\n"
+        "remember-state=false\n\n[org/xfce/mousepad/preferences/file]\nsession-restore='never'\n")
+    files["notes.txt"] = "Welcome to this desktop.\nThese notes are yours to edit.\n"
+    files["Documents/todo.txt"] = "buy milk\nwrite report\ncall Alice\n"
+    files["Documents/report.txt"] = "Quarterly report\n\nSales grew 12% over the last quarter.\n"
+    files["Documents/budget.csv"] = "item,cost\nrent,1200\nfood,300\ntravel,150\n"
+    files["Downloads/.keep"] = files["Pictures/.keep"] = ""
+    return files
+
+
+@dataclass
+class Desktop:
+    screen: tuple[int, int]
+    home: str                 # every path in setup/evaluate stays inside it
+    env: dict                 # the environment of every program we start
+    allow: frozenset          # programs setup/evaluate may run
+    xvfb: subprocess.Popen | None = None   # None: a real VM's existing display
+    tmp: str | None = None    # --xvfb: holds template/, home/, run/; removed at exit
+    display: str = ""
+
+
+def _prctl(option: int, arg: int) -> None:
+    ctypes.CDLL(None).prctl(option, arg)
+
+
+def start_xvfb(screen: tuple[int, int]) -> tuple[subprocess.Popen, str]:
+    """Xvfb on a free display. -displayfd makes Xvfb choose the number and write it to us when it
+    is ready, which stays race free when many servers start at once (probing locks would not)."""
+    r, w = os.pipe()
+    proc = subprocess.Popen(
+        ["Xvfb", "-displayfd", str(w), "-screen", "0", f"{screen[0]}x{screen[1]}x24", "-nolisten",
+         "tcp", "-noreset"], pass_fds=(w,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        # PR_SET_PDEATHSIG (1): the kernel SIGTERMs Xvfb when our main thread ends, so even a
+        # `kill -9` of the server leaves no orphan display (its clients then die with it).
+        preexec_fn=lambda: _prctl(1, signal.SIGTERM))
+    os.close(w)
+    num, deadline = b"", time.time() + 20
+    while not num.endswith(b"\n") and time.time() < deadline and proc.poll() is None:
+        if select.select([r], [], [], 0.2)[0]:
+            num += os.read(r, 16) or b"\n"
+    os.close(r)
+    if not num.strip().isdigit():
+        proc.kill()
+        sys.exit("vm_server: Xvfb did not start; install the desktop packages with `sudo bash setup.sh`.")
+    return proc, ":" + num.decode().strip()
+
+
+def list_windows(desk: Desktop) -> list[tuple[int, str]]:
+    """(workspace, title) of every managed window; workspace -1 = sticky (desktop icons, taskbar)."""
+    out = subprocess.run(["wmctrl", "-l"], env=desk.env, capture_output=True, text=True,
+                         errors="replace", timeout=10).stdout
+    rows = [line.split(None, 3) + [""] for line in out.splitlines()]  # id, workspace, host, title
+    return [(int(r[1]), r[3]) for r in rows if len(r) >= 4 and r[1].lstrip("-").isdigit()]
+
+
+def spawn(desk: Desktop, argv: list[str]) -> subprocess.Popen:
+    """Start a program detached (own session, no stdio). We keep no handle: /reset and exit find
+    every program by walking our process tree, double-forked ones included (we are a subreaper)."""
+    return subprocess.Popen(argv, cwd=desk.home, env=desk.env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _wait(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        if time.time() > deadline:
+            raise RuntimeError(f"{what} did not come up within {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def start_session(desk: Desktop) -> None:
+    """Window manager, then taskbar and desktop icons; returns once the icons are drawn."""
+    spawn(desk, ["openbox"])
+    _wait(lambda: subprocess.run(["wmctrl", "-m"], env=desk.env, capture_output=True).returncode == 0, "openbox")
+    spawn(desk, ["tint2"])
+    spawn(desk, ["pcmanfm", "--desktop"])
+    x, y = desktop_icons(desk.screen)["Terminal"]
+
+    def drawn():  # both sticky windows are up and the first icon's pixel is no longer background
+        titles = [t for ws, t in list_windows(desk) if ws == -1]
+        px = ImageGrab.grab(bbox=(x, y, x + 1, y + 1)).getpixel((0, 0))
+        return {"pcmanfm", "tint2"} <= set(titles) and "#%02x%02x%02x" % px[:3] != BG_COLOUR
+    _wait(drawn, "the desktop icons")
+
+
+def _state(pid: int) -> str | None:
+    """The process state letter ('Z' = zombie), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()  # after "pid (comm)"
+    except (OSError, IndexError):
+        return None
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                children.setdefault(int(f.read().rsplit(b")", 1)[1].split()[1]), []).append(int(name))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def kill_tree(keep: set[int]) -> None:
+    """SIGTERM every process below us but `keep`, SIGKILL what is left after 2 s, reap zombies.
+    Orphans re-parented to us are nobody's Popen, so we collect them here; this runs under the
+    request lock, like setup commands, so it never steals an exit status subprocess waits for."""
+    pids = [p for p in descendants(os.getpid()) if p not in keep]
+    for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 1.0)):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + grace
+        while pids and time.time() < deadline:
+            for p in pids:
+                if _state(p) == "Z":
+                    try:
+                        os.waitpid(p, os.WNOHANG)
+                    except ChildProcessError:
+                        pass  # not our child: its own parent reaps it
+            pids = [p for p in pids if _state(p) not in (None, "Z")]
+            time.sleep(0.05)
+
+
+def restore_home(desk: Desktop) -> None:
+    def force(func, path, _exc):  # a task may have made something read-only: open it up, retry
+        os.chmod(os.path.dirname(path), 0o755)
+        if os.path.isdir(path):
+            os.chmod(path, 0o755)
+        func(path)
+    if os.path.exists(desk.home):
+        shutil.rmtree(desk.home, onerror=force)
+    shutil.copytree(os.path.join(desk.tmp, "template"), desk.home, symlinks=True)
+
+
+def local_desktop(screen: tuple[int, int], allow: frozenset) -> Desktop:
+    """--xvfb: a display, a HOME copied from a fresh template, and a session on it."""
+    tmp = tempfile.mkdtemp(prefix="vm_server-")
+    for rel, text in template_files().items():
+        os.makedirs(os.path.dirname(os.path.join(tmp, "template", rel)), exist_ok=True)
+        with open(os.path.join(tmp, "template", rel), "w") as f:
+            f.write(text)
+    os.makedirs(os.path.join(tmp, "run"), mode=0o700)
+    xvfb, display = start_xvfb(screen)
+    home = os.path.join(tmp, "home")
+    # Our own HOME and XDG dirs, and no session bus: parallel desktops must never share files,
+    # settings, or single-instance apps (a second mousepad would open in the first one's window).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "DBUS_", "GTK_"))}
+    env.update(DISPLAY=display, HOME=home, XDG_CONFIG_HOME=f"{home}/.config",
+               XDG_DATA_HOME=f"{home}/.local/share", XDG_CACHE_HOME=f"{home}/.cache",
+               XDG_RUNTIME_DIR=os.path.join(tmp, "run"), GSETTINGS_BACKEND="keyfile",
+               NO_AT_BRIDGE="1", GTK_OVERLAY_SCROLLING="0", LANG="C.UTF-8", LC_ALL="C.UTF-8")
+    os.environ["DISPLAY"] = display  # for pyautogui and ImageGrab in this process
+    desk = Desktop(screen, home, env, allow, xvfb, tmp, display)
+    restore_home(desk)
+    start_session(desk)
+    return desk
+
+
+def reset(desk: Desktop) -> None:
+    """Close every app started since the desktop came up, restore HOME, mouse to the centre."""
+    import pyautogui
+    if desk.xvfb is not None:
+        # Killing every client but Xvfb and starting the session again is simpler and surer than
+        # closing windows one by one (a file manager window lives inside the desktop process).
+        kill_tree(keep={desk.xvfb.pid})
+        restore_home(desk)
+        start_session(desk)
+    else:  # a real VM: close what we launched; its files are yours (restore them with a snapshot)
+        kill_tree(keep=set())
+    pyautogui.moveTo(desk.screen[0] // 2, desk.screen[1] // 2)
+
+
+# -------------------------------------------------------------------------------------------------
+# Validation: every field of a request is checked before anything runs
+
+
+def _obj(d, what: str, table: dict | None = None, required=(), optional=()) -> dict:
+    """A JSON object with exactly these fields (null counts as absent). With `table`, its "type"
+    picks (required, optional) from the table."""
+    if not isinstance(d, dict):
+        raise BadRequest(f"{what} must be a JSON object.")
+    if table is not None:
+        if d.get("type") not in table:
+            raise BadRequest(f"{what} 'type' must be one of {list(table)}, got {d.get('type')!r}.")
+        what, required, optional = f"a {d['type']!r} {what}", ("type",) + table[d["type"]][0], table[d["type"]][1]
+    d = {k: v for k, v in d.items() if v is not None}
+    unknown = sorted(set(d) - set(required) - set(optional))
+    if unknown:
+        raise BadRequest(f"{what} does not take {unknown}; its fields are {sorted({*required, *optional})}.")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise BadRequest(f"{what} needs {missing}.")
+    return d
+
+
+def _number(d: dict, key: str, lo, hi, default=None, integer=True):
+    v = d.get(key, default)  # bool is an int in Python, NaN/inf fail the range test
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) or not lo <= v <= hi:
+        raise BadRequest(f"'{key}' must be {'an integer' if integer else 'a number'} in [{lo}, {hi}], got {v!r}.")
+    return v
+
+
+def _str(d: dict, key: str, max_len: int, empty=False) -> str:
+    v = d.get(key)
+    if not isinstance(v, str) or len(v) > max_len or (not v and not empty) or "\0" in v:
+        raise BadRequest(f"'{key}' must be a {'' if empty else 'non-empty '}string of at most {max_len} characters.")
+    return v
+
+
+def _regex(d: dict, key: str) -> re.Pattern:
+    try:
+        return re.compile(_str(d, key, 500))
+    except re.error as e:
+        raise BadRequest(f"'{key}' is not a valid regular expression ({e}).")
+
+
+def _argv(desk: Desktop, d: dict) -> list[str]:
+    argv = d.get("argv")
+    if not (isinstance(argv, list) and 0 < len(argv) <= 64
+            and all(isinstance(a, str) and "\0" not in a and len(a) <= 4096 for a in argv)):
+        raise BadRequest("'argv' must be a non-empty list of strings: the program and its arguments.")
+    # A bare name only: '/tmp/x/ls' would pass a basename check and run anything.
+    if argv[0] not in desk.allow:
+        raise BadRequest(f"program {argv[0]!r} is not allowed; use one of {sorted(desk.allow)} or start the server with --allow-exec {argv[0]}.")
+    if shutil.which(argv[0], path=desk.env.get("PATH")) is None:
+        raise BadRequest(f"program {argv[0]!r} is not installed on this VM.")
+    return argv
+
+
+def resolve(desk: Desktop, p) -> str:
+    """'rel' and '~/rel' are under HOME; absolute paths must resolve (symlinks too) inside HOME."""
+    if not isinstance(p, str) or not p or len(p) > 4096 or "\0" in p:
+        raise BadRequest("'path' must be a non-empty string.")
+    full = desk.home if p == "~" else os.path.join(desk.home, p[2:] if p.startswith("~/") else p)
+    real, home = os.path.realpath(full), os.path.realpath(desk.home)
+    if real != home and not real.startswith(home + os.sep):
+        raise BadRequest(f"path {p!r} is outside the desktop's home {home}; use a path inside it.")
+    return real
+
+
+# -------------------------------------------------------------------------------------------------
+# POST /action
+
+ACTION_FIELDS = {  # type -> (required fields, optional fields)
+    "move": (("x", "y"), ()), "click": ((), ("x", "y")), "double_click": ((), ("x", "y")),
+    "right_click": ((), ("x", "y")), "drag": (("x", "y", "x2", "y2"), ()),
+    "scroll": (("direction",), ("x", "y", "amount")), "type": (("text",), ("x", "y")),
+    "key": (("keys",), ()), "wait": ((), ("amount",)), "done": ((), ()), "fail": ((), ()),
+}
+
+
+def check_action(desk: Desktop, body) -> dict:
+    import pyautogui
+    a = _obj(body, "action", ACTION_FIELDS)
+    t = a["type"]
+    if ("x" in a) != ("y" in a):
+        raise BadRequest("'x' and 'y' must be given together.")
+    for kx, ky in (("x", "y"), ("x2", "y2")):
+        if kx in a:  # an off-screen point is the client's bug (env.py clamps model output)
+            _number(a, kx, 0, desk.screen[0] - 1), _number(a, ky, 0, desk.screen[1] - 1)
+    if t == "type":
+        _str(a, "text", MAX_TEXT)
+    elif t == "key":
+        keys = a["keys"]
+        if not (isinstance(keys, list) and 0 < len(keys) <= MAX_KEYS and all(isinstance(k, str) for k in keys)):
+            raise BadRequest(f"'keys' must be a list of 1 to {MAX_KEYS} key names, e.g. [\"ctrl\", \"s\"].")
+        bad = [k for k in keys if k not in pyautogui.KEYBOARD_KEYS]
+        if bad:
+            raise BadRequest(f"unknown key name(s) {bad}; use pyautogui's names, e.g. 'ctrl', 'enter', 'a'.")
+    elif t == "scroll":
+        if a["direction"] not in ("up", "down", "left", "right"):
+            raise BadRequest("'direction' must be one of 'up', 'down', 'left', 'right'.")
+        a["amount"] = _number(a, "amount", 1, 50, default=5)  # wheel clicks; GTK scrolls ~3 lines each
+    elif t == "wait":
+        a["amount"] = _number(a, "amount", 0, 5, default=1)   # seconds
+    return a
+
+
+def do_action(desk: Desktop, a: dict) -> None:
+    import pyautogui as gui
+    t, at = a["type"], ((a["x"], a["y"]) if "x" in a else ())
+    if t == "move":
+        gui.moveTo(*at)
+    elif t in ("click", "double_click", "right_click"):
+        gui.click(*at, clicks=2 if t == "double_click" else 1, interval=0.05,
+                  button="right" if t == "right_click" else "left")
+    elif t == "drag":
+        # Press, glide, release: apps only see a drag if the pointer moves while the button is
+        # down (jumping straight to the end is a click there).
+        gui.moveTo(*at)
+        gui.mouseDown()
+        gui.moveTo(a["x2"], a["y2"], duration=0.3)
+        gui.mouseUp()
+    elif t == "scroll":
+        if at:
+            gui.moveTo(*at)
+        n = a["amount"]
+        if a["direction"] in ("up", "down"):
+            gui.scroll(n if a["direction"] == "up" else -n)   # X11 buttons 4 / 5
+        else:
+            gui.hscroll(n if a["direction"] == "right" else -n)  # X11 buttons 7 / 6
+    elif t == "type":
+        if at:  # ScreenExplorer's Text(x, y, "t"): click the field first
+            gui.click(*at)
+        if all(c in "\n\t" or " " <= c <= "~" for c in a["text"]):
+            gui.write(a["text"])
+        else:
+            # pyautogui.write silently drops characters outside its US keymap; xdotool remaps a
+            # spare keycode per character, so 'café' and '中文' arrive intact.
+            subprocess.run(["xdotool", "type", "--delay", "12", "--", a["text"]], env=desk.env, timeout=60)
+    elif t == "key":
+        gui.hotkey(*a["keys"])
+    elif t == "wait":
+        time.sleep(a["amount"])
+    # done / fail: the client ends the episode; nothing to execute here
+
+
+# -------------------------------------------------------------------------------------------------
+# POST /setup and POST /evaluate
+
+STEP_FIELDS = {"launch": (("argv",), ()), "open": (("path",), ()), "sleep": (("seconds",), ()),
+               "write_file": (("path", "content"), ()), "command": (("argv",), ("timeout",))}
+CHECK_FIELDS = {"file_exists": (("path",), ("exists",)), "file_contains": (("path",), ("text", "regex")),
+                "window_exists": (("title",), ("exists",)),
+                "command": (("argv",), ("stdout", "regex", "exit_code", "timeout"))}
+
+
+def _items(body, what: str, key: str, optional=()) -> list:
+    body = _obj(body, f"the {what} body", None, (key,), optional)
+    if not isinstance(body[key], list) or not 0 < len(body[key]) <= MAX_ITEMS:
+        raise BadRequest(f"'{key}' must be a list of 1 to {MAX_ITEMS} items.")
+    return body[key]
+
+
+def check_step(desk: Desktop, s) -> dict:
+    s = _obj(s, "setup step", STEP_FIELDS)
+    if s["type"] in ("launch", "command"):
+        s["argv"] = _argv(desk, s)
+        s["timeout"] = _number(s, "timeout", 0.1, 120, default=30, integer=False)
+    elif s["type"] == "open":  # a folder -> the file manager, a text file -> the editor
+        path = resolve(desk, s["path"])
+        text = (mimetypes.guess_type(path)[0] or "").startswith("text/") or path.lower().endswith(TEXT_EXTS)
+        if not (os.path.isdir(path) or os.path.isfile(path) and text):
+            raise BadRequest(f"cannot open {s['path']!r}: open an existing folder or text file.")
+        s["argv"] = ["pcmanfm" if os.path.isdir(path) else "mousepad", path]
+    elif s["type"] == "write_file":
+        s["path"], s["content"] = resolve(desk, s["path"]), _str(s, "content", MAX_BODY, empty=True)
+        if os.path.isdir(s["path"]):
+            raise BadRequest(f"cannot write {s['path']!r}: it is a folder.")
+    else:
+        _number(s, "seconds", 0, 30, integer=False)
+    return s
+
+
+def run_step(desk: Desktop, s: dict) -> dict:
+    t = s["type"]
+    if t in ("launch", "open"):
+        return {"type": t, "pid": spawn(desk, s["argv"]).pid}
+    if t == "write_file":
+        os.makedirs(os.path.dirname(s["path"]), exist_ok=True)
+        with open(s["path"], "w", encoding="utf-8") as f:
+            f.write(s["content"])
+        return {"type": t, "bytes": len(s["content"].encode())}
+    if t == "sleep":
+        time.sleep(s["seconds"])
+        return {"type": t}
+    code, out = run_command(desk, s["argv"], s["timeout"])  # exit_code None = timed out
+    return {"type": t, "exit_code": code, "stdout": out[:4096]}
+
+
+def run_command(desk: Desktop, argv: list[str], timeout: float) -> tuple[int | None, str]:
+    """Run argv (no shell) in HOME -> (exit code, or None on timeout; the start of stdout)."""
+    with tempfile.TemporaryFile() as out:
+        try:
+            code = subprocess.run(argv, cwd=desk.home, env=desk.env, stdin=subprocess.DEVNULL,
+                                  stdout=out, stderr=subprocess.DEVNULL, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+        out.seek(0)
+        return code, out.read(MAX_OUTPUT).decode("utf-8", "replace")
+
+
+def check_check(desk: Desktop, c) -> dict:
+    c = _obj(c, "check", CHECK_FIELDS)
+    if "path" in c:
+        c["path"] = resolve(desk, c["path"])
+    if c["type"] == "file_contains" and ("text" in c) == ("regex" in c):
+        raise BadRequest("a 'file_contains' check needs exactly one of 'text' or 'regex'.")
+    if "text" in c:
+        _str(c, "text", MAX_TEXT)
+    if "stdout" in c:
+        _str(c, "stdout", MAX_TEXT, empty=True)
+    for key in ("regex", "title"):
+        if key in c:
+            c[key] = _regex(c, key)
+    if not isinstance(c.get("exists", True), bool):
+        raise BadRequest("'exists' must be true or false.")
+    if c["type"] == "command":
+        c["argv"] = _argv(desk, c)
+        c["timeout"] = _number(c, "timeout", 0.1, 60, default=10, integer=False)
+        if "exit_code" in c:
+            _number(c, "exit_code", 0, 255)
+    return c
+
+
+def run_check(desk: Desktop, c: dict) -> tuple[bool, str]:
+    """-> (passed, a short human-readable reason)."""
+    t, exists = c["type"], c.get("exists", True)
+    if t == "file_exists":
+        found = os.path.exists(c["path"])
+        return found == exists, "exists" if found else "does not exist"
+    if t == "file_contains":
+        if not os.path.isfile(c["path"]):
+            return False, "the file does not exist"
+        with open(c["path"], "rb") as f:
+            text = f.read(MAX_READ).decode("utf-8", "replace")
+        ok = c["text"] in text if "text" in c else c["regex"].search(text) is not None
+        return ok, f"{'found' if ok else 'not found'} in {len(text)} characters"
+    if t == "window_exists":
+        titles = [title for ws, title in list_windows(desk) if ws != -1]  # not the desktop/taskbar
+        return any(c["title"].search(x) for x in titles) == exists, f"windows: {titles}"[:500]
+    code, out = run_command(desk, c["argv"], c["timeout"])
+    if code is None:
+        return False, "timed out"
+    # The exit code must be `exit_code`; when not given, 0 -- unless the check is about stdout.
+    want = c.get("exit_code", None if ("stdout" in c or "regex" in c) else 0)
+    ok = want in (None, code) and c.get("stdout", "") in out
+    ok = ok and ("regex" not in c or c["regex"].search(out) is not None)
+    return ok, f"exit {code}, stdout {out[:200]!r}"
+
+
+def evaluate(desk: Desktop, body) -> dict:
+    checks = [check_check(desk, c) for c in _items(body, "/evaluate", "checks", ("conj",))]
+    conj = body.get("conj") or "and"
+    if conj not in ("and", "or"):
+        raise BadRequest("'conj' must be 'and' or 'or'.")
+    details = [dict(zip(("type", "passed", "info"), (c["type"], *run_check(desk, c)))) for c in checks]
+    passed = [d["passed"] for d in details]
+    # ALGO: the OSWorld-style task score: "and" = 1 iff every check passes, "or" = 1 iff any does.
+    return {"score": float(all(passed) if conj == "and" else any(passed)), "details": details}
+
+
+# -------------------------------------------------------------------------------------------------
+# HTTP
+
+
+def screenshot(query: dict) -> tuple[bytes, str]:
+    fmt, q = query.get("format", ["png"])[-1], query.get("quality", ["80"])[-1]
+    if fmt not in ("png", "jpeg", "jpg"):
+        raise BadRequest("'format' must be png or jpeg.")
+    if not q.isdigit() or not 1 <= int(q) <= 95:
+        raise BadRequest("'quality' must be an integer in [1, 95].")
+    img, buf = ImageGrab.grab(), io.BytesIO()  # X11 GetImage via Pillow's XCB: ~8 ms at 1280x720
+    if fmt == "png":
+        img.save(buf, "PNG", compress_level=PNG_LEVEL)
+    else:
+        img.convert("RGB").save(buf, "JPEG", quality=int(q))
+    return buf.getvalue(), "image/png" if fmt == "png" else "image/jpeg"
+
+
+def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[int, object, str]:
+    """Route one authenticated request -> (status, JSON object or bytes, content type)."""
+    routes = {"/health": "GET", "/screenshot": "GET", "/action": "POST", "/reset": "POST",
+              "/setup": "POST", "/evaluate": "POST"}
+    if path not in routes:
+        return 404, {"error": f"no endpoint {path}; see the README's VM protocol section."}, ""
+    if routes[path] != method:
+        return 405, {"error": f"{path} takes {routes[path]}, not {method}."}, ""
+    if desk.xvfb is not None and desk.xvfb.poll() is not None:
+        return 503, {"error": "this desktop's X server died; restart vm_server.py."}, ""
+    if path == "/health":
+        return 200, {"ok": True, "screen": list(desk.screen)}, ""
+    if path == "/screenshot":
+        return (200, *screenshot(query))
+    if path == "/action":
+        do_action(desk, check_action(desk, body))
+        return 200, {"ok": True}, ""
+    if path == "/reset":
+        _obj({} if body is None else body, "the /reset body")
+        reset(desk)
+        return 200, {"ok": True}, ""
+    if path == "/setup":
+        steps = [check_step(desk, s) for s in _items(body, "/setup", "steps")]  # all valid first
+        return 200, {"ok": True, "results": [run_step(desk, s) for s in steps]}, ""
+    return 200, evaluate(desk, body), ""
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"   # keep-alive: a screenshot loop skips the TCP handshake
+    timeout = 120                   # an idle connection is dropped, never held forever
+    desk: Desktop = None
+    token: str | None = None
+    lock = threading.Lock()         # one mouse, one keyboard: one request at a time
+    verbose = False
+
+    def do_GET(self):
+        self._serve("GET")
+
+    def do_POST(self):
+        self._serve("POST")
+
+    def log_message(self, fmt, *args):
+        if self.verbose:
+            super().log_message(fmt, *args)
+
+    def _serve(self, method: str):
+        url = urlsplit(self.path)
+        try:
+            if self.token and not hmac.compare_digest(  # constant time: no guessing byte by byte
+                    self.headers.get("Authorization", "").encode(), f"Bearer {self.token}".encode()):
+                self.close_connection = True  # its body stays unread: never parse it as a request
+                raise BadRequest("missing or wrong token; send 'Authorization: Bearer <token>'.", 401)
+            body = self._body() if method == "POST" else None
+            with self.lock:
+                status, payload, ctype = handle(self.desk, method, url.path, parse_qs(url.query), body)
+        except BadRequest as e:
+            status, payload, ctype = e.status, {"error": str(e)}, ""
+        except Exception as e:  # a bug or a broken desktop: say so, keep serving
+            print(f"vm_server: {method} {url.path} failed: {e!r}", file=sys.stderr, flush=True)
+            status, payload, ctype = 500, {"error": f"the VM failed: {type(e).__name__}: {e}"[:500]}, ""
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", ctype or "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self):
+        n = self.headers.get("Content-Length", "0")
+        if self.headers.get("Transfer-Encoding") or not n.isdigit() or int(n) > MAX_BODY:
+            self.close_connection = True
+            raise BadRequest(f"send a JSON body of at most {MAX_BODY} bytes with a Content-Length.", 413)
+        raw = self.rfile.read(int(n))
+        try:
+            return json.loads(raw) if raw else None
+        except (ValueError, RecursionError):
+            raise BadRequest("the body is not valid JSON.")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Serve one desktop over HTTP (see the README's VM protocol).")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
+    p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (printed at start)")
+    p.add_argument("--token", default=os.environ.get("VM_TOKEN"), help="shared token (default: $VM_TOKEN)")
+    p.add_argument("--xvfb", action="store_true", help="start a desktop of our own on a new Xvfb display")
+    p.add_argument("--screen", default="1280x720", help="WxH of the --xvfb screen")
+    p.add_argument("--allow-exec", default="", help="comma-separated extra programs setup/evaluate may run")
+    p.add_argument("--verbose", action="store_true", help="log every request")
+    args = p.parse_args(argv)
+    try:
+        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not args.token:
+        sys.exit(f"vm_server: refusing to listen on {args.host} without a token; pass --token T (or set VM_TOKEN), or use --host 127.0.0.1.")
+    m = re.fullmatch(r"(\d{3,4})x(\d{3,4})", args.screen)
+    if not m or not (640 <= int(m[1]) <= 7680 and 480 <= int(m[2]) <= 4320):
+        sys.exit(f"vm_server: --screen must look like 1280x720 (at least 640x480), got {args.screen!r}.")
+    allow = DEFAULT_ALLOW | {a for a in args.allow_exec.split(",") if a}
+
+    # PR_SET_CHILD_SUBREAPER (36): programs that double-fork (GLib's app launching does) are
+    # re-parented to us instead of init, so /reset and exit still find them.
+    _prctl(36, 1)
+    # SIGTERM/SIGHUP unwind like Ctrl-C, so the `finally` below stops every process we started.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: sys.exit(0))
+    desk = None
+    try:
+        if args.xvfb:
+            desk = local_desktop((int(m[1]), int(m[2])), allow)
+        elif not os.environ.get("DISPLAY"):
+            sys.exit("vm_server: no DISPLAY; run it inside the VM's graphical session, or pass --xvfb.")
+        import pyautogui  # only now: it opens $DISPLAY at import time
+        # pyautogui's FAILSAFE aborts when the mouse reaches a screen corner. On a desktop a corner
+        # is a legitimate target (a menu, a close button), and every coordinate is validated to lie
+        # on the screen, so we turn it off on purpose.
+        pyautogui.FAILSAFE = False
+        pyautogui.PAUSE = 0.02  # a short breath after each input event, so apps see them in order
+        if desk is None:
+            desk = Desktop(tuple(pyautogui.size()), os.path.expanduser("~"), dict(os.environ), allow,
+                           display=os.environ["DISPLAY"])
+        Handler.desk, Handler.token, Handler.verbose = desk, args.token or None, args.verbose
+        try:
+            server = ThreadingHTTPServer((args.host, args.port), Handler)
+        except OSError as e:
+            sys.exit(f"vm_server: cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port.")
+        server.daemon_threads = True
+        host, port = server.server_address[:2]
+        print(f"vm_server: serving http://{host}:{port} display {desk.display} screen "
+              f"{desk.screen[0]}x{desk.screen[1]} home {desk.home}", flush=True)
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:  # stop everything we started (apps, session, Xvfb) and remove the temp HOME
+        kill_tree(keep=set())
+        if desk is not None and desk.tmp:
+            shutil.rmtree(desk.tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

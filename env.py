@@ -413,10 +413,10 @@ class VMError(RuntimeError):
 
 
 class VMClient:
-    """One desktop (vm_server.py) over HTTP. Every call has a timeout. Only calls that are safe to
-    repeat are retried on a connection error: screenshot, reset, evaluate; never act or setup (a
-    repeated click or launch is a different episode). A read timeout is never retried: a VM that
-    froze would just freeze us twice."""
+    """One desktop (vm_server.py) over HTTP. Every call has a timeout (`timeout=` overrides the
+    client's for one call). Only calls that are safe to repeat are retried on a connection error:
+    screenshot, reset, evaluate; never act or setup (a repeated click or launch is a different
+    episode). A read timeout is never retried: a VM that froze would just freeze us twice."""
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 30):
         self.url = url.rstrip("/")
@@ -425,16 +425,18 @@ class VMClient:
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
 
-    def _call(self, method: str, path: str, body: Any = None, retries: int = 0) -> requests.Response:
-        where = f"{self.url}{path}"
+    def _call(self, method: str, path: str, body: Any = None, retries: int = 0,
+              timeout: float | None = None) -> requests.Response:
+        where, timeout = self.url + path, timeout or self.timeout
         for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(0.2 * attempt)
             try:
-                r = self.session.request(method, self.url + path, json=body, timeout=self.timeout)
+                r = self.session.request(method, where, json=body, timeout=timeout)
             except requests.Timeout:
-                raise VMError(f"{where} did not answer within {self.timeout:g} s; the VM may be frozen or overloaded.") from None
+                raise VMError(f"{where} did not answer within {timeout:g} s; the VM may be frozen or overloaded.") from None
             except requests.RequestException as e:
                 if attempt < retries:
-                    time.sleep(0.2 * (attempt + 1))
                     continue
                 raise VMError(f"cannot reach {where} ({type(e).__name__}); check that vm_server.py runs there.") from None
             if r.status_code >= 500 and attempt < retries:
@@ -446,37 +448,36 @@ class VMClient:
                     msg = r.text[:200]
                 raise VMError(f"{where} answered {r.status_code}: {msg}", status=r.status_code)
             return r
-        raise AssertionError("unreachable")
 
-    def health(self) -> dict:
-        return self._call("GET", "/health").json()
+    def health(self, timeout: float | None = None) -> dict:
+        return self._call("GET", "/health", timeout=timeout).json()
 
-    def screenshot(self, format: str = "png", quality: int = 90) -> Image.Image:
+    def screenshot(self, format: str = "png", quality: int = 90, timeout: float | None = None) -> Image.Image:
         query = "" if format == "png" else f"?format={format}&quality={quality}"
-        for attempt in range(3):
-            r = self._call("GET", "/screenshot" + query, retries=2)
+        for attempt in range(2):
+            r = self._call("GET", "/screenshot" + query, retries=2, timeout=timeout)
             try:
                 img = Image.open(BytesIO(r.content))
-                img.load()  # decode now, so a truncated body fails here and is retried
-                return img.convert("RGB")
+                img.load()  # decode now, so a truncated body fails here and is fetched again
+                return img if img.mode == "RGB" else img.convert("RGB")
             except Exception as e:  # noqa: BLE001 -- PIL raises several types for a bad image
-                err = VMError(f"{self.url}/screenshot returned an undecodable image ({e}).")
+                err = VMError(f"{self.url}/screenshot returned an image that does not decode ({e}).")
         raise err
 
-    def act(self, action: Action | dict) -> dict:
+    def act(self, action: Action | dict, timeout: float | None = None) -> dict:
         body = action.to_dict() if isinstance(action, Action) else action
-        return self._call("POST", "/action", body).json()
+        return self._call("POST", "/action", body, timeout=timeout).json()
 
-    def reset(self) -> dict:
-        return self._call("POST", "/reset", {}, retries=1).json()
+    def reset(self, timeout: float | None = None) -> dict:
+        return self._call("POST", "/reset", {}, retries=1, timeout=timeout).json()
 
-    def setup(self, steps: list[dict]) -> dict:
+    def setup(self, steps: list[dict], timeout: float | None = None) -> dict:
         if not steps:  # the server wants 1..64 steps; a task without setup needs no request
             return {"ok": True, "results": []}
-        return self._call("POST", "/setup", {"steps": steps}).json()
+        return self._call("POST", "/setup", {"steps": steps}, timeout=timeout).json()
 
-    def evaluate(self, evaluator: dict) -> dict:
-        return self._call("POST", "/evaluate", evaluator, retries=1).json()
+    def evaluate(self, evaluator: dict, timeout: float | None = None) -> dict:
+        return self._call("POST", "/evaluate", evaluator, retries=1, timeout=timeout).json()
 
 
 @dataclass
@@ -536,9 +537,9 @@ class VMPool:
         if self._generation[i] == gen:
             self.alive[i], self.why_down[i] = False, why
 
-    def _run(self, i: int, gen: int, fn_name: str, args: tuple) -> VMResult:
+    def _run(self, i: int, gen: int, fn_name: str, args: tuple, timeout: float) -> VMResult:
         try:
-            return VMResult(True, getattr(self.clients[i], fn_name)(*args))
+            return VMResult(True, getattr(self.clients[i], fn_name)(*args, timeout=timeout))
         except VMError as e:
             if e.status is None:  # unreachable or silent: the VM, not the request, is the problem
                 self._mark_down(i, gen, str(e))
@@ -567,7 +568,7 @@ class VMPool:
                 results[i] = VMResult(True)
             else:
                 args = () if args_per_vm is None else (args_per_vm[i],)
-                fut = self._executor.submit(self._run, i, self._generation[i], fn_name, args)
+                fut = self._executor.submit(self._run, i, self._generation[i], fn_name, args, timeout)
                 futures[fut] = i
                 self._inflight[i] = fut
         done, _ = wait_futures(futures, timeout=timeout)
@@ -603,8 +604,7 @@ class VMPool:
         bad = [i for i, h in enumerate(health)
                if not h.ok or (self.local is not None and self.local[i].proc.poll() is not None)]
         if self.local is not None and bad:
-            for i in bad:
-                self.local[i].stop()
+            stop_vms([self.local[i] for i in bad])
             try:
                 fresh = launch_local_vms(len(bad), screen=self.screen, token=self.token)
             except Exception as e:  # noqa: BLE001 -- reset never raises: the slots stay down
@@ -620,8 +620,7 @@ class VMPool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        for vm in self.local or []:
-            vm.stop()
+        stop_vms(self.local or [])
 
     def __enter__(self):
         return self
@@ -640,26 +639,11 @@ _LAUNCHED: list[LocalVM] = []  # stopped at interpreter exit, so no Xvfb outlive
 class LocalVM:
     url: str
     proc: subprocess.Popen
-    log: str           # the server's stdout + stderr
+    log: str           # the server's stdout + stderr (deleted when it is stopped)
     token: str | None = None
 
-    def stop(self) -> None:
-        """Stop the server and everything it started (its own process group). SIGCONT first: a
-        stopped (SIGSTOP) process would hold SIGTERM pending forever."""
-        if self.proc.poll() is None:
-            for sig in (signal.SIGTERM, signal.SIGCONT):
-                _killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        _killpg(self.proc.pid, signal.SIGKILL)  # leftovers in the group (or a server that ignored TERM)
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        if self in _LAUNCHED:
-            _LAUNCHED.remove(self)
+    def stop(self, keep_log: bool = False) -> None:
+        stop_vms([self], keep_log)
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -669,12 +653,32 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def _stop_all() -> None:
-    for vm in list(_LAUNCHED):
-        vm.stop()
+def stop_vms(vms: list[LocalVM], keep_log: bool = False) -> None:
+    """Stop local desktops and everything they started, all at once (not one grace period each).
+    Each server leads its own process group; SIGCONT goes with SIGTERM because a stopped (SIGSTOP)
+    process would hold the SIGTERM pending forever. What is left after 5 s gets SIGKILL."""
+    for vm in vms:
+        if vm.proc.poll() is None:
+            _killpg(vm.proc.pid, signal.SIGTERM)
+            _killpg(vm.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    for vm in vms:
+        try:
+            vm.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _killpg(vm.proc.pid, signal.SIGKILL)  # leftovers in the group, or a server that ignored TERM
+        try:
+            vm.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        if not keep_log and os.path.exists(vm.log):
+            os.unlink(vm.log)
+        if vm in _LAUNCHED:
+            _LAUNCHED.remove(vm)
 
 
-atexit.register(_stop_all)
+atexit.register(lambda: stop_vms(list(_LAUNCHED)))
 
 
 def _new_token() -> str:
@@ -738,6 +742,7 @@ def launch_local_vms(n: int, screen: tuple[int, int] = (1280, 720), token: str |
                         raise VMError(f"local desktop {vms[i].url} exited with code {vms[i].proc.returncode}: "
                                       f"{_log_tail(vms[i].log)} (full log: {vms[i].log}).")
                     retried.add(i)  # most likely its port was taken meanwhile: once more on a new port
+                    stop_vms([vms[i]], keep_log=True)
                     vms[i] = start(_free_ports(1)[0])
                     probe[i] = VMClient(vms[i].url, token, timeout=2)
                     continue
@@ -751,8 +756,7 @@ def launch_local_vms(n: int, screen: tuple[int, int] = (1280, 720), token: str |
                               f"see {vms[min(pending)].log}.")
             time.sleep(0.1)
     except BaseException:
-        for vm in vms:
-            vm.stop()
+        stop_vms(vms, keep_log=True)  # the error message points at a log: keep it
         raise
     return vms
 

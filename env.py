@@ -35,11 +35,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -50,8 +49,14 @@ from PIL import Image
 # ------------------------------------------------------------------------------------------------
 # 1. Actions
 
-ACTION_TYPES = ("move", "click", "double_click", "right_click", "drag", "scroll", "type", "key",
-                "wait", "done", "fail")
+# type -> (required fields, optional fields): the same table vm_server.py checks POST /action with.
+_ACTION_FIELDS = {
+    "move": (("x", "y"), ()), "click": ((), ("x", "y")), "double_click": ((), ("x", "y")),
+    "right_click": ((), ("x", "y")), "drag": (("x", "y", "x2", "y2"), ()),
+    "scroll": (("direction",), ("x", "y", "amount")), "type": (("text",), ("x", "y")),
+    "key": (("keys",), ()), "wait": ((), ("amount",)), "done": ((), ()), "fail": ((), ()),
+}
+ACTION_TYPES = tuple(_ACTION_FIELDS)
 DIRECTIONS = ("up", "down", "left", "right")
 MAX_TEXT_CHARS = 2000  # longest `type` text we accept; mirrors the server's limit (a runaway
                        # generation is a format failure here, not a 400 from the VM later)
@@ -101,15 +106,6 @@ class Action:
         if t == "scroll" and d["direction"] not in DIRECTIONS:
             raise ValueError(f"a 'scroll' action needs 'direction' in {list(DIRECTIONS)}.")
         return cls(**{k: (list(v) if k == "keys" else v) for k, v in d.items()})
-
-
-# type -> (required fields, optional fields): the same table vm_server.py checks POST /action with.
-_ACTION_FIELDS = {
-    "move": (("x", "y"), ()), "click": ((), ("x", "y")), "double_click": ((), ("x", "y")),
-    "right_click": ((), ("x", "y")), "drag": (("x", "y", "x2", "y2"), ()),
-    "scroll": (("direction",), ("x", "y", "amount")), "type": (("text",), ("x", "y")),
-    "key": (("keys",), ()), "wait": ((), ("amount",)), "done": ((), ()), "fail": ((), ()),
-}
 
 
 @dataclass
@@ -385,11 +381,13 @@ def parse_action(text: str, style: str, screen: tuple[int, int], image: tuple[in
     style: "explore" (ScreenExplorer JSON) or "uitars" (UI-TARS-1.5). screen: (w, h) in pixels.
     image: the (w, h) the model saw (smart_resize of the screenshot); None = screen pixels.
     rel1000: the model's coordinates are 0..1000 relative (UI-TARS-1.0 style).
-    A wrong `style` or `screen` is a bug in the caller, not a model failure: that raises ValueError."""
+    A wrong `style`, `screen` or `image` is a bug in the caller, not a model failure: that raises ValueError."""
     if style not in ("explore", "uitars"):
         raise ValueError(f"style must be 'explore' or 'uitars', got {style!r}.")
     if not (len(screen) == 2 and screen[0] >= 1 and screen[1] >= 1):
         raise ValueError(f"screen must be (width, height) in pixels, got {screen!r}.")
+    if image is not None and not (len(image) == 2 and image[0] >= 1 and image[1] >= 1):
+        raise ValueError(f"image must be the (width, height) the model saw, or None; got {image!r}.")
     try:
         if not isinstance(text, str) or len(text) > MAX_INPUT_CHARS:
             return None
@@ -780,49 +778,52 @@ class Task:
     apps: tuple[str, ...] = ()
 
 
-_NUMBER = (int, float)
+_NUM_T = (int, float)
 # type -> {field: (allowed Python types, required)}; mirrors what vm_server.py's /setup and
 # /evaluate accept, so a typo fails when the tasks load, not in the middle of a run.
 _STEPS = {
     "launch": {"argv": (list, True)},
     "open": {"path": (str, True)},
     "write_file": {"path": (str, True), "content": (str, True)},
-    "sleep": {"seconds": (_NUMBER, True)},
-    "command": {"argv": (list, True), "timeout": (_NUMBER, False)},
+    "sleep": {"seconds": (_NUM_T, True)},
+    "command": {"argv": (list, True), "timeout": (_NUM_T, False)},
 }
 _CHECKS = {
     "file_exists": {"path": (str, True), "exists": (bool, False)},
     "file_contains": {"path": (str, True), "text": (str, False), "regex": (str, False)},
     "window_exists": {"title": (str, True), "exists": (bool, False)},
     "command": {"argv": (list, True), "stdout": (str, False), "regex": (str, False),
-                "exit_code": (int, False), "timeout": (_NUMBER, False)},
+                "exit_code": (int, False), "timeout": (_NUM_T, False)},
 }
-_TASK_FIELDS = {"id", "instruction", "apps", "setup", "evaluator", "max_steps", "infeasible"}
+_TASK = {"id": (str, True), "instruction": (str, True), "apps": (list, False), "setup": (list, False),
+         "evaluator": (dict, True), "max_steps": (int, False), "infeasible": (bool, False)}
 
 
-def _check_item(item: Any, schema: dict, where: str, fail) -> None:
-    """Validate one setup step / evaluator check against its schema."""
-    if not isinstance(item, dict) or item.get("type") not in schema:
-        fail(where, f"must be an object whose 'type' is one of {sorted(schema)}")
-    fields_ = schema[item["type"]]
+def _check_fields(item: dict, fields_: dict, where: str, fail) -> None:
+    """Unknown fields, missing required ones, wrong types (a bool is not a number here)."""
     for k in item:
         if k != "type" and k not in fields_:
-            fail(f"{where}.{k}", f"is not a field of a {item['type']!r} entry (allowed: {sorted(fields_)})")
+            fail(f"{where}{k}", f"is unknown here (allowed: {sorted(fields_)})")
     for k, (types, required) in fields_.items():
         v = item.get(k)
-        if v is None:
-            if required:
-                fail(f"{where}.{k}", "is missing")
-            continue
-        if isinstance(v, bool) and types is not bool or not isinstance(v, types):
-            fail(f"{where}.{k}", f"has the wrong type ({type(v).__name__})")
-        if k == "argv" and not (v and all(isinstance(a, str) and a for a in v)):
-            fail(f"{where}.argv", "must be a non-empty list of strings")
-        if k == "regex":
-            try:
-                re.compile(v)
-            except re.error as e:
-                fail(f"{where}.regex", f"is not a valid regular expression ({e})")
+        if v is None and required:
+            fail(f"{where}{k}", "is missing")
+        if v is not None and (isinstance(v, bool) and types is not bool or not isinstance(v, types)):
+            fail(f"{where}{k}", f"must be of type {getattr(types, '__name__', 'number')}, got {v!r}")
+
+
+def _check_entry(item: Any, schema: dict, where: str, fail) -> None:
+    """One setup step or evaluator check."""
+    if not isinstance(item, dict) or item.get("type") not in schema:
+        fail(where, f"must be an object whose 'type' is one of {sorted(schema)}")
+    _check_fields(item, schema[item["type"]], where + ".", fail)
+    if "argv" in item and not (item["argv"] and all(isinstance(a, str) and a for a in item["argv"])):
+        fail(f"{where}.argv", "must be a non-empty list of strings")
+    if "regex" in item:
+        try:
+            re.compile(item["regex"])
+        except re.error as e:
+            fail(f"{where}.regex", f"is not a valid regular expression ({e})")
     if item["type"] == "sleep" and not 0 <= item["seconds"] <= 30:
         fail(f"{where}.seconds", "must be between 0 and 30")
     if item["type"] == "file_contains" and ("text" in item) == ("regex" in item):
@@ -835,41 +836,28 @@ def _task_from_dict(d: Any, where: str) -> Task:
 
     if not isinstance(d, dict):
         raise TaskError(f"{where}: a task must be a JSON object; fix the task file.")
-    for k in d:
-        if k not in _TASK_FIELDS:
-            fail(k, f"is unknown (allowed: {sorted(_TASK_FIELDS)})")
+    _check_fields(d, _TASK, "", fail)
     for k in ("id", "instruction"):
-        if not isinstance(d.get(k), str) or not d[k].strip():
-            fail(k, "is missing or not a non-empty string")
-    infeasible = d.get("infeasible", False)
-    if not isinstance(infeasible, bool):
-        fail("infeasible", "must be true or false")
-    max_steps = d.get("max_steps", 15)
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or not 1 <= max_steps <= 100:
-        fail("max_steps", f"must be an integer from 1 to 100, got {max_steps!r}")
-    apps = d.get("apps", [])
-    if not isinstance(apps, list) or not all(isinstance(a, str) for a in apps):
+        if not d[k].strip():
+            fail(k, "is empty")
+    if not 1 <= d.get("max_steps", 15) <= 100:
+        fail("max_steps", f"must be from 1 to 100, got {d['max_steps']}")
+    if not all(isinstance(a, str) for a in d.get("apps", [])):
         fail("apps", "must be a list of strings")
-    setup = d.get("setup", [])
-    if not isinstance(setup, list):
-        fail("setup", "must be a list of steps")
+    setup, ev, infeasible = d.get("setup", []), d["evaluator"], d.get("infeasible", False)
+    if len(setup) > 64:
+        fail("setup", "has more than 64 steps")
     for j, step in enumerate(setup):
-        _check_item(step, _STEPS, f"setup[{j}]", fail)
-    ev = d.get("evaluator")
-    if not isinstance(ev, dict):
-        fail("evaluator", "is missing or not an object")
-    for k in ev:
-        if k not in ("conj", "checks"):
-            fail(f"evaluator.{k}", "is unknown (allowed: conj, checks)")
+        _check_entry(step, _STEPS, f"setup[{j}]", fail)
+    _check_fields(ev, {"conj": (str, False), "checks": (list, True)}, "evaluator.", fail)
     if ev.get("conj", "and") not in ("and", "or"):
         fail("evaluator.conj", "must be 'and' or 'or'")
-    checks = ev.get("checks")
-    if not isinstance(checks, list) or (not checks and not infeasible):
-        fail("evaluator.checks", "must be a non-empty list (only an infeasible task may have none)")
-    for j, check in enumerate(checks):
-        _check_item(check, _CHECKS, f"evaluator.checks[{j}]", fail)
-    return Task(d["id"], d["instruction"], setup, {"conj": ev.get("conj", "and"), "checks": checks},
-                max_steps, infeasible, tuple(apps))
+    if not 0 < len(ev["checks"]) <= 64 and not (infeasible and not ev["checks"]):
+        fail("evaluator.checks", "must hold 1 to 64 checks (only an infeasible task may have none)")
+    for j, check in enumerate(ev["checks"]):
+        _check_entry(check, _CHECKS, f"evaluator.checks[{j}]", fail)
+    return Task(d["id"], d["instruction"], setup, {"conj": ev.get("conj", "and"), "checks": ev["checks"]},
+                d.get("max_steps", 15), infeasible, tuple(d.get("apps", [])))
 
 
 def load_tasks(path: str | os.PathLike) -> list[Task]:

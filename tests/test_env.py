@@ -16,7 +16,7 @@ import time
 import pytest
 from PIL import Image
 
-from env import (Action, LocalVM, Task, TaskError, VMClient, VMError, VMPool, launch_local_vms,
+from env import (Action, Task, TaskError, VMClient, VMError, VMPool, launch_local_vms,
                  load_tasks, parse_action)
 
 TOKEN = "test-token"

@@ -75,27 +75,53 @@ def assign_advantages(samples: list["Sample"], eps: float = 1e-6) -> torch.Tenso
 # ----------------------------------------------------------------------------------------------
 # Log-probs of chosen tokens
 
-# Rows of logits handled per logsumexp call: bounds the temporary to ~16M floats (64 MB).
+# Rows of logits handled per exp/logsumexp call: bounds each temporary to ~16M floats (64 MB).
 _LSE_CHUNK_ELEMS = 1 << 24
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """log p(index) = logits[index] - logsumexp(logits), with a hand-written backward.
+
+    Autograd's own backward for gather + logsumexp allocates three or four (N, V) buffers (the
+    gather's zero-filled grad, exp(logits - lse), their sum, ...). d/dlogits is simply
+    onehot(index) - softmax(logits), so one (N, V) gradient buffer filled chunk by chunk does it.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, index):  # logits (N, V), index (N,)
+        out_dtype = torch.promote_types(logits.dtype, torch.float32)
+        rows = max(1, _LSE_CHUNK_ELEMS // logits.shape[1])
+        # Upcast per chunk: a bf16 logsumexp over 152k entries loses ~2 digits, and the GRPO
+        # ratio exp(new - old) magnifies any such error.
+        lse = torch.cat([torch.logsumexp(logits[i:i + rows].to(out_dtype), dim=-1)
+                         for i in range(0, logits.shape[0], rows)] or [logits.new_zeros(0, dtype=out_dtype)])  # (N,)
+        picked = logits.gather(1, index[:, None]).squeeze(1).to(out_dtype)  # (N,)
+        ctx.save_for_backward(logits, index, lse)
+        ctx.rows = rows
+        return picked - lse  # (N,)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out (N,)
+        logits, index, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # (N, V)
+        for i in range(0, logits.shape[0], ctx.rows):
+            p = torch.exp(logits[i:i + ctx.rows].to(lse.dtype) - lse[i:i + ctx.rows, None])  # (n, V) softmax
+            grad[i:i + ctx.rows] = (p * -grad_out[i:i + ctx.rows, None]).to(grad.dtype)  # (n, V)
+        grad.scatter_add_(1, index[:, None], grad_out[:, None].to(grad.dtype))  # + onehot * grad_out
+        return grad, None
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[..., index] without materialising a full log_softmax.
 
-    logits (..., V), index (...) -> (...), in float32 (float64 stays float64). log p(i) is
-    logits[i] - logsumexp(logits); the logsumexp runs over a few rows at a time, each chunk
-    upcast to float32 first: a bf16 logsumexp over 152k entries loses ~2 digits, and the GRPO
-    ratio exp(new - old) magnifies any such error.
+    logits (..., V), index (...) -> (...), in float32 (float64 stays float64), whatever the
+    logits' dtype. Memory beyond the logits: one chunk temporary forward, one (N, V) gradient
+    backward.
     """
     V = logits.shape[-1]
     flat = logits.reshape(-1, V)  # (N, V)
-    idx = index.reshape(-1, 1).to(torch.long)  # (N, 1)
-    out_dtype = torch.promote_types(logits.dtype, torch.float32)
-    picked = flat.gather(-1, idx).squeeze(-1).to(out_dtype)  # (N,)
-    rows = max(1, _LSE_CHUNK_ELEMS // V)
-    lse = [torch.logsumexp(flat[i:i + rows].to(out_dtype), dim=-1) for i in range(0, flat.shape[0], rows)]  # [(n,)]
-    lse = torch.cat(lse) if lse else picked.new_zeros(0)  # (N,)
-    return (picked - lse).reshape(index.shape)  # (...)
+    idx = index.reshape(-1).to(device=logits.device, dtype=torch.long)  # (N,)
+    return _SelectiveLogSoftmax.apply(flat, idx).reshape(index.shape)  # (...)
 
 
 # ----------------------------------------------------------------------------------------------

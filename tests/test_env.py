@@ -3,7 +3,7 @@
 Run: python -m pytest -q tests/test_env.py   (needs Xvfb & co from setup.sh; about a minute)
 
 Everything is real: `vm_server.py --xvfb` desktops started by launch_local_vms, HTTP on loopback,
-processes killed with real signals. Parsing is tested in tests/test_parse_action.py.
+processes killed with real signals. The shared desktop comes from tests/conftest.py. Parsing is tested in tests/test_parse_action.py.
 """
 
 import json
@@ -19,21 +19,20 @@ from PIL import Image
 from env import (Action, Task, TaskError, VMClient, VMError, VMPool, launch_local_vms,
                  load_tasks, parse_action)
 
-TOKEN = "test-token"
 
 
-@pytest.fixture(scope="module")
-def vm():
-    [one] = launch_local_vms(1, token=TOKEN)
-    yield one
-    one.stop()
+@pytest.fixture
+def vm(vm_desktop):
+    """The session's shared desktop (tests/conftest.py: a real `vm_server.py --xvfb`)."""
+    return vm_desktop
 
 
 @pytest.fixture
 def client(vm):
-    c = VMClient(vm.url, TOKEN, timeout=15)
-    c.reset()  # every test starts from the initial desktop
-    return c
+    c = VMClient(vm.url, vm.token, timeout=15)
+    c.reset()  # every test starts from the initial desktop...
+    yield c
+    c.reset()  # ...and leaves it that way for the next test that shares it
 
 
 def _wait_for(fn, timeout=10.0):
@@ -74,7 +73,7 @@ def test_client_round_trip(client, vm):
 
 
 def test_client_errors_name_the_url(vm):
-    c = VMClient(vm.url, TOKEN, timeout=15)
+    c = VMClient(vm.url, vm.token, timeout=15)
     with pytest.raises(VMError) as e:
         c.act({"type": "click", "x": 99999, "y": 1})  # off screen: the server refuses it
     assert e.value.status == 400 and vm.url in str(e.value)
@@ -185,7 +184,7 @@ def test_pool_survives_killed_and_frozen_vms():
 
 def test_pool_of_urls_with_one_dead(vm):
     dead = f"http://127.0.0.1:{_free_port()}"
-    pool = VMPool(f"{vm.url}, {dead}", token=TOKEN, timeout=5)  # what --vms URL,URL gives
+    pool = VMPool(f"{vm.url}, {dead}", token=vm.token, timeout=5)  # what --vms URL,URL gives
     try:
         assert pool.urls == [vm.url, dead] and pool.local is None
         res = pool.screenshots()

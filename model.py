@@ -272,6 +272,14 @@ def load_policy(name: str = "tiny", lora_rank: int = 0, lora_alpha: int = 16,
             reason = str(e).strip().splitlines()[0][:200]
             raise ModelNotFound(f"Could not load model '{name}' ({reason}); download it first or pass a "
                                 "local checkpoint folder, or use --model tiny for the random-weight test model.")
+    return wrap_policy(model, tokenizer, image_processor, name, device, dtype, lora_rank, lora_alpha,
+                       gradient_checkpointing)
+
+
+def wrap_policy(model, tokenizer, image_processor, name: str, device, dtype, lora_rank: int = 0,
+                lora_alpha: int = 16, gradient_checkpointing: bool = False) -> Policy:
+    """The common tail of load_policy (also used by bench/gpu_update.py for a model built from a
+    config): device and dtype, sampling defaults off, 3D-rope hook, checkpointing, LoRA."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = "<|endoftext|>"
     tokenizer.padding_side = "left"
@@ -292,8 +300,8 @@ def load_policy(name: str = "tiny", lora_rank: int = 0, lora_alpha: int = 16,
         targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0,
                                                  target_modules=targets, bias="none"))
-    return Policy(model=model, tokenizer=tokenizer, image_processor=image_processor, device=device,
-                  dtype=dtype, name=name, lora=lora_rank > 0)
+    return Policy(model=model, tokenizer=tokenizer, image_processor=image_processor,
+                  device=torch.device(device), dtype=dtype, name=name, lora=lora_rank > 0)
 
 
 @contextlib.contextmanager

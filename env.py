@@ -670,6 +670,7 @@ def stop_vms(vms: list[LocalVM], keep_log: bool = False) -> None:
             vm.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+        _remove_orphan_tmp(vm)
         if not keep_log and os.path.exists(vm.log):
             os.unlink(vm.log)
         if vm in _LAUNCHED:
@@ -677,6 +678,21 @@ def stop_vms(vms: list[LocalVM], keep_log: bool = False) -> None:
 
 
 atexit.register(lambda: stop_vms(list(_LAUNCHED)))
+
+
+def _remove_orphan_tmp(vm: LocalVM) -> None:
+    # A server that was SIGKILLed (or crashed) could not remove its temp dir (HOME copy, X runtime
+    # dir). Its start line in the log names it ("... home /tmp/vm_server-XXXX/home"); remove it
+    # here, so restarts in a long run do not pile them up. Only dirs that look like the server's.
+    try:
+        with open(vm.log, errors="replace") as f:
+            m = re.search(r" home (\S+)/home\s*$", f.read(4096), re.M)
+    except OSError:
+        return
+    tmp = m.group(1) if m else ""
+    if vm.proc.returncode != 0 and os.path.basename(tmp).startswith("vm_server-") and \
+            os.path.dirname(tmp) == tempfile.gettempdir():
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _new_token() -> str:

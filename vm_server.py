@@ -126,8 +126,8 @@ def template_files() -> dict[str, str]:
     files[".config/libfm/libfm.conf"] = "[config]\nquick_exec=1\n"
     # mousepad keeps its settings in GSettings; with GSETTINGS_BACKEND=keyfile they live here.
     files[".config/glib-2.0/settings/keyfile"] = (
-        "[org/xfce/mousepad/preferences/window]\npath-in-title=false\nremember-size=false\n"
-        "remember-state=false\n\n[org/xfce/mousepad/preferences/file]\nsession-restore='never'\n")
+        "[org/xfce/mousepad/preferences/window]\npath-in-title=false\n\n"
+        "[org/xfce/mousepad/preferences/file]\nsession-restore='never'\n")
     files["notes.txt"] = "Welcome to this desktop.\nThese notes are yours to edit.\n"
     files["Documents/todo.txt"] = "buy milk\nwrite report\ncall Alice\n"
     files["Documents/report.txt"] = "Quarterly report\n\nSales grew 12% over the last quarter.\n"
@@ -442,17 +442,52 @@ def do_action(desk: Desktop, a: dict) -> None:
     elif t == "type":
         if at:  # ScreenExplorer's Text(x, y, "t"): click the field first
             gui.click(*at)
-        if all(c in "\n\t" or " " <= c <= "~" for c in a["text"]):
-            gui.write(a["text"])
-        else:
-            # pyautogui.write silently drops characters outside its US keymap; xdotool remaps a
-            # spare keycode per character, so 'café' and '中文' arrive intact.
-            subprocess.run(["xdotool", "type", "--delay", "12", "--", a["text"]], env=desk.env, timeout=60)
+        type_text(a["text"])
     elif t == "key":
         gui.hotkey(*a["keys"])
     elif t == "wait":
         time.sleep(a["amount"])
     # done / fail: the client ends the episode; nothing to execute here
+
+
+def type_text(text: str) -> None:
+    """Type any text. pyautogui types what the US keymap has and silently drops the rest; for
+    those characters we map spare keycodes to them (all at once), type, then unmap. (`xdotool type`
+    remaps one keycode per character and loses characters when an app reads the keymap late.)"""
+    import pyautogui
+    from Xlib import X, display
+    from Xlib.ext import xtest
+    us = lambda c: c in "\n\t" or " " <= c <= "~"  # noqa: E731
+    if all(map(us, text)):
+        return pyautogui.write(text)
+    d = display.Display()
+    lo = d.display.info.min_keycode
+    keymap = d.get_keyboard_mapping(lo, d.display.info.max_keycode - lo + 1)
+    spare, width = [lo + i for i, syms in enumerate(keymap) if not any(syms)], len(keymap[0])
+    pos = 0
+    while spare and pos < len(text):
+        codes, end = {}, pos  # the longest run whose special characters fit the spare keycodes
+        while end < len(text) and (us(text[end]) or text[end] in codes or len(codes) < len(spare)):
+            if not us(text[end]):
+                codes.setdefault(text[end], spare[len(codes)])
+            end += 1
+        for c, kc in codes.items():  # Latin-1 keysyms are the code point, others 0x1000000 + it
+            d.change_keyboard_mapping(kc, [(ord(c) if ord(c) < 256 else 0x1000000 + ord(c),) * width])
+        d.sync()
+        time.sleep(0.05)  # apps reload their keymap on the MappingNotify first
+        for c in text[pos:end]:
+            if c in codes:
+                xtest.fake_input(d, X.KeyPress, codes[c])
+                xtest.fake_input(d, X.KeyRelease, codes[c])
+                d.sync()
+            else:
+                pyautogui.write(c)
+        time.sleep(0.2)  # the app translates the last keys before the keycodes change back
+        for kc in codes.values():
+            d.change_keyboard_mapping(kc, [(0,) * width])
+        d.sync()
+        pos = end
+    d.close()
 
 
 # -------------------------------------------------------------------------------------------------
@@ -478,11 +513,11 @@ def check_step(desk: Desktop, s) -> dict:
         s["argv"] = _argv(desk, s)
         s["timeout"] = _number(s, "timeout", 0.1, 120, default=30, integer=False)
     elif s["type"] == "open":  # a folder -> the file manager, a text file -> the editor
-        path = resolve(desk, s["path"])
+        s["path"] = path = resolve(desk, s["path"])
+        # Judged by name, not by existence: an earlier write_file step may create it.
         text = (mimetypes.guess_type(path)[0] or "").startswith("text/") or path.lower().endswith(TEXT_EXTS)
-        if not (os.path.isdir(path) or os.path.isfile(path) and text):
-            raise BadRequest(f"cannot open {s['path']!r}: open an existing folder or text file.")
-        s["argv"] = ["pcmanfm" if os.path.isdir(path) else "mousepad", path]
+        if not (text or os.path.isdir(path) or os.path.isfile(path) and "." not in os.path.basename(path)):
+            raise BadRequest(f"cannot open {path!r}: open a folder or a text file ({', '.join(TEXT_EXTS)}).")
     elif s["type"] == "write_file":
         s["path"], s["content"] = resolve(desk, s["path"]), _str(s, "content", MAX_BODY, empty=True)
         if os.path.isdir(s["path"]):
@@ -494,6 +529,8 @@ def check_step(desk: Desktop, s) -> dict:
 
 def run_step(desk: Desktop, s: dict) -> dict:
     t = s["type"]
+    if t == "open":  # decided now, after the steps before it ran
+        s["argv"] = ["pcmanfm" if os.path.isdir(s["path"]) else "mousepad", s["path"]]
     if t in ("launch", "open"):
         return {"type": t, "pid": spawn(desk, s["argv"]).pid}
     if t == "write_file":

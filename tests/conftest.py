@@ -1,0 +1,86 @@
+"""Shared pytest fixtures: real local desktops served by vm_server.py over real HTTP on loopback.
+
+`vm_desktop` (session scope) starts ONE `python vm_server.py --xvfb --port 0 --token <random>` for
+the whole test run and yields a `ServedDesktop`, which unpacks as `url, token, home = vm_desktop`
+and also carries `.display` (for xdotool/wmctrl in tests) and `.proc`. The desktop is shared:
+a test that changes it should POST /reset first (`vm_call(vm_desktop, "POST", "/reset")`).
+`start_vm_server(...)` starts an extra one (or one on an existing DISPLAY with xvfb=False) when a test needs its own (stop it with `.stop()`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import pytest
+import requests
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVER = os.path.join(ROOT, "vm_server.py")
+
+
+@dataclass
+class ServedDesktop:
+    url: str
+    token: str | None
+    home: str
+    display: str
+    proc: subprocess.Popen
+
+    def __iter__(self):  # `url, token, home = vm_desktop`
+        return iter((self.url, self.token, self.home))
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_vm_server(*args: str, xvfb: bool = True, token: str | None = "", timeout: float = 60,
+                    env=None) -> ServedDesktop:
+    """Start vm_server.py (--xvfb unless xvfb=False; extra CLI `args`) and wait for its ready
+    line. token="" draws a random token; token=None starts it without one."""
+    token = secrets.token_hex(8) if token == "" else token
+    cmd = [sys.executable, SERVER, "--port", "0", *(["--xvfb"] if xvfb else []), *args]
+    cmd += ["--token", token] if token else []
+    err = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty server never blocks on it
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                            start_new_session=True)
+    deadline = time.time() + timeout
+    line = ""
+    while time.time() < deadline and proc.poll() is None:
+        line = proc.stdout.readline()  # the server prints its ready line once the desktop is up
+        if line.startswith("vm_server: serving"):
+            break
+    m = re.match(r"vm_server: serving (\S+) display (\S+) screen \S+ home (.+)$", line.strip())
+    if not m:
+        proc.kill()
+        proc.wait()
+        err.seek(0)
+        raise RuntimeError(f"vm_server did not start: {line!r} {err.read()[-2000:]}")
+    return ServedDesktop(m[1], token, m[3], m[2], proc)
+
+
+def vm_call(vm: ServedDesktop, method: str, path: str, body=None, token: str | None = "", timeout=60):
+    """One HTTP request to a served desktop; token="" uses the desktop's own token."""
+    token = vm.token if token == "" else token
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return requests.request(method, vm.url + path, json=body, headers=headers, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def vm_desktop():
+    vm = start_vm_server()
+    yield vm
+    vm.stop()

@@ -1,0 +1,456 @@
+"""vm_server.py on real Xvfb desktops over real HTTP (loopback): every action changes the desktop
+observably, /reset restores it, every setup step and check type works (and fails when it should),
+auth and input validation hold, and stopping the server leaves no process behind.
+
+Run: python -m pytest -q tests/test_vm_server.py   (~1 min; needs the packages of setup.sh)
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from PIL import Image, ImageChops
+
+from conftest import SERVER, start_vm_server, vm_call
+
+sys.path.insert(0, os.path.dirname(SERVER))
+import vm_server  # noqa: E402
+
+ICONS = vm_server.desktop_icons((1280, 720))
+BG = (0x2F, 0x5F, 0x8F)
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers: observe the desktop from outside the server (xdotool / wmctrl / the files in HOME)
+
+def act(vm, **action):
+    r = vm_call(vm, "POST", "/action", action)
+    assert r.status_code == 200, r.text
+
+
+def reset(vm):
+    r = vm_call(vm, "POST", "/reset")
+    assert r.status_code == 200, r.text
+
+
+def x11(vm, *argv) -> str:
+    env = {**os.environ, "DISPLAY": vm.display}
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=10).stdout
+
+
+def windows(vm) -> list[str]:
+    """Titles of the app windows (workspace >= 0: not the desktop icons or the taskbar)."""
+    rows = [line.split(None, 3) + [""] for line in x11(vm, "wmctrl", "-l").splitlines()]
+    return [r[3] for r in rows if r[1] != "-1"]
+
+
+def wait_for(cond, what: str, timeout: float = 15.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def wait_window(vm, title: str) -> None:
+    wait_for(lambda: title in windows(vm), f"window {title!r} (have {windows(vm)})")
+
+
+def mouse(vm) -> tuple[int, int]:
+    out = dict(line.split("=") for line in x11(vm, "xdotool", "getmouselocation", "--shell").split())
+    return int(out["X"]), int(out["Y"])
+
+
+def geometry(vm, title: str) -> tuple[int, int, int, int]:
+    """(x, y, w, h) on screen of the client area of the window called `title` (xwininfo; xdotool's
+    getwindowgeometry counts the window frame's offset twice)."""
+    info = dict(line.strip().split(":", 1) for line in x11(vm, "xwininfo", "-name", title).splitlines()
+                if line.count(":") == 1)
+    return tuple(int(info[k]) for k in ("Absolute upper-left X", "Absolute upper-left Y", "Width", "Height"))
+
+
+def shot(vm, fmt="png") -> Image.Image:
+    r = vm_call(vm, "GET", f"/screenshot?format={fmt}")
+    assert r.status_code == 200, r.text
+    return Image.open(io.BytesIO(r.content)).convert("RGB")
+
+
+def changed(a: Image.Image, b: Image.Image) -> float:
+    """Fraction of pixels that differ between two images."""
+    diff = ImageChops.difference(a, b).convert("L").point(lambda v: 255 if v > 16 else 0)
+    return sum(diff.histogram()[255:]) / (a.width * a.height)
+
+
+def is_bg(img: Image.Image, box) -> bool:
+    """Is `box` all desktop background?"""
+    colours = img.crop(box).getcolors(1 << 16)  # [(count, rgb)], or None if very many
+    return colours is not None and [c for _, c in colours] == [BG]
+
+
+@pytest.fixture
+def vm(vm_desktop):
+    """The shared desktop, reset to its initial state before each test."""
+    reset(vm_desktop)
+    return vm_desktop
+
+
+# ------------------------------------------------------------------------------------------------
+# screenshots and the layout contract
+
+def test_screenshots_decode_to_screen_size(vm):
+    assert vm_call(vm, "GET", "/health").json() == {"ok": True, "screen": [1280, 720]}
+    r = vm_call(vm, "GET", "/screenshot")
+    assert r.headers["Content-Type"] == "image/png" and r.content[:8] == b"\x89PNG\r\n\x1a\n"
+    sizes = {}
+    for q in (10, 90):
+        r = vm_call(vm, "GET", f"/screenshot?format=jpeg&quality={q}")
+        assert r.headers["Content-Type"] == "image/jpeg"
+        assert Image.open(io.BytesIO(r.content)).size == (1280, 720)
+        sizes[q] = len(r.content)
+    assert sizes[10] < sizes[90]  # the quality parameter reaches the encoder
+    img = shot(vm)
+    assert img.size == (1280, 720)
+    # The background colour fills the empty desktop; the taskbar is at the bottom.
+    assert img.getpixel((700, 300)) == BG and img.getpixel((700, 710)) != BG
+
+
+def test_every_desktop_icon_opens_its_app(vm):
+    expected = {"Terminal": "xterm", "Text Editor": "Untitled 1 - Mousepad", "Calculator": "galculator",
+                "File Manager": "home", "Clock": "xclock", "Eyes": "xeyes", "XCalc": "Calculator"}
+    assert set(ICONS) == set(expected)
+    img = shot(vm)
+    for label, (x, y) in ICONS.items():
+        assert not is_bg(img, (x - 8, y - 8, x + 8, y + 8)), f"no icon drawn at {label}'s position"
+    for label, title in expected.items():
+        if windows(vm):
+            reset(vm)  # an open window may cover the next icon
+        x, y = ICONS[label]
+        act(vm, type="double_click", x=x, y=y)
+        wait_window(vm, title)
+
+
+# ------------------------------------------------------------------------------------------------
+# every action type has an observable effect
+
+def test_move_and_click(vm):
+    act(vm, type="move", x=321, y=123)
+    assert mouse(vm) == (321, 123)
+    x, y = ICONS["Terminal"]
+    cell = (x - 58, y - 30, x + 62, y + 70)
+    before = shot(vm).crop(cell)
+    act(vm, type="click", x=x, y=y)  # a single click selects the icon: its label is highlighted
+    time.sleep(0.3)
+    assert changed(before, shot(vm).crop(cell)) > 0.02
+    assert mouse(vm) == (x, y)
+    act(vm, type="click", x=700, y=400)  # clicking the empty desktop deselects it again
+    time.sleep(0.3)
+    assert changed(before, shot(vm).crop(cell)) < 0.005
+    act(vm, type="click")  # no point: clicks where the mouse is
+    assert mouse(vm) == (700, 400)
+
+
+def test_right_click_opens_context_menu(vm):
+    box = (702, 402, 800, 500)  # below-right of the click, where the menu unfolds
+    assert is_bg(shot(vm), box)
+    act(vm, type="right_click", x=700, y=400)
+    wait_for(lambda: not is_bg(shot(vm), box), "the desktop's context menu")
+    act(vm, type="key", keys=["esc"])
+    wait_for(lambda: is_bg(shot(vm), box), "the menu to close")
+
+
+def test_type_hotkey_and_save_in_editor(vm):
+    x, y = ICONS["Text Editor"]
+    act(vm, type="double_click", x=x, y=y)
+    wait_window(vm, "Untitled 1 - Mousepad")
+    act(vm, type="type", text="ascii line 1\n")
+    act(vm, type="type", text="héllo wörld ✓")  # non-ASCII goes through xdotool
+    act(vm, type="key", keys=["ctrl", "s"])
+    wait_window(vm, "Save As")
+    act(vm, type="type", text="typed.txt")
+    time.sleep(0.3)
+    act(vm, type="key", keys=["enter"])
+    wait_window(vm, "typed.txt - Mousepad")
+    path = os.path.join(vm.home, "typed.txt")
+    wait_for(lambda: os.path.exists(path), "the saved file")
+    assert open(path, encoding="utf-8").read().startswith("ascii line 1\nhéllo wörld ✓")
+
+
+def test_hotkey_closes_window(vm):
+    r = vm_call(vm, "POST", "/setup", {"steps": [{"type": "launch", "argv": ["galculator"]}]})
+    assert r.status_code == 200, r.text
+    wait_window(vm, "galculator")
+    time.sleep(0.3)
+    act(vm, type="key", keys=["alt", "f4"])  # openbox's default close binding (on the focused window)
+    wait_for(lambda: "galculator" not in windows(vm), "alt+f4 to close galculator")
+
+
+def test_drag_moves_icon_and_selects_text(vm):
+    # 1. Dragging a desktop icon moves it; pcmanfm records the new place in HOME.
+    x, y = ICONS["Terminal"]
+    act(vm, type="drag", x=x, y=y, x2=640, y2=300)
+    conf = os.path.join(vm.home, ".config/pcmanfm/default/desktop-items-0.conf")
+    wait_for(lambda: "x=16\ny=16" not in open(conf).read().split("[terminal.desktop]")[1][:20],
+             "pcmanfm to save the moved icon")
+    img = shot(vm)
+    assert is_bg(img, (x - 8, y - 8, x + 8, y + 8)) and not is_bg(img, (620, 280, 660, 320))
+    # 2. Dragging over text in a terminal selects it (X's PRIMARY selection).
+    vm_call(vm, "POST", "/setup", {"steps": [{"type": "launch", "argv": [
+        "xterm", "-T", "viewer", "-geometry", "60x10+400+300", "-hold", "-e", "cat", "notes.txt"]}]})
+    wait_window(vm, "viewer")
+    time.sleep(0.5)
+    wx, wy, _, _ = geometry(vm, "viewer")
+    # xterm's default font is 6x13 pixels after a 2-pixel border: row 0 is y in [wy+2, wy+15),
+    # column c is x in [wx+2+6c, wx+8+6c). Press in column 0, release early in column 7.
+    act(vm, type="drag", x=wx + 3, y=wy + 8, x2=wx + 2 + 6 * 7 + 1, y2=wy + 8)
+    primary = wait_for(lambda: x11(vm, "xclip", "-o", "-selection", "primary"), "a selection")
+    assert primary == "Welcome"
+
+
+def test_scroll_moves_the_view(vm):
+    lines = "".join(f"line {i}\n" for i in range(1, 501))
+    r = vm_call(vm, "POST", "/setup", {"steps": [{"type": "write_file", "path": "long.txt", "content": lines},
+                                                 {"type": "open", "path": "long.txt"}]})
+    assert r.status_code == 200, r.text
+    wait_window(vm, "long.txt - Mousepad")
+    time.sleep(0.8)
+    x, y, w, h = geometry(vm, "long.txt - Mousepad")
+    box = (x + 40, y + 80, x + w - 40, y + h - 40)  # inside the text view
+    top = shot(vm).crop(box)
+    act(vm, type="scroll", x=x + w // 2, y=y + h // 2, direction="down", amount=10)
+    time.sleep(0.5)
+    assert changed(top, shot(vm).crop(box)) > 0.01
+    act(vm, type="scroll", direction="up", amount=10)  # no point: scrolls where the mouse is
+    time.sleep(0.5)
+    assert changed(top, shot(vm).crop(box)) < 0.003  # back at the top (the caret may blink)
+
+
+def test_wait_done_fail_execute_nothing(vm):
+    act(vm, type="move", x=500, y=500)
+    t = time.time()
+    act(vm, type="wait", amount=1)
+    assert time.time() - t >= 1.0
+    act(vm, type="done")
+    act(vm, type="fail")
+    assert mouse(vm) == (500, 500) and windows(vm) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# reset, setup, evaluate
+
+def test_reset_restores_files_windows_and_mouse(vm):
+    steps = [{"type": "launch", "argv": ["xclock"]}, {"type": "open", "path": "Documents"},
+             {"type": "write_file", "path": "junk/new.txt", "content": "x"},
+             {"type": "command", "argv": ["mv", "notes.txt", "moved.txt"]}]
+    assert vm_call(vm, "POST", "/setup", {"steps": steps}).status_code == 200
+    wait_for(lambda: {"xclock", "Documents"} <= set(windows(vm)), "the launched windows")
+    os.chmod(os.path.join(vm.home, "junk"), 0o500)  # a read-only folder must not stop the restore
+    act(vm, type="move", x=5, y=5)
+    reset(vm)
+    assert windows(vm) == []
+    assert open(os.path.join(vm.home, "notes.txt")).read().startswith("Welcome")
+    assert not os.path.exists(os.path.join(vm.home, "junk"))
+    assert not os.path.exists(os.path.join(vm.home, "moved.txt"))
+    assert mouse(vm) == (640, 360)
+    assert not is_bg(shot(vm), (66, 38, 82, 54))  # the icons are back
+
+
+def test_setup_steps(vm):
+    steps = [{"type": "write_file", "path": "~/a/b/ü.txt", "content": "grüße\n"},
+             {"type": "open", "path": "Documents/todo.txt"}, {"type": "open", "path": "Documents"},
+             {"type": "launch", "argv": ["xeyes"]}, {"type": "sleep", "seconds": 0.5},
+             {"type": "command", "argv": ["cat", "a/b/ü.txt"]},
+             {"type": "command", "argv": ["sleep", "5"], "timeout": 0.3}]
+    t = time.time()
+    r = vm_call(vm, "POST", "/setup", {"steps": steps})
+    assert r.status_code == 200, r.text
+    assert 0.8 <= time.time() - t < 4  # the sleep step and the timed-out command each took time
+    res = r.json()["results"]
+    assert [s["type"] for s in res] == [s["type"] for s in steps]
+    assert res[0]["bytes"] == len("grüße\n".encode())
+    assert open(os.path.join(vm.home, "a/b/ü.txt"), encoding="utf-8").read() == "grüße\n"
+    assert res[5] == {"type": "command", "exit_code": 0, "stdout": "grüße\n"}
+    assert res[6]["exit_code"] is None  # timed out
+    wait_for(lambda: {"todo.txt - Mousepad", "Documents", "xeyes"} <= set(windows(vm)), "the opened windows")
+
+
+def test_setup_is_all_or_nothing(vm):
+    steps = [{"type": "write_file", "path": "first.txt", "content": "x"},
+             {"type": "launch", "argv": ["rm", "-rf", "/"]}]
+    r = vm_call(vm, "POST", "/setup", {"steps": steps})
+    assert r.status_code == 400 and "not allowed" in r.json()["error"]
+    assert not os.path.exists(os.path.join(vm.home, "first.txt"))
+
+
+def test_evaluate_every_check_type(vm):
+    vm_call(vm, "POST", "/setup", {"steps": [{"type": "launch", "argv": ["xclock"]}]})
+    wait_window(vm, "xclock")
+    passing = [{"type": "file_exists", "path": "notes.txt"},
+               {"type": "file_exists", "path": "~/nope.txt", "exists": False},
+               {"type": "file_contains", "path": "Documents/todo.txt", "text": "buy milk"},
+               {"type": "file_contains", "path": os.path.join(vm.home, "notes.txt"), "regex": r"^Welcome\b"},
+               {"type": "window_exists", "title": "^xclock$"},
+               {"type": "window_exists", "title": "Mousepad", "exists": False},
+               {"type": "command", "argv": ["wc", "-l", "Documents/todo.txt"], "stdout": "3"},
+               {"type": "command", "argv": ["grep", "-c", "rent", "Documents/budget.csv"], "regex": r"^1$"},
+               {"type": "command", "argv": ["test", "-d", "Documents"]},
+               {"type": "command", "argv": ["false"], "exit_code": 1}]
+    failing = [{"type": "file_exists", "path": "nope.txt"},
+               {"type": "file_exists", "path": "notes.txt", "exists": False},
+               {"type": "file_contains", "path": "notes.txt", "text": "not in there"},
+               {"type": "file_contains", "path": "missing.txt", "text": "x"},
+               {"type": "window_exists", "title": "Mousepad"},
+               {"type": "window_exists", "title": "xclock", "exists": False},
+               {"type": "command", "argv": ["cat", "notes.txt"], "stdout": "absent"},
+               {"type": "command", "argv": ["false"]},
+               {"type": "command", "argv": ["sleep", "5"], "timeout": 0.2}]
+    for check in passing + failing:
+        r = vm_call(vm, "POST", "/evaluate", {"conj": "and", "checks": [check]})
+        assert r.status_code == 200, (check, r.text)
+        d = r.json()
+        assert d["score"] == float(check in passing), (check, d)
+        assert d["details"][0]["passed"] == (check in passing) and d["details"][0]["type"] == check["type"]
+    mixed = [passing[0], failing[0]]
+    assert vm_call(vm, "POST", "/evaluate", {"conj": "and", "checks": mixed}).json()["score"] == 0.0
+    assert vm_call(vm, "POST", "/evaluate", {"conj": "or", "checks": mixed}).json()["score"] == 1.0
+    assert vm_call(vm, "POST", "/evaluate", {"conj": "or", "checks": failing[:2]}).json()["score"] == 0.0
+    assert vm_call(vm, "POST", "/evaluate", {"checks": passing}).json()["score"] == 1.0  # "and" by default
+
+
+# ------------------------------------------------------------------------------------------------
+# auth and validation
+
+def test_auth_required_and_nothing_executed(vm):
+    act(vm, type="move", x=100, y=100)
+    for token in (None, "wrong-token", vm.token + "x"):
+        for method, path, body in [("GET", "/health", None), ("GET", "/screenshot", None),
+                                   ("POST", "/action", {"type": "move", "x": 900, "y": 600}),
+                                   ("POST", "/setup", {"steps": [{"type": "write_file", "path": "pwned.txt", "content": ""}]}),
+                                   ("POST", "/reset", None),
+                                   ("POST", "/evaluate", {"checks": [{"type": "file_exists", "path": "x"}]})]:
+            r = vm_call(vm, method, path, body, token=token)
+            assert r.status_code == 401 and "token" in r.json()["error"], (token, path)
+    assert mouse(vm) == (100, 100)
+    assert not os.path.exists(os.path.join(vm.home, "pwned.txt"))
+
+
+def test_bad_inputs_get_4xx_and_server_survives(vm):
+    os.symlink("/etc", os.path.join(vm.home, "etc_link"))
+    bad = [("/action", {"type": "click", "x": 1280, "y": 5}), ("/action", {"type": "click", "x": -1, "y": 5}),
+           ("/action", {"type": "click", "x": True, "y": 5}), ("/action", {"type": "click", "x": 5.0, "y": 5}),
+           ("/action", {"type": "click", "x": "5", "y": 5}), ("/action", {"type": "click", "x": 5}),
+           ("/action", {"type": "move"}), ("/action", {"type": "drag", "x": 1, "y": 1, "x2": 1}),
+           ("/action", {"type": "type", "text": "x" * 2001}), ("/action", {"type": "type", "text": ""}),
+           ("/action", {"type": "key", "keys": ["ctrl", "nokey"]}), ("/action", {"type": "key", "keys": "ctrl"}),
+           ("/action", {"type": "key", "keys": ["a"] * 9}), ("/action", {"type": "scroll", "direction": "in"}),
+           ("/action", {"type": "scroll", "direction": "up", "amount": 0}),
+           ("/action", {"type": "wait", "amount": 60}), ("/action", {"type": "click", "button": "middle"}),
+           ("/action", {"type": "rm -rf"}), ("/action", [1, 2]), ("/action", None),
+           ("/setup", {"steps": []}), ("/setup", {"steps": [{"type": "eval", "code": "1"}]}),
+           ("/setup", {"steps": [{"type": "launch", "argv": ["/usr/bin/xclock"]}]}),
+           ("/setup", {"steps": [{"type": "command", "argv": "ls -la"}]}),
+           ("/setup", {"steps": [{"type": "write_file", "path": "/etc/passwd", "content": ""}]}),
+           ("/setup", {"steps": [{"type": "write_file", "path": "../escape.txt", "content": ""}]}),
+           ("/setup", {"steps": [{"type": "write_file", "path": "etc_link/x", "content": ""}]}),
+           ("/setup", {"steps": [{"type": "open", "path": "photo.png"}]}),
+           ("/setup", {"steps": [{"type": "sleep", "seconds": 31}]}),
+           ("/evaluate", {"checks": []}), ("/evaluate", {"conj": "xor", "checks": [{"type": "file_exists", "path": "a"}]}),
+           ("/evaluate", {"checks": [{"type": "file_contains", "path": "notes.txt"}]}),
+           ("/evaluate", {"checks": [{"type": "file_contains", "path": "notes.txt", "regex": "("}]}),
+           ("/evaluate", {"checks": [{"type": "file_exists", "path": "/etc/passwd"}]}),
+           ("/evaluate", {"checks": [{"type": "command", "argv": ["rm", "x"]}]}),
+           ("/nope", {})]
+    for path, body in bad:
+        r = vm_call(vm, "POST", path, body)
+        assert 400 <= r.status_code < 500 and r.json()["error"].endswith("."), (path, body, r.text)
+    raw = [b"{not json", b'{"type": "move", "x": NaN, "y": 1}', b"[" * 100000 + b"]" * 100000]
+    for data in raw:
+        r = requests.post(vm.url + "/action", data=data, headers={"Authorization": f"Bearer {vm.token}"})
+        assert r.status_code == 400, (data[:40], r.text)
+    r = requests.post(vm.url + "/setup", data=b"x" * (2 << 20), headers={"Authorization": f"Bearer {vm.token}"})
+    assert r.status_code == 413
+    assert vm_call(vm, "GET", "/action").status_code == 405
+    assert vm_call(vm, "GET", "/screenshot?format=gif").status_code == 400
+    assert vm_call(vm, "GET", "/screenshot?format=jpeg&quality=500").status_code == 400
+    # still healthy, and still acting
+    assert vm_call(vm, "GET", "/health").json()["ok"] is True
+    act(vm, type="move", x=1279, y=719)  # a corner is a legitimate target (FAILSAFE is off)
+    assert mouse(vm) == (1279, 719) and vm.proc.poll() is None
+
+
+def test_non_loopback_without_token_is_refused():
+    env = {k: v for k, v in os.environ.items() if k != "VM_TOKEN"}
+    r = subprocess.run([sys.executable, SERVER, "--host", "0.0.0.0", "--xvfb"], env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "without a token" in r.stderr and r.stderr.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# process lifetime, isolation, and the mode for your own VM
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_parallel_desktops_are_isolated_and_stop_cleanly(vm):
+    other = start_vm_server()
+    try:
+        assert other.display != vm.display and other.home != vm.home
+        r = vm_call(other, "POST", "/setup", {"steps": [{"type": "write_file", "path": "mine.txt", "content": "1"},
+                                                        {"type": "launch", "argv": ["xclock"]}]})
+        assert r.status_code == 200
+        assert os.path.exists(os.path.join(other.home, "mine.txt"))
+        assert not os.path.exists(os.path.join(vm.home, "mine.txt"))
+        wait_window(other, "xclock")
+        assert "xclock" not in windows(vm)
+        kids = _children(other.proc.pid)
+        assert len(kids) >= 5  # Xvfb, openbox, tint2, pcmanfm, xclock
+    finally:
+        other.stop(signal.SIGTERM)
+    wait_for(lambda: all(_gone(p) for p in kids), "every process of the stopped server to exit")
+    assert not os.path.exists(os.path.dirname(other.home))  # its temp HOME is removed too
+    # Even `kill -9` leaves no orphan display: Xvfb has a parent-death signal, its clients follow.
+    third = start_vm_server()
+    kids = _children(third.proc.pid)
+    third.stop(signal.SIGKILL)
+    wait_for(lambda: all(_gone(p) for p in kids), "the desktop of a killed server to exit")
+    shutil.rmtree(os.path.dirname(third.home), ignore_errors=True)
+
+
+def test_inside_your_own_vm_mode(vm, tmp_path):
+    """Without --xvfb the server drives the existing DISPLAY and the real HOME, and /reset closes
+    only what it launched (here the shared test desktop plays the VM's display)."""
+    env = {**os.environ, "DISPLAY": vm.display, "HOME": str(tmp_path)}
+    own = start_vm_server(xvfb=False, env=env, timeout=30)
+    try:
+        assert vm_call(own, "GET", "/health").json()["screen"] == [1280, 720]
+        assert own.home == str(tmp_path)
+        r = vm_call(own, "POST", "/setup", {"steps": [{"type": "write_file", "path": "kept.txt", "content": "k"},
+                                                      {"type": "launch", "argv": ["xeyes"]}]})
+        assert r.status_code == 200
+        wait_window(vm, "xeyes")
+        act(own, type="move", x=10, y=20)
+        assert mouse(vm) == (10, 20)
+        reset(own)
+        wait_for(lambda: "xeyes" not in windows(vm), "reset to close the app it launched")
+        assert (tmp_path / "kept.txt").read_text() == "k"  # a real HOME is never wiped
+        assert mouse(vm) == (640, 360)
+    finally:
+        own.stop()

@@ -29,9 +29,11 @@ ICONS = desktop_icons(SCREEN)  # label -> (x, y) centre of the icon, e.g. "Termi
 
 
 def launch(label: str) -> list[dict]:
-    """Double-click a desktop icon, then give the app a second to map its window."""
+    """Double-click a desktop icon, then give the app time to map its window. Two seconds, not one:
+    on a loaded 2-core machine a GTK app (mousepad) sometimes needs more than one, and keys sent
+    before its window exists go to the desktop instead."""
     x, y = ICONS[label]
-    return [{"type": "double_click", "x": x, "y": y}, wait()]
+    return [{"type": "double_click", "x": x, "y": y}, wait(2)]
 
 
 def type_(text: str) -> dict:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import queue
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -111,6 +112,10 @@ def run_task(vm: VMClient, task: Task) -> Run:
         run.solved = episode_score(task, SOLUTIONS[task.id], vm)
         if not task.infeasible:
             run.details = vm.evaluate(task.evaluator)["details"]
+        if run.solved != 1.0:  # keep the evidence: what the screen showed at the end
+            path = os.path.join(tempfile.gettempdir(), f"test_tasks-{task.id}.png")
+            vm.screenshot().save(path)
+            run.details.append({"screenshot": path})
     except Exception as e:  # noqa: BLE001 -- reported by the task's own test, not the fixture
         run.error = f"{type(e).__name__}: {e}"
     run.seconds = time.time() - t0

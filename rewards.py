@@ -37,6 +37,17 @@ Where we depart from the paper / release, and why:
    its visual curiosity compares against an untrained projection; here every parameter is trained
    (tests/test_rewards.py checks each one gets a gradient). Curiosity uses the model's prediction
    after this iteration's update (the release reused the last epoch's mid-update predictions).
+
+One iteration, as train_explore.py uses it:
+    flags = parse_reward_flags(args.rewards)                      # once
+    tools = load_text_tools() if needs_text(flags) else None      # None + one message if missing
+    flags = effective_flags(flags, tools)
+    wm = WorldModel(text_dim=tools.dim if flags["text"] else 0); opt = AdamW(wm.parameters(), 1e-3)
+    f = step_features(before_imgs, after_imgs, intents, actions, tools if needs_text(flags) else None)
+    pred_s, pred_e, wm_metrics = update_and_predict(wm, opt, f, actions, valid)  # if flags["world_model"]
+    r = exploration_rewards(flags, traj_ids, valid, f.screen_before, f.screen_after, pred_s,
+                            f.text_before, f.text_after, pred_e, f.intent, f.click_text, f.click_hit)
+    r.total -> GRPO advantages (one group);  summarize_rewards(r) -> metrics.jsonl
 """
 
 import hashlib
@@ -118,7 +129,7 @@ SCREEN_DIM = 2 * SCREEN_GRID[0] * SCREEN_GRID[1] + 1  # means + stds + global br
 def screen_features(images: list[Image.Image]) -> torch.Tensor:
     """(N, SCREEN_DIM) float32, unit-norm rows; deterministic and never trained."""
     gw, gh = SCREEN_GRID
-    rows = []
+    rows = [np.zeros(SCREEN_DIM)] if not images else []  # keeps np.stack happy; sliced off below
     for img in images:
         # One BOX resize to 256 x 144 does the heavy lifting (~2 ms for 1280x720); any screen
         # size or aspect ratio maps onto the same grid, so D does not depend on the desktop.
@@ -133,7 +144,7 @@ def screen_features(images: list[Image.Image]) -> torch.Tensor:
         v = np.concatenate([(mean - mean.mean()).ravel(), (std - std.mean()).ravel(),
                             [mean.mean() - 0.5]])  # (SCREEN_DIM,)
         rows.append(v / max(np.linalg.norm(v), 1e-8))
-    return torch.from_numpy(np.stack(rows).astype(np.float32)).reshape(len(rows), SCREEN_DIM)  # (N, D)
+    return torch.from_numpy(np.stack(rows).astype(np.float32))[:len(images)]  # (N, D)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,8 +386,7 @@ def exploration_rewards(flags: dict[str, bool], traj_ids: list, valid, screen_be
     n = len(traj_ids)
     v = torch.as_tensor(valid, dtype=torch.float32).reshape(n)  # (N,) format reward, 0/1
     ok = v > 0
-    z = lambda: torch.zeros(n)  # (N,)
-    r = {name: z() for name in COMPONENTS}
+    r = {name: torch.zeros(n) for name in COMPONENTS}  # each (N,)
     # Trajectories, valid steps only, in order (invalid steps change nothing and earn nothing).
     trajs = {}
     for k, t in enumerate(traj_ids):
@@ -387,17 +397,16 @@ def exploration_rewards(flags: dict[str, bool], traj_ids: list, valid, screen_be
                                      ("text", text_before, text_after, text_pred)):
         if not flags[mod]:
             continue
+        b, a = _require(before, f"{mod} before", mod), _require(after, f"{mod} after", mod)  # (N, D|E)
         if flags["immediate"]:
-            b, a = _require(before, f"{mod} before", mod), _require(after, f"{mod} after", mod)
             r[f"{mod}_immediate"] = 1 - cosine(b, a)  # ALGO: the screen changed
         if flags["sequence"]:
-            b, a = _require(before, f"{mod} before", mod), _require(after, f"{mod} after", mod)
             for rows in trajs.values():
                 seq = sequence_similarity(b[rows[0]], a[rows])  # (T,)
                 r[f"{mod}_sequence"][rows] = 1 - seq  # ALGO: the trajectory keeps reaching new screens
         if flags["world_model"]:
             p = _require(pred, f"the world model's {mod} prediction", "world_model")
-            r[f"{mod}_world_model"] = 1 - cosine(_require(after, f"{mod} after", mod), p)  # ALGO: curiosity
+            r[f"{mod}_world_model"] = 1 - cosine(a, p)  # ALGO: curiosity, the world model was wrong
 
     if flags["intent"]:
         i = _require(intent, "intent embeddings", "intent")
@@ -566,3 +575,18 @@ def predict_next(wm: WorldModel, feats, actions, text=None):
     e = None if wm.text_head is None else text.to(dev).float()
     ps, pt = wm(feats.to(dev).float(), a, e)  # (N, D), (N, E)
     return ps.cpu(), (None if pt is None else pt.cpu())
+
+
+def update_and_predict(wm: WorldModel, optimizer, f: StepFeatures, actions: list, valid, epochs=3,
+                       batch_size=16):
+    """ALGO: the release's order: train on this iteration's valid transitions, then predict all N.
+    Returns (screen_pred (N, D), text_pred (N, E) or None, metrics)."""
+    rows = [k for k, ok in enumerate(valid) if ok]
+    metrics = {}
+    if rows:  # a buffer with no valid step has nothing to learn from (and earns 0 anyway)
+        text = wm.text_head is not None
+        metrics = train_world_model(wm, optimizer, f.screen_before[rows], [actions[k] for k in rows],
+                                    f.screen_after[rows], f.text_before[rows] if text else None,
+                                    f.text_after[rows] if text else None, epochs, batch_size)
+    pred_s, pred_e = predict_next(wm, f.screen_before, actions, f.text_before)
+    return pred_s, pred_e, metrics

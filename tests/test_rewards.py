@@ -287,6 +287,18 @@ def test_world_model_every_parameter_gets_gradient():
     assert parts["wm/image_loss"] > 0 and parts["wm/text_loss"] > 0
 
 
+def test_update_and_predict_trains_on_valid_steps_only():
+    s, e, actions, s2, e2 = _transitions(n=6)
+    f = R.StepFeatures(s, s2, text_before=e, text_after=e2)
+    wm = R.WorldModel(text_dim=8, hidden=32)
+    w0 = [p.detach().clone() for p in wm.parameters()]
+    ps, pt, m = R.update_and_predict(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, actions, [0] * 6)
+    assert m == {} and all(torch.equal(a, b) for a, b in zip(w0, wm.parameters()))  # nothing valid: no update
+    assert ps.shape == (6, R.SCREEN_DIM) and pt.shape == (6, 8)  # but a prediction for every step
+    _, _, m = R.update_and_predict(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, actions, [1, 0, 1, 0, 0, 0])
+    assert m["wm/loss"] > 0 and not all(torch.equal(a, b) for a, b in zip(w0, wm.parameters()))
+
+
 def test_world_model_learns_and_curiosity_decays():
     torch.manual_seed(0)
     s, e, actions, s2, e2 = _transitions()
@@ -353,9 +365,8 @@ def test_step_features_end_to_end(tools):
     assert close(f.click_text[0], want[0], atol=1e-4) and torch.count_nonzero(f.click_text[1]) == 0
     assert close(f.text_before[0], want[1], atol=1e-4)
     wm = R.WorldModel(text_dim=tools.dim)
-    R.train_world_model(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f.screen_before, acts,
-                        f.screen_after, f.text_before, f.text_after, epochs=1)
-    ps, pt = R.predict_next(wm, f.screen_before, acts, f.text_before)
+    ps, pt, m = R.update_and_predict(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, acts, [1, 1], epochs=1)
+    assert ps.shape == f.screen_after.shape and pt.shape == f.text_after.shape and m["wm/loss"] > 0
     r = exploration_rewards(ALL, [0, 1], [1, 1], f.screen_before, f.screen_after, ps, f.text_before,
                             f.text_after, pt, f.intent, f.click_text, f.click_hit)
     assert torch.isfinite(r.total).all() and r.intent_click[0] != 0 and r.intent_click[1] == 0

@@ -1,0 +1,732 @@
+"""ARPO: GRPO on multi-turn desktop tasks, with a replay buffer of successes (arXiv 2505.16282).
+
+    python train_arpo.py --vms 16 --group-size 8 --tasks tasks/          # UI-TARS-1.5-7B, a GPU
+    python train_arpo.py --vms 4 --group-size 2 --model tiny --iterations 2 --max-steps 3   # CPU
+    python train_arpo.py --resume runs/<name>                             # continue a run
+    python train_arpo.py --select-tasks 16 ...                            # ARPO's task selection first
+    python train_arpo.py --eval-only --resume runs/<name>                 # standard + hard success rates
+
+One iteration, top to bottom (`run_iteration`):
+    reset every VM -> pick tasks (live VMs // group size) -> task setup on each VM ->
+    rollout: at each step ONE batched generate over all unfinished VMs, parse the UI-TARS answer,
+      act, next screenshot; an episode ends at finished()/call_user()/an unparseable answer/max steps ->
+    score: the task's evaluator on the VM (infeasible tasks: 1 iff the last action is call_user) ->
+    replay: an all-failed group gets one member swapped for a stored success of the same task ->
+    reward = score - format penalty -> advantages per group, broadcast to every assistant token ->
+    one GRPO update on whole trajectories -> store this iteration's successes -> log, checkpoint.
+
+Where this departs from ARPO (paper + its released code), on purpose:
+1. Desktops are local Xvfb desktops (or remote `vm_server.py`s), not OSWorld's Ubuntu VMs; tasks are
+   tasks/*.json with execution-based checks. A VM that dies drops out of its group (the group goes on
+   with fewer members) instead of stalling the run.
+2. Rollouts step in lockstep: VM waits and generation do not overlap (`bench/arpo_iter.py` measures
+   what that costs). ARPO's workers are Ray actors; its generation is batched the same way.
+3. The format penalty follows ARPO's code (reward = score + 0.5 * (-1 on an unparseable answer), and
+   that answer ends the episode); `--format-penalty` sets the 0.5, `--no-stop-on-format-error` lets the
+   episode go on (the penalty is still paid once per trajectory).
+4. The replay buffer is saved in every checkpoint and restored on resume (ARPO's is lost). Injection
+   replaces the lowest scorer of the failed group (grpo.ReplayBuffer), ARPO the first member.
+5. One optimizer step per iteration by default (`--mini-batch` splits it; ARPO did 2 per iteration of
+   16 trajectories), no learning-rate warm-up (ARPO: 5 %), HF generate on CPU / vLLM on a GPU.
+6. The whole trajectory is re-encoded once for training with the last `--max-images` screenshots; with
+   max steps <= max images (the default 15/15, as ARPO) that is exactly the context each step saw.
+7. Evaluation: "standard" counts an episode that runs out of steps as ending in FAIL (so infeasible
+   tasks pass by timing out), "hard" does not (ARPO's OSWorld-Hard). Training rewards use the hard rule,
+   as ARPO's training environment did. A feasible task is scored by its checks under both.
+8. Left out: KL to a reference model (beta 0, as ARPO; `--beta` works with LoRA only), ARPO's
+   sequence-parallel/FSDP plumbing (use torchrun + vLLM tensor parallelism), wandb.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields, replace
+from io import BytesIO
+
+import numpy as np
+import torch
+from PIL import Image
+
+import rundir
+from env import Task, TaskError, VMError, VMPool, load_tasks, parse_action, smart_resize
+from grpo import ReplayBuffer, assign_advantages, trajectory_sample, update_policy
+from model import Generation, encode_chat, generate, load_policy, save_policy, sync_weights, uitars_messages
+
+# ------------------------------------------------------------------------------------------------
+# Args
+
+
+def arg(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Args:
+    # desktops and tasks
+    vms: str = arg("16", "number of local desktops to launch, or comma-separated URLs of running vm_server.py")
+    token: str = arg("", "bearer token of remote VMs (default: $VM_TOKEN); local desktops make their own")
+    vm_timeout: float = arg(60.0, "seconds one VM call may take before that VM drops out of the iteration")
+    screen: str = arg("1280x720", "screen size of local desktops")
+    tasks: str = arg("tasks/", "a task file or a folder of *.json task files")
+    task_ids: str = arg("", "comma-separated task ids to use (default: every task)")
+    group_size: int = arg(8, "rollouts per task = one GRPO group (ARPO: 8); tasks per iteration = live VMs // this")
+    # policy
+    model: str = arg("ByteDance-Seed/UI-TARS-1.5-7B", "HF id or folder of a Qwen2.5-VL checkpoint; 'tiny' = random test model (CPU)")
+    engine: str = arg("hf", "generation engine: hf (any device) or vllm (GPU, pip install vllm)")
+    lora_rank: int = arg(0, "LoRA rank; 0 = full fine-tuning (ARPO)")
+    lora_alpha: int = arg(16, "LoRA alpha")
+    gradient_checkpointing: bool = arg(False, "trade compute for memory in the update")
+    max_pixels: int = arg(2116800, "max pixels of a screenshot as the model sees it (ARPO: 2116800)")
+    min_pixels: int = arg(3136, "min pixels of a screenshot as the model sees it")
+    max_new_tokens: int = arg(256, "tokens one answer may take (Thought + Action)")
+    # rollout
+    iterations: int = arg(100, "training iterations (each: one rollout of every group + one update)")
+    max_steps: int = arg(15, "steps per episode at most (ARPO: 15); a task's own max_steps may lower it")
+    max_images: int = arg(15, "screenshots kept in the prompt (ARPO: 15); older ones stay as text")
+    temperature: float = arg(1.0, "sampling temperature in training (ARPO: 1.0)")
+    top_p: float = arg(1.0, "nucleus sampling in training")
+    stop_on_format_error: bool = arg(True, "an unparseable answer ends the episode, as in ARPO's code")
+    # reward, loss, update
+    format_penalty: float = arg(0.5, "reward -= this if any answer of the trajectory did not parse (ARPO: 0.5 * 1)")
+    lr: float = arg(1e-6, "AdamW learning rate (ARPO: 1e-6)")
+    eps_low: float = arg(0.2, "lower clip range of the ratio")
+    eps_high: float = arg(0.3, "upper clip range of the ratio (clip-higher; ARPO: 0.3)")
+    beta: float = arg(0.0, "KL coefficient to the starting policy (ARPO: 0; needs --lora-rank)")
+    loss_agg: str = arg("seq-mean-token-mean", "loss aggregation: seq-mean-token-mean or token-mean")
+    micro_batch: int = arg(1, "trajectories per forward/backward (memory knob only)")
+    mini_batch: int = arg(0, "trajectories per optimizer step; 0 = one step per iteration")
+    max_grad_norm: float = arg(1.0, "gradient clipping")
+    # replay buffer and task selection
+    replay: bool = arg(True, "ARPO's replay buffer of successes (--no-replay: the GRPO ablation)")
+    replay_capacity: int = arg(8, "stored successes per task (ARPO: 8)")
+    success_threshold: float = arg(0.1, "a trajectory is a success if its score is above this (ARPO: 0.1)")
+    select_tasks: int = arg(0, "before training, K rollouts per task; keep the tasks solved at least once (ARPO: 16)")
+    # evaluation
+    eval_only: bool = arg(False, "evaluate the policy (standard and hard protocols), do not train")
+    eval_rollouts: int = arg(1, "rollouts per task in --eval-only")
+    eval_temperature: float = arg(0.5, "sampling temperature of --eval-only (ARPO: 0.5)")
+    eval_out: str = arg("", "where --eval-only writes its JSON (default: the run folder)")
+    # run folder
+    run_name: str = arg("", "run folder name under --runs-dir (default: a time stamp)")
+    runs_dir: str = arg("runs", "where run folders go")
+    resume: str = arg("", "a run folder to continue (flags given now override the saved ones)")
+    ckpt_every: int = arg(1, "checkpoint every N iterations (and at the end)")
+    save_trajectories: bool = arg(True, "write every episode's screenshots + steps into the run folder")
+    seed: int = arg(0, "seed of task order, sampling and the tiny model's weights")
+
+
+def parse_args(argv=None) -> tuple[Args, dict]:
+    """Args from the command line, plus the dict of flags actually given (they win over a resumed
+    run's saved args). Booleans that default to True are switched off with --no-<name>."""
+    def build(suppress: bool) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+        for f in fields(Args):
+            name = f.name.replace("_", "-")
+            kw = {"help": f"{f.metadata['help']} (default: {f.default})", "dest": f.name,
+                  "default": argparse.SUPPRESS if suppress else f.default}
+            if f.type == "bool" and f.default:
+                p.add_argument(f"--no-{name}", action="store_false", **kw)
+            elif f.type == "bool":
+                p.add_argument(f"--{name}", action="store_true", **kw)
+            else:
+                p.add_argument(f"--{name}", type={"int": int, "float": float}.get(f.type, str), **kw)
+        return p
+    args = Args(**vars(build(False).parse_args(argv)))
+    return args, vars(build(True).parse_args(argv))
+
+
+def check_args(args: Args) -> None:
+    """Errors a user can cause, each as one sentence."""
+    if args.group_size < 1:
+        raise SystemExit("--group-size must be at least 1 (ARPO uses 8).")
+    if args.engine not in ("hf", "vllm"):
+        raise SystemExit("--engine must be hf or vllm.")
+    if args.loss_agg not in ("seq-mean-token-mean", "token-mean"):
+        raise SystemExit("--loss-agg must be seq-mean-token-mean or token-mean.")
+    if args.beta != 0 and args.lora_rank == 0:
+        raise SystemExit("--beta > 0 needs a reference policy: add --lora-rank 64 (the adapter-free model is the reference), or keep --beta 0 as ARPO does.")
+    if min(args.max_steps, args.max_images, args.max_new_tokens, args.eval_rollouts, args.ckpt_every) < 1:
+        raise SystemExit("--max-steps, --max-images, --max-new-tokens, --eval-rollouts and --ckpt-every must be at least 1.")
+
+
+# ------------------------------------------------------------------------------------------------
+# Episodes: what one VM did on one task
+
+
+@dataclass
+class Episode:
+    """One rollout of one task on one VM. Step i: screenshots[i] was seen, assistant[i] answered."""
+    task: Task
+    vm: int
+    group: int = 0
+    iteration: int = 0
+    screenshots: list = field(default_factory=list)   # PIL images (PNG bytes once stored for replay)
+    assistant: list = field(default_factory=list)     # per step: sampled token ids, or text (scripted)
+    texts: list = field(default_factory=list)         # per step: the answer as text
+    thoughts: list = field(default_factory=list)      # per step: the parsed Thought ("" if unparseable)
+    actions: list = field(default_factory=list)       # per step: Action dict in screen pixels, or None
+    format_ok: list = field(default_factory=list)     # per step: the answer parsed into an action the VM took
+    end: str | None = None     # done | fail | format | max_steps | dropped (the VM failed)
+    error: str | None = None   # why it was dropped
+    score: float = 0.0         # evaluator score, hard protocol (the training signal)
+    score_standard: float = 0.0  # standard protocol: running out of steps counts as FAIL
+    reward: float = 0.0        # score - format penalty
+    replayed: bool = False     # came from the replay buffer (an earlier iteration)
+
+
+def to_record(ep: Episode) -> dict:
+    """A plain dict for the replay buffer and checkpoints: screenshots as PNG bytes (~10x smaller than
+    pixels), the task as a dict, so unpickling never needs this module's classes."""
+    def png(img):
+        if isinstance(img, bytes):
+            return img
+        buf = BytesIO()
+        img.save(buf, format="PNG", compress_level=1)
+        return buf.getvalue()
+    d = {f.name: getattr(ep, f.name) for f in fields(Episode)}
+    return {**d, "task": asdict(ep.task), "screenshots": [png(s) for s in ep.screenshots]}
+
+
+def from_record(d: dict) -> Episode:
+    return Episode(**{**d, "task": Task(**d["task"])})
+
+
+def _image(x) -> Image.Image:
+    return Image.open(BytesIO(x)).convert("RGB") if isinstance(x, bytes) else x
+
+
+@dataclass
+class Observation:
+    """What a policy gets for one VM at one step. The model reads `messages`; a scripted stand-in
+    (tests) can read the task, the step and where the screen is, in the image the model would see."""
+    task: Task
+    vm: int
+    step: int
+    messages: list          # the UI-TARS prompt: instruction, screenshots, earlier answers
+    screen: tuple           # (w, h) of the screenshot in screen pixels
+    image_size: tuple       # (w, h) of the screenshot as the model sees it (coordinates live here)
+
+
+def model_policy(policy, args: Args, temperature: float):
+    """The default policy_fn: one batched generate over all observations -> Generations."""
+    def policy_fn(observations: list[Observation]) -> list[Generation]:
+        return generate(policy, [o.messages for o in observations], max_new_tokens=args.max_new_tokens,
+                        temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0)
+    return policy_fn
+
+
+@contextmanager
+def timed(times: dict, key: str):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[key] = times.get(key, 0.0) + time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------------
+# Desktops: reset, setup, rollout, score
+
+
+def reset_vms(pool: VMPool) -> list[int]:
+    """Reset every VM (dead local desktops are restarted); the indices of those that answered."""
+    return [i for i, r in enumerate(pool.reset()) if r.ok]
+
+
+def setup_vms(pool: VMPool, vm_tasks: list, timeout: float) -> tuple[list, dict]:
+    """Run each VM's task setup in parallel. A VM whose setup fails gets no task this time."""
+    res = pool.setup([t.setup if t is not None else None for t in vm_tasks], timeout=timeout)
+    errors = {i: r.error for i, r in enumerate(res) if vm_tasks[i] is not None and not r.ok}
+    return [None if i in errors else t for i, t in enumerate(vm_tasks)], errors
+
+
+def _drop(ep: Episode, why: str) -> None:
+    ep.end, ep.error = "dropped", why
+
+
+def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
+            groups: dict | None = None, iteration: int = 0) -> list:
+    """Play vm_tasks[i] on VM i (None: idle), all VMs in lockstep, to the end of every episode.
+
+    Each step: screenshots of the unfinished VMs -> ONE policy_fn call for all of them -> parse
+    (UI-TARS style, coordinates mapped from the image the model saw to the screen) -> act. policy_fn
+    returns model.Generations (their sampled token ids are kept verbatim for training) or plain
+    texts. Returns one Episode per VM (None where idle); a VM that fails is `dropped`.
+    """
+    groups = groups or {}
+    eps = [Episode(t, i, groups.get(i, 0), iteration) if t is not None else None for i, t in enumerate(vm_tasks)]
+    while True:
+        active = [i for i, e in enumerate(eps) if e is not None and e.end is None]
+        if not active:
+            return eps
+        with timed(times, "env"):
+            shots = pool.map("screenshot", ["png" if i in active else None for i in range(pool.size)])
+        obs, who = [], []
+        for i in active:
+            e = eps[i]
+            if not shots[i].ok:
+                _drop(e, shots[i].error)
+                continue
+            img = shots[i].value
+            e.screenshots.append(img)
+            h, w = smart_resize(img.height, img.width, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+            msgs = uitars_messages(e.task.instruction, e.screenshots, e.assistant, max_images=args.max_images)
+            obs.append(Observation(e.task, i, len(e.assistant), msgs, img.size, (w, h)))
+            who.append(i)
+        if not obs:
+            continue
+        with timed(times, "generation"):
+            outs = policy_fn(obs)
+        actions = [None] * pool.size
+        for i, o, out in zip(who, obs, outs):
+            e = eps[i]
+            if isinstance(out, Generation):  # the model: keep the sampled ids, parse in the image it saw
+                text, content, seen = out.text, list(out.completion_ids), out.prompt.image_sizes[-1]
+            else:                            # a scripted stand-in: text, in o.image_size coordinates
+                text, content, seen = str(out), str(out), o.image_size
+            parsed = parse_action(text, "uitars", o.screen, seen)
+            e.texts.append(text)
+            e.assistant.append(content)
+            e.thoughts.append(parsed.thought if parsed else "")
+            e.actions.append(parsed.action.to_dict() if parsed else None)
+            e.format_ok.append(parsed is not None)
+            if parsed is None:
+                e.end = "format" if args.stop_on_format_error else None  # ALGO: ARPO stops the episode
+            elif parsed.action.type in ("done", "fail"):
+                e.end = parsed.action.type  # finished() / call_user(): nothing to execute
+            else:
+                actions[i] = parsed.action
+        with timed(times, "env"):
+            res = pool.act(actions) if any(a is not None for a in actions) else []
+        for i, r in enumerate(res):
+            if actions[i] is None or r.ok:
+                continue
+            if not pool.alive[i]:
+                _drop(eps[i], r.error)  # the VM stopped answering: its trajectory is lost
+            else:
+                # The VM refused the action (a key it does not know, say): the model's answer was
+                # not a valid action after all, so it counts as a format failure.
+                eps[i].format_ok[-1] = False
+                eps[i].actions[-1] = {**eps[i].actions[-1], "refused": r.error}
+                eps[i].end = "format" if args.stop_on_format_error else None
+        for i in who:
+            e = eps[i]
+            if e.end is None and len(e.assistant) >= min(args.max_steps, e.task.max_steps):
+                e.end = "max_steps"
+
+
+def score_episodes(pool: VMPool, eps: list, args: Args, timeout: float) -> None:
+    """Fill score (hard), score_standard and reward of every finished episode, in place.
+
+    Feasible tasks: the evaluator's checks on the VM (in parallel). Infeasible tasks, client side:
+    1 iff the last action is `fail` (call_user()); under the standard protocol an episode that ran
+    out of steps counts its last action as FAIL.
+    """
+    evaluators = [e.task.evaluator if e is not None and e.end != "dropped" and not e.task.infeasible else None
+                  for e in eps]
+    res = pool.evaluate(evaluators, timeout=timeout) if any(evaluators) else [None] * len(eps)
+    for i, e in enumerate(eps):
+        if e is None or e.end == "dropped":
+            continue
+        if e.task.infeasible:
+            last = e.actions[-1]["type"] if e.actions and e.actions[-1] else None
+            e.score = 1.0 if last == "fail" else 0.0  # ALGO: OSWorld's infeasible rule
+            e.score_standard = 1.0 if last == "fail" or e.end == "max_steps" else 0.0
+        elif res[i].ok and isinstance(res[i].value, dict) and "score" in res[i].value:
+            e.score = e.score_standard = float(res[i].value["score"])
+        else:
+            _drop(e, res[i].error or "the VM's /evaluate answered without a score")
+            continue
+        # ALGO: ARPO's trajectory reward: the task score, minus the format penalty once if any answer
+        # did not parse (its code: eval_result + 0.5 * format_reward, format_reward = -1).
+        e.reward = e.score - args.format_penalty * (not all(e.format_ok))
+
+
+def run_jobs(pool: VMPool, jobs: list, policy_fn, args: Args, times: dict) -> tuple[list, int]:
+    """Play a list of tasks (repeats allowed) in waves of as many VMs as are alive: reset, setup,
+    rollout, score. An episode lost to a failing VM is played once more. Returns (episodes, lost)."""
+    queue, done, lost = [(t, 0) for t in jobs], [], 0
+    while queue:
+        with timed(times, "reset"):
+            live = reset_vms(pool)
+        if not live:
+            raise SystemExit("No VM answered after a reset; check that the desktops run (see --vms).")
+        wave, queue = queue[:len(live)], queue[len(live):]
+        vm_tasks, tries = [None] * pool.size, {}
+        for i, (t, n) in zip(live, wave):
+            vm_tasks[i], tries[i] = t, n
+        with timed(times, "reset"):
+            vm_tasks, errors = setup_vms(pool, vm_tasks, args.vm_timeout)
+        eps = rollout(pool, vm_tasks, policy_fn, args, times)
+        with timed(times, "evaluate"):
+            score_episodes(pool, eps, args, args.vm_timeout)
+        failed = [(t, tries[i]) for i, t in zip(live, [w[0] for w in wave]) if i in errors]
+        failed += [(e.task, tries[e.vm]) for e in eps if e is not None and e.end == "dropped"]
+        done += [e for e in eps if e is not None and e.end != "dropped"]
+        queue += [(t, n + 1) for t, n in failed if n < 1]
+        lost += sum(n >= 1 for _, n in failed)
+    return done, lost
+
+
+# ------------------------------------------------------------------------------------------------
+# Task selection and evaluation
+
+
+def select_tasks(pool: VMPool, tasks: list, k: int, policy_fn, args: Args) -> tuple[list, dict]:
+    """ARPO's task selection: k rollouts per task with the starting policy; keep the tasks solved
+    (score > success threshold) at least once. Returns (kept tasks, {task id: successes})."""
+    eps, _ = run_jobs(pool, [t for t in tasks for _ in range(k)], policy_fn, args, {})
+    counts = {t.id: 0 for t in tasks}
+    for e in eps:
+        counts[e.task.id] += e.score > args.success_threshold  # ALGO: "solved at least once"
+    return [t for t in tasks if counts[t.id] > 0], counts
+
+
+def evaluate_policy(pool: VMPool, tasks: list, policy_fn, args: Args) -> dict:
+    """Success rate (mean score, as OSWorld reports it) per task and overall, under both protocols."""
+    times = {}
+    t0 = time.perf_counter()
+    eps, lost = run_jobs(pool, [t for t in tasks for _ in range(args.eval_rollouts)], policy_fn, args, times)
+    out = {"episodes": len(eps), "lost": lost, "rollouts_per_task": args.eval_rollouts,
+           "temperature": args.eval_temperature, "seconds": time.perf_counter() - t0}
+    for proto, key in (("standard", "score_standard"), ("hard", "score")):
+        per_task = {}
+        for t in tasks:
+            s = [getattr(e, key) for e in eps if e.task.id == t.id]
+            per_task[t.id] = sum(s) / len(s) if s else None
+        all_s = [getattr(e, key) for e in eps]
+        out[proto] = {"overall": sum(all_s) / len(all_s) if all_s else None, "per_task": per_task}
+    out["details"] = [{"task": e.task.id, "vm": e.vm, "end": e.end, "steps": len(e.actions),
+                       "score_standard": e.score_standard, "score_hard": e.score} for e in eps]
+    return out
+
+
+def eval_table(result: dict) -> str:
+    fmt = lambda v: "  -  " if v is None else f"{v:5.2f}"  # noqa: E731
+    rows = [f"{'task':32s} standard  hard"]
+    for tid in result["standard"]["per_task"]:
+        rows.append(f"{tid:32s} {fmt(result['standard']['per_task'][tid])}   {fmt(result['hard']['per_task'][tid])}")
+    rows.append(f"{'overall':32s} {fmt(result['standard']['overall'])}   {fmt(result['hard']['overall'])}"
+                f"   ({result['episodes']} episodes, {result['lost']} lost to VM failures)")
+    return "\n".join(rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# One training iteration
+
+
+@dataclass
+class Trainer:
+    """What an iteration needs; replay is None with --no-replay."""
+    args: Args
+    pool: VMPool
+    policy: object
+    optimizer: torch.optim.Optimizer
+    replay: ReplayBuffer | None
+    policy_fn: object
+    run: str | None = None
+    tasks: list = field(default_factory=list)  # the training task list (after --select-tasks)
+
+
+def plan_groups(live: list[int], group_size: int) -> list[list[int]]:
+    """Live VMs -> groups of group_size (leftovers idle). Fewer live VMs than a group: one group."""
+    n = len(live) // group_size
+    if n == 0:
+        return [live] if live else []
+    return [live[g * group_size:(g + 1) * group_size] for g in range(n)]
+
+
+def pick_tasks(ids: list[str], state: dict, n: int, seed: int) -> list[str]:
+    """The next n task ids: round robin over a seeded shuffle of the list, reshuffled each pass.
+    state = {"epoch": e, "pos": p} (mutated; it is all a checkpoint needs to continue the order)."""
+    out = []
+    while len(out) < n:
+        order = list(ids)
+        random.Random(f"{seed}-{state['epoch']}").shuffle(order)
+        take = order[state["pos"]:state["pos"] + n - len(out)]
+        out += take
+        state["pos"] += len(take)
+        if state["pos"] >= len(order):
+            state["epoch"], state["pos"] = state["epoch"] + 1, 0
+    return out
+
+
+def episode_sample(policy, ep: Episode, args: Args):
+    """ALGO: a whole trajectory as ONE training sequence: the conversation re-encoded, the sampled
+    answer ids verbatim, target_mask over every assistant turn; the reward rides along."""
+    msgs = uitars_messages(ep.task.instruction, [_image(s) for s in ep.screenshots], ep.assistant,
+                           max_images=args.max_images)
+    return trajectory_sample(encode_chat(policy, msgs, add_generation_prompt=False), ep.reward, ep.group)
+
+
+def apply_replay(buffer: ReplayBuffer, members: list[Episode], group: int) -> tuple[list, dict | None]:
+    """ALGO: ARPO's replay. If the group failed alike (score std < 0.05 and mean < 0.2), one member
+    is replaced by a stored success of the same task (stored in an EARLIER iteration: the buffer is
+    filled only after this step). Returns the group's trajectories for the update + the injection."""
+    new, _, injected = buffer.inject(members[0].task.id, members, [e.score for e in members])
+    if not injected:
+        return members, None
+    k = next(i for i, (a, b) in enumerate(zip(members, new)) if a is not b)
+    ep = replace(from_record(new[k]), group=group, replayed=True)
+    return members[:k] + [ep] + members[k + 1:], {
+        "task": ep.task.id, "group": group, "replaced_vm": members[k].vm, "from_iteration": ep.iteration,
+        "from_vm": ep.vm, "score": ep.score, "reward": ep.reward}
+
+
+def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
+    """One ARPO iteration; pick(n) -> n task ids. Returns (metrics, this iteration's episodes)."""
+    args, pool = tr.args, tr.pool
+    times = dict.fromkeys(("reset", "generation", "env", "evaluate", "update"), 0.0)
+    t0 = time.perf_counter()
+    # -- reset, pick one task per group, setup
+    with timed(times, "reset"):
+        live = reset_vms(pool)
+        groups = plan_groups(live, args.group_size)
+        if not groups:
+            raise SystemExit("No VM answered after a reset; check that the desktops run (see --vms).")
+        task_ids = pick(len(groups))
+        by_id = {t.id: t for t in tr.tasks}
+        vm_tasks, vm_group = [None] * pool.size, {}
+        for g, (vms, tid) in enumerate(zip(groups, task_ids)):
+            for i in vms:
+                vm_tasks[i], vm_group[i] = by_id[tid], g
+        vm_tasks, setup_errors = setup_vms(pool, vm_tasks, args.vm_timeout)
+    # -- rollout + score
+    eps = rollout(pool, vm_tasks, tr.policy_fn, args, times, vm_group, it)
+    with timed(times, "evaluate"):
+        score_episodes(pool, eps, args, args.vm_timeout)
+    fresh = [e for e in eps if e is not None and e.end != "dropped"]
+    # -- ALGO: replay into all-failed groups, THEN store this iteration's successes
+    batch, injections, group_stats = [], [], []
+    for g, tid in enumerate(task_ids):
+        members = [e for e in fresh if e.group == g]
+        if not members:
+            continue
+        if tr.replay is not None:
+            members, inj = apply_replay(tr.replay, members, g)
+            injections += [inj] if inj else []
+        batch += members
+        r = torch.tensor([e.reward for e in members])  # (G,)
+        group_stats.append({"group": g, "task": tid, "n": len(members), "scores": [e.score for e in members],
+                            "rewards": r.tolist(), "mean": float(r.mean()),
+                            "std": float(r.std()) if len(r) > 1 else 0.0,
+                            "replayed": any(e.replayed for e in members)})
+    if tr.replay is not None:
+        for e in fresh:
+            if e.score > tr.replay.success_threshold:  # ALGO: success = score > 0.1; PNG-encode only those
+                tr.replay.add(e.task.id, to_record(e), e.score)
+    # -- ALGO: advantages per group, broadcast to every assistant token; one GRPO update
+    upd = {}
+    with timed(times, "update"):
+        samples = [episode_sample(tr.policy, e, args) for e in batch]
+        assign_advantages(samples)
+        if samples:
+            upd = update_policy(tr.policy, tr.optimizer, samples, micro_batch_size=args.micro_batch,
+                                eps_low=args.eps_low, eps_high=args.eps_high, beta=args.beta,
+                                max_grad_norm=args.max_grad_norm, agg=args.loss_agg,
+                                mini_batch_size=args.mini_batch or None)
+            sync_weights(tr.policy)
+    # -- metrics
+    times["total"] = time.perf_counter() - t0
+    rewards = [e.reward for e in fresh]
+    steps = [ok for e in fresh for ok in e.format_ok]
+    vm_time = times["reset"] + times["env"] + times["evaluate"]
+    m = {"iteration": it, "tasks": task_ids, "episodes": len(fresh),
+         "dropped": len([e for e in eps if e is not None and e.end == "dropped"]) + len(setup_errors),
+         "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
+         "reward_std": float(np.std(rewards)) if rewards else 0.0,
+         "score_mean": float(np.mean([e.score for e in fresh])) if fresh else 0.0,
+         "success_rate": float(np.mean([e.score > args.success_threshold for e in fresh])) if fresh else 0.0,
+         "format_rate": float(np.mean(steps)) if steps else 0.0,
+         "steps_mean": float(np.mean([len(e.actions) for e in fresh])) if fresh else 0.0,
+         "groups": group_stats, "replay_injections": injections, "n_injections": len(injections),
+         "replay_size": len(tr.replay) if tr.replay is not None else 0,
+         "batch": [{"task": e.task.id, "group": e.group, "vm": e.vm, "replayed": e.replayed,
+                    "from_iteration": e.iteration, "reward": e.reward, "advantage": s.advantage,
+                    "target_tokens": int(sum(s.target_mask)), "steps": len(e.actions)}
+                   for e, s in zip(batch, samples)],
+         **{k: upd.get(k, 0.0) for k in ("loss", "pg_loss", "kl", "clip_low", "clip_high", "ratio_mean",
+                                         "grad_norm", "tokens")},
+         **{f"time_{k}": v for k, v in times.items()},
+         "vm_wait_share": vm_time / times["total"] if times["total"] else 0.0}
+    if setup_errors:
+        m["setup_errors"] = {str(k): v for k, v in setup_errors.items()}
+    return m, eps
+
+
+def save_episodes(run: str, it: int, eps: list) -> None:
+    """Each VM's episode: every step's screenshot, thought, action, then a final line with the score."""
+    for e in eps:
+        if e is None or not e.screenshots:
+            continue
+        steps = [{"step": s, "task": e.task.id, "thought": e.thoughts[s] if s < len(e.thoughts) else "",
+                  "text": e.texts[s] if s < len(e.texts) else "", "format_ok": e.format_ok[s] if s < len(e.format_ok) else None,
+                  "action": e.actions[s] if s < len(e.actions) else None} for s in range(len(e.screenshots))]
+        steps.append({"final": True, "task": e.task.id, "instruction": e.task.instruction, "group": e.group,
+                      "end": e.end, "error": e.error, "score": e.score, "score_standard": e.score_standard,
+                      "format_penalty": e.reward - e.score, "reward": e.reward})
+        rundir.save_trajectory(run, it, e.vm, steps, list(e.screenshots) + [None])
+
+
+def summary_line(m: dict) -> str:
+    return (f"it {m['iteration']:4d} | tasks {','.join(m['tasks'])[:40]:40s} | reward {m['reward_mean']:+.2f}"
+            f"±{m['reward_std']:.2f} | success {m['success_rate']:.2f} | format {m['format_rate']:.2f} | "
+            f"replay +{m['n_injections']} ({m['replay_size']} stored) | kl {m['kl']:.4f} clip "
+            f"{m['clip_low']:.2f}/{m['clip_high']:.2f} | {m['time_total']:.1f}s (reset {m['time_reset']:.1f} "
+            f"gen {m['time_generation']:.1f} env {m['time_env']:.1f} eval {m['time_evaluate']:.1f} "
+            f"upd {m['time_update']:.1f}; VM wait {100 * m['vm_wait_share']:.0f}%)")
+
+
+# ------------------------------------------------------------------------------------------------
+# Setup: tasks, policy, checkpoints
+
+
+def load_task_list(args: Args, ids: list[str] | None = None) -> list[Task]:
+    try:
+        tasks = load_tasks(args.tasks)
+    except TaskError as e:
+        raise SystemExit(str(e))
+    want = ids if ids is not None else [s.strip() for s in args.task_ids.split(",") if s.strip()]
+    if want:
+        by_id = {t.id: t for t in tasks}
+        missing = [i for i in want if i not in by_id]
+        if missing:
+            raise SystemExit(f"unknown task id(s) {missing} in {args.tasks}; check --task-ids.")
+        tasks = [by_id[i] for i in want]
+    return tasks
+
+
+def make_policy(args: Args, ckpt: tuple[dict, str] | None):
+    """The starting policy, or the one a checkpoint holds (full FT: its saved folder; LoRA: the base
+    model plus the saved adapter weights)."""
+    kw = dict(lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed,
+              gradient_checkpointing=args.gradient_checkpointing, min_pixels=args.min_pixels,
+              max_pixels=args.max_pixels)
+    if ckpt is not None and args.lora_rank == 0:
+        policy = load_policy(os.path.join(ckpt[1], "policy"), **kw)
+    else:
+        policy = load_policy(args.model, **kw)
+        if ckpt is not None:
+            policy.model.load_state_dict(ckpt[0]["trainable"], strict=False)
+    if args.engine == "vllm":
+        from model import VLLMEngine
+        import tempfile  # vLLM loads weights from disk: the starting ones, or a fresh copy of ours
+        path = args.model if os.path.isdir(args.model) and ckpt is None else os.path.join(tempfile.mkdtemp(prefix="arpo-vllm-"), "w")
+        policy.engine = VLLMEngine(policy, path, max_images=args.max_images)
+    return policy
+
+
+def checkpoint(tr: Trainer, it: int, picker: dict, train_ids: list[str]) -> None:
+    policy, args = tr.policy, tr.args
+    state = {"iteration": it, "args": asdict(args), "optimizer": tr.optimizer.state_dict(),
+             "replay": tr.replay.state_dict() if tr.replay is not None else None,
+             "picker": dict(picker), "tasks": train_ids, "rng": rundir.rng_state(),
+             # LoRA: the adapter (the only trained weights) goes into state.pt; full FT: policy/.
+             "trainable": {n: p.detach().cpu() for n, p in policy.model.named_parameters()
+                           if p.requires_grad} if policy.lora else None}
+    write = None if policy.lora else (lambda folder: save_policy(policy, os.path.join(folder, "policy")))
+    rundir.save_checkpoint(tr.run, state, write)
+
+
+# ------------------------------------------------------------------------------------------------
+# Main: setup, then the loop
+
+
+def main(argv=None) -> None:
+    args, given = parse_args(argv)
+    ckpt = None
+    if args.resume:
+        ckpt = rundir.load_checkpoint(args.resume) if os.path.isdir(args.resume) else None
+        if ckpt is None and (args.eval_only or not os.path.isdir(args.resume)):
+            raise SystemExit(f"--resume {args.resume}: no checkpoint there; pass a run folder under {args.runs_dir}/.")
+        if ckpt is not None:  # the saved args, with the flags given now on top
+            args = Args(**{**ckpt[0]["args"], **given})
+    check_args(args)
+    try:  # one summary line per iteration; transformers' load/save progress bars are noise here
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    tasks = load_task_list(args, ckpt[0]["tasks"] if ckpt is not None and not args.eval_only and not given.get("task_ids") else None)
+    policy = make_policy(args, ckpt)
+    try:
+        w, h = (int(v) for v in args.screen.lower().split("x"))
+        pool = VMPool(args.vms, token=args.token or os.environ.get("VM_TOKEN") or None,
+                      timeout=args.vm_timeout, screen=(w, h))
+    except (ValueError, VMError) as e:
+        raise SystemExit(f"cannot start the VMs: {e}")
+    try:
+        if args.eval_only:
+            run = args.resume or rundir.make_run_dir(args.runs_dir, args.run_name, args)
+            result = evaluate_policy(pool, tasks, model_policy(policy, args, args.eval_temperature), args)
+            result.update(model=args.model, iteration=ckpt[0]["iteration"] if ckpt else 0)
+            out = args.eval_out or os.path.join(run, f"eval_it{result['iteration']:06d}.json")
+            with open(out, "w") as f:
+                json.dump(result, f, indent=2)
+            print(eval_table(result))
+            print(f"eval written to {out}")
+            return
+        run = rundir.make_run_dir(args.runs_dir, args.run_name, args, resume=args.resume or None)
+        params = [p for p in policy.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)  # ARPO: AdamW, wd 0.01
+        replay = ReplayBuffer(args.replay_capacity, args.success_threshold, seed=args.seed) if args.replay else None
+        picker, start = {"epoch": 0, "pos": 0}, 0
+        tr = Trainer(args, pool, policy, optimizer, replay, model_policy(policy, args, args.temperature), run)
+        if ckpt is not None:
+            state = ckpt[0]
+            optimizer.load_state_dict(state["optimizer"])
+            if replay is not None and state["replay"] is not None:
+                replay.load_state_dict(state["replay"])
+            picker, start = dict(state["picker"]), state["iteration"]
+            rundir.set_rng_state(state["rng"])
+            rundir.trim_metrics(run, start)
+            print(f"resumed {run} at iteration {start} ({len(replay or [])} stored successes)")
+        elif args.select_tasks > 0:
+            tasks = select_and_record(pool, tasks, policy, args, run)
+        tr.tasks = tasks
+        ids = [t.id for t in tasks]
+        # -- the loop
+        for it in range(start, args.iterations):
+            m, eps = run_iteration(tr, it, lambda n: pick_tasks(ids, picker, n, args.seed))
+            t0 = time.perf_counter()
+            if args.save_trajectories:
+                save_episodes(run, it, eps)
+            if (it + 1) % args.ckpt_every == 0 or it + 1 == args.iterations:
+                checkpoint(tr, it + 1, picker, ids)
+            m["time_save"] = time.perf_counter() - t0
+            rundir.log_metrics(run, m)  # after the checkpoint: a resume never logs an iteration twice
+            print(summary_line(m), flush=True)
+    finally:
+        pool.close()
+
+
+def select_and_record(pool: VMPool, tasks: list, policy, args: Args, run: str) -> list:
+    """--select-tasks K: run the selection with the starting policy, write selected_tasks.json."""
+    path = os.path.join(run, "selected_tasks.json")
+    if os.path.exists(path):  # killed after selecting, before the first checkpoint: reuse it
+        with open(path) as f:
+            keep = json.load(f)["selected"]
+        return [t for t in tasks if t.id in keep]
+    print(f"task selection: {args.select_tasks} rollouts of each of {len(tasks)} tasks ...", flush=True)
+    kept, counts = select_tasks(pool, tasks, args.select_tasks, model_policy(policy, args, args.temperature), args)
+    with open(path, "w") as f:
+        json.dump({"k": args.select_tasks, "success_threshold": args.success_threshold,
+                   "successes": counts, "selected": [t.id for t in kept]}, f, indent=2)
+    print(f"task selection kept {len(kept)}/{len(tasks)} tasks: {[t.id for t in kept]} (written to {path})")
+    if not kept:
+        raise SystemExit(f"no task was solved even once in {args.select_tasks} tries; raise --select-tasks, "
+                         "use an easier task set, or train without --select-tasks.")
+    return kept
+
+
+if __name__ == "__main__":
+    main()

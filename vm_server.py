@@ -212,53 +212,51 @@ def start_session(desk: Desktop) -> None:
     _wait(drawn, "the desktop icons")
 
 
-def _state(pid: int) -> str | None:
-    """The process state letter ('Z' = zombie), None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()  # after "pid (comm)"
-    except (OSError, IndexError):
-        return None
-
-
 def descendants(root: int) -> list[int]:
-    """Every process below `root`, from /proc."""
-    children: dict[int, list[int]] = {}
+    """Every live (not zombie) process below `root`, from /proc."""
+    children, zombies = {}, set()
     for name in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
-                children.setdefault(int(f.read().rsplit(b")", 1)[1].split()[1]), []).append(int(name))
-        except (OSError, IndexError, ValueError):
+                state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]  # fields after "pid (comm)"
+        except (OSError, ValueError):
             continue
+        children.setdefault(int(ppid), []).append(int(name))
+        zombies.update([int(name)] if state == b"Z" else [])
     out, todo = [], [root]
     while todo:
         kids = children.get(todo.pop(), [])
         out += kids
         todo += kids
-    return out
+    return [p for p in out if p not in zombies]
+
+
+def reap() -> None:
+    """Collect the exit status of every finished child: closed apps, and orphans we adopted as a
+    subreaper. It runs under the request lock, like setup commands, so it never steals the status
+    subprocess.run is waiting for (a Popen whose child we reaped just reports it gone)."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
 
 
 def kill_tree(keep: set[int]) -> None:
-    """SIGTERM every process below us but `keep`, SIGKILL what is left after 2 s, reap zombies.
-    Orphans re-parented to us are nobody's Popen, so we collect them here; this runs under the
-    request lock, like setup commands, so it never steals an exit status subprocess waits for."""
-    pids = [p for p in descendants(os.getpid()) if p not in keep]
-    for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 1.0)):
+    """SIGTERM every process below us but `keep`; SIGKILL whatever is left after 2 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids, deadline = [p for p in descendants(os.getpid()) if p not in keep], time.time() + 2
         for p in pids:
             try:
                 os.kill(p, sig)
             except ProcessLookupError:
                 pass
-        deadline = time.time() + grace
         while pids and time.time() < deadline:
-            for p in pids:
-                if _state(p) == "Z":
-                    try:
-                        os.waitpid(p, os.WNOHANG)
-                    except ChildProcessError:
-                        pass  # not our child: its own parent reaps it
-            pids = [p for p in pids if _state(p) not in (None, "Z")]
             time.sleep(0.05)
+            reap()
+            pids = [p for p in descendants(os.getpid()) if p not in keep]
+        if not pids:
+            return
 
 
 def restore_home(desk: Desktop) -> None:
@@ -475,7 +473,7 @@ def type_text(text: str) -> None:
             d.change_keyboard_mapping(kc, [(ord(c) if ord(c) < 256 else 0x1000000 + ord(c),) * width])
         d.sync()
         time.sleep(0.05)  # apps reload their keymap on the MappingNotify first
-        for c in text[pos:end]:
+        for c in re.findall(r"[\t\n -~]+|.", text[pos:end], re.S):  # US runs, single others
             if c in codes:
                 xtest.fake_input(d, X.KeyPress, codes[c])
                 xtest.fake_input(d, X.KeyRelease, codes[c])
@@ -643,6 +641,7 @@ def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[in
         return 404, {"error": f"no endpoint {path}; see the README's VM protocol section."}, ""
     if routes[path] != method:
         return 405, {"error": f"{path} takes {routes[path]}, not {method}."}, ""
+    reap()
     if desk.xvfb is not None and desk.xvfb.poll() is not None:
         return 503, {"error": "this desktop's X server died; restart vm_server.py."}, ""
     if path == "/health":
@@ -664,6 +663,7 @@ def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[in
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"   # keep-alive: a screenshot loop skips the TCP handshake
+    disable_nagle_algorithm = True  # headers and body go out at once, no 40 ms delayed-ACK stall
     timeout = 120                   # an idle connection is dropped, never held forever
     desk: Desktop = None
     token: str | None = None

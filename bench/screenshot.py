@@ -1,0 +1,104 @@
+"""Benchmark: what does serving a screenshot over HTTP cost, compared with taking it in-process?
+
+    python bench/screenshot.py [--reps 30]
+
+For 1280x720 and 1920x1080 (each on its own `vm_server.py --xvfb` desktop) and for PNG and JPEG,
+it times (median of --reps):
+  in-process : ImageGrab.grab() + encode (the server's exact settings) + decode, in this process
+  http       : GET /screenshot on a kept-alive connection + decode
+and prints a table with the ratio http / in-process, plus PNG compress_level 6 (Pillow's default)
+for comparison with the level 1 the server uses. Targets: HTTP adds at most 50% over in-process,
+and a 1920x1080 PNG round trip is under 60 ms. Headline (last line): the worst HTTP overhead,
+`screenshot_http_overhead: <fraction>` (0.25 = HTTP takes 25% longer than in-process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import requests
+from PIL import Image, ImageGrab
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from vm_server import PNG_LEVEL  # noqa: E402  the level the server encodes with
+
+
+def start(screen: str) -> tuple[subprocess.Popen, str, str]:
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "vm_server.py"), "--xvfb", "--port", "0",
+                             "--screen", screen], stdout=subprocess.PIPE, text=True)
+    m = re.match(r"vm_server: serving (\S+) display (\S+)", proc.stdout.readline())
+    if not m:
+        proc.kill()
+        sys.exit("bench: vm_server.py did not start; run `sudo bash setup.sh` first.")
+    return proc, m[1], m[2]
+
+
+def median_ms(fns, reps: int) -> list[float]:
+    """Median ms of each function, timed in alternation so that both see the same machine load
+    (other jobs on this 2-core machine come and go)."""
+    times = [[] for _ in fns]
+    for rep in range(reps + 1):
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            if rep:  # rep 0 warms up (connection, caches)
+                ts.append(time.perf_counter() - t)
+    return [1000 * statistics.median(ts) for ts in times]
+
+
+def in_process(fmt: str, level: int = PNG_LEVEL) -> int:
+    img, buf = ImageGrab.grab(), io.BytesIO()
+    if fmt == "png":
+        img.save(buf, "PNG", compress_level=level)
+    else:
+        img.convert("RGB").save(buf, "JPEG", quality=80)
+    Image.open(io.BytesIO(buf.getvalue())).load()
+    return len(buf.getvalue())
+
+
+def over_http(session: requests.Session, url: str, fmt: str) -> int:
+    r = session.get(f"{url}/screenshot?format={fmt}", timeout=30)
+    r.raise_for_status()
+    Image.open(io.BytesIO(r.content)).load()
+    return len(r.content)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--reps", type=int, default=30, help="timed repetitions per cell (median reported)")
+    args = p.parse_args()
+    rows, overheads = [], []
+    for screen in ("1280x720", "1920x1080"):
+        proc, url, display = start(screen)
+        try:
+            os.environ["DISPLAY"] = display  # ImageGrab in this process grabs the same screen
+            session = requests.Session()
+            for fmt in ("png", "jpeg"):
+                local, remote = median_ms([lambda: in_process(fmt), lambda: over_http(session, url, fmt)], args.reps)
+                size = over_http(session, url, fmt)
+                rows.append((screen, fmt, local, remote, remote / local, size))
+                overheads.append(remote / local - 1)
+            level6 = median_ms([lambda: in_process("png", 6)], max(5, args.reps // 3))[0]
+            rows.append((screen, "png lvl6", level6, float("nan"), float("nan"), in_process("png", 6)))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    print(f"{'screen':>10} {'format':>9} {'in-process ms':>14} {'http ms':>8} {'ratio':>6} {'bytes':>9}")
+    for screen, fmt, local, remote, ratio, size in rows:
+        print(f"{screen:>10} {fmt:>9} {local:14.1f} {remote:8.1f} {ratio:6.2f} {size:9d}")
+    png1080 = next(r[3] for r in rows if r[:2] == ("1920x1080", "png"))
+    print(f"1920x1080 PNG round trip: {png1080:.1f} ms (target < 60 ms); "
+          f"worst HTTP overhead {max(overheads):+.0%} (target <= +50%)")
+    print(f"screenshot_http_overhead: {max(overheads):.2f}")
+
+
+if __name__ == "__main__":
+    main()

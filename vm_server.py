@@ -25,6 +25,7 @@ Where this departs from OSWorld's in-VM server (the papers' environment):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import hmac
 import io
@@ -272,6 +273,9 @@ def restore_home(desk: Desktop) -> None:
 
 def local_desktop(screen: tuple[int, int], allow: frozenset) -> Desktop:
     """--xvfb: a display, a HOME copied from a fresh template, and a session on it."""
+    missing = [p for p in ("Xvfb", "openbox", "tint2", "pcmanfm", "wmctrl", "mousepad") if not shutil.which(p)]
+    if missing:
+        sys.exit(f"vm_server: {', '.join(missing)} not installed; install the desktop with `sudo bash setup.sh`.")
     tmp = tempfile.mkdtemp(prefix="vm_server-")
     for rel, text in template_files().items():
         os.makedirs(os.path.dirname(os.path.join(tmp, "template", rel)), exist_ok=True)
@@ -641,7 +645,6 @@ def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[in
         return 404, {"error": f"no endpoint {path}; see the README's VM protocol section."}, ""
     if routes[path] != method:
         return 405, {"error": f"{path} takes {routes[path]}, not {method}."}, ""
-    reap()
     if desk.xvfb is not None and desk.xvfb.poll() is not None:
         return 503, {"error": "this desktop's X server died; restart vm_server.py."}, ""
     if path == "/health":
@@ -688,7 +691,10 @@ class Handler(BaseHTTPRequestHandler):
                 self.close_connection = True  # its body stays unread: never parse it as a request
                 raise BadRequest("missing or wrong token; send 'Authorization: Bearer <token>'.", 401)
             body = self._body() if method == "POST" else None
-            with self.lock:
+            health = url.path == "/health"  # answers even while a long /setup holds the lock
+            with contextlib.nullcontext() if health else self.lock:
+                if not health:
+                    reap()  # never beside a running setup command: that would steal its exit status
                 status, payload, ctype = handle(self.desk, method, url.path, parse_qs(url.query), body)
         except BadRequest as e:
             status, payload, ctype = e.status, {"error": str(e)}, ""
@@ -743,8 +749,16 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: sys.exit(0))
     desk = None
     try:
+        try:  # bind first: a taken port fails at once, not after the desktop has started
+            server = ThreadingHTTPServer((args.host, args.port), Handler)
+        except OSError as e:
+            sys.exit(f"vm_server: cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port.")
+        server.daemon_threads = True
         if args.xvfb:
-            desk = local_desktop((int(m[1]), int(m[2])), allow)
+            try:
+                desk = local_desktop((int(m[1]), int(m[2])), allow)
+            except RuntimeError as e:  # a session part that never came up (see _wait)
+                sys.exit(f"vm_server: {e}; check that `sudo bash setup.sh` ran on this machine.")
         elif not os.environ.get("DISPLAY"):
             sys.exit("vm_server: no DISPLAY; run it inside the VM's graphical session, or pass --xvfb.")
         import pyautogui  # only now: it opens $DISPLAY at import time
@@ -757,11 +771,6 @@ def main(argv: list[str] | None = None) -> None:
             desk = Desktop(tuple(pyautogui.size()), os.path.expanduser("~"), dict(os.environ), allow,
                            display=os.environ["DISPLAY"])
         Handler.desk, Handler.token, Handler.verbose = desk, args.token or None, args.verbose
-        try:
-            server = ThreadingHTTPServer((args.host, args.port), Handler)
-        except OSError as e:
-            sys.exit(f"vm_server: cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port.")
-        server.daemon_threads = True
         host, port = server.server_address[:2]
         print(f"vm_server: serving http://{host}:{port} display {desk.display} screen "
               f"{desk.screen[0]}x{desk.screen[1]} home {desk.home}", flush=True)

@@ -283,6 +283,17 @@ def test_setup_steps(vm):
     wait_for(lambda: {"todo.txt - Mousepad", "Documents", "xeyes"} <= set(windows(vm)), "the opened windows")
 
 
+def test_health_answers_while_a_long_setup_runs(vm):
+    import threading
+    slow = threading.Thread(target=vm_call, args=(vm, "POST", "/setup", {"steps": [{"type": "sleep", "seconds": 2}]}))
+    slow.start()
+    time.sleep(0.3)
+    t = time.time()
+    assert vm_call(vm, "GET", "/health").json()["ok"] is True
+    assert time.time() - t < 1.0  # not queued behind the sleep
+    slow.join()
+
+
 def test_setup_is_all_or_nothing(vm):
     steps = [{"type": "write_file", "path": "first.txt", "content": "x"},
              {"type": "launch", "argv": ["rm", "-rf", "/"]}]

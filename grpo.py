@@ -331,11 +331,14 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
     if beta != 0.0 and ref_fn is None and not hasattr(model, "disable_adapter"):
         raise ValueError("beta > 0 needs a reference policy: pass ref_fn, or train with LoRA (--lora-rank) so the adapter can be switched off.")
     model.train()  # gradient checkpointing only runs in train mode; dropout is 0 in our configs
-    batches = [collate(mb, pad_id) for mb in micro_batches(samples, micro_batch_size)]
-    # Which micro-batches make up each optimizer step (mini_batch_size is rounded down to whole
-    # micro-batches); by default all of them, i.e. one step.
-    per_step = len(batches) if not mini_batch_size else max(1, mini_batch_size // max(1, micro_batch_size))
-    steps = [list(range(i, min(i + per_step, len(batches)))) for i in range(0, len(batches), per_step)]
+    # Each optimizer step takes one mini-batch of samples (all of them by default), accumulated
+    # over micro-batches; `steps` holds the indices into `batches` of each step's micro-batches.
+    batches, steps = [], []
+    for mini in micro_batches(samples, mini_batch_size or len(samples)):
+        steps.append([])
+        for mb in micro_batches(mini, micro_batch_size):
+            steps[-1].append(len(batches))
+            batches.append(collate(mb, pad_id))
     # On-policy shortcut: with one step in total, the weights that score the tokens are the
     # weights old_logps would come from, so old = current logps, detached (a second forward
     # would return the same numbers at a third more compute).
@@ -379,7 +382,7 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
                 totals[key] = totals.get(key, 0.0) + v
     n_steps = len(steps) * max(1, epochs)
     metrics = {key: v / n_steps for key, v in totals.items()}
-    adv = torch.tensor([s.advantage for s in samples])  # (N,)
+    adv = torch.tensor([float(s.advantage) for s in samples])  # (N,)
     metrics.update(adv_mean=float(adv.mean()), adv_std=float(adv.std()) if len(adv) > 1 else 0.0,
                    steps=float(n_steps), tokens=totals["tokens"] / max(1, epochs))
     return metrics

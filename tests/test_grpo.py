@@ -417,3 +417,34 @@ def test_distill_step_lowers_nll(policy):
     for _ in range(5):
         last = grpo.distill_step(net, opt, samples)
     assert first["tokens"] == 18 and last["nll"] < first["nll"] - 0.5
+
+
+def test_grpo_learns_a_simple_reward():
+    # Reward = share of completion tokens drawn from a fixed quarter of the vocabulary. A random
+    # tiny policy starts near 0.25; ten GRPO iterations (16 samples of 8 tokens, full fine-tuning,
+    # two mini-batch steps x two epochs per rollout) must raise it clearly. Two seeds, averaged:
+    # the two runs gain 0.63 and 0.77 on this machine; the bar is 0.15 (and neither may get worse).
+    msgs = [{"role": "user", "content": "Write anything."}]
+    gains = []
+    for seed in (0, 1):
+        pol = M.load_policy("tiny", seed=seed)
+        target = set(range(0, pol.tokenizer.convert_tokens_to_ids("<|endoftext|>"), 4))
+
+        def reward(ids):
+            return sum(t in target for t in ids) / max(1, len(ids))
+
+        def mean_reward():
+            torch.manual_seed(123)
+            return sum(reward(g.completion_ids) for g in M.generate(pol, [msgs] * 32, max_new_tokens=8)) / 32
+
+        before = mean_reward()
+        opt = torch.optim.AdamW(pol.model.parameters(), lr=1e-2)
+        torch.manual_seed(seed)
+        for _ in range(10):
+            gens = M.generate(pol, [msgs] * 16, max_new_tokens=8)
+            samples = [grpo.step_sample(g.prompt, g.completion_ids, reward(g.completion_ids)) for g in gens]
+            grpo.assign_advantages(samples)  # one group, like ScreenExplorer's rollout buffer
+            grpo.update_policy(pol, opt, samples, micro_batch_size=8, mini_batch_size=8, epochs=2)
+        gains.append(mean_reward() - before)
+    print("GRPO reward gains per seed:", gains)
+    assert min(gains) > 0 and sum(gains) / len(gains) > 0.15, gains

@@ -1,6 +1,6 @@
 """Tests for the task suite (tasks/*.json): every shipped task is proven on a real desktop.
 
-Run: python -m pytest -q tests/test_tasks.py   (needs Xvfb & co from setup.sh; about 1-2 minutes)
+Run: python -m pytest -q tests/test_tasks.py   (needs Xvfb & co from setup.sh; ~50 s)
 
 For every task, on a real `vm_server.py --xvfb` desktop over real HTTP: /reset, the task's /setup,
 then (a) doing nothing must score 0.0 and (b) replaying its scripted solution

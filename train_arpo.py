@@ -691,7 +691,7 @@ def main(argv=None) -> None:
             rundir.trim_metrics(run, start)
             print(f"resumed {run} at iteration {start} ({len(replay or [])} stored successes)")
         elif args.select_tasks > 0:
-            tasks = select_and_record(pool, tasks, policy, args, run)
+            tasks = select_and_record(pool, tasks, model_policy(policy, args, args.temperature), args, run)
         tr.tasks = tasks
         ids = [t.id for t in tasks]
         # -- the loop
@@ -709,7 +709,7 @@ def main(argv=None) -> None:
         pool.close()
 
 
-def select_and_record(pool: VMPool, tasks: list, policy, args: Args, run: str) -> list:
+def select_and_record(pool: VMPool, tasks: list, policy_fn, args: Args, run: str) -> list:
     """--select-tasks K: run the selection with the starting policy, write selected_tasks.json."""
     path = os.path.join(run, "selected_tasks.json")
     if os.path.exists(path):  # killed after selecting, before the first checkpoint: reuse it
@@ -717,7 +717,7 @@ def select_and_record(pool: VMPool, tasks: list, policy, args: Args, run: str) -
             keep = json.load(f)["selected"]
         return [t for t in tasks if t.id in keep]
     print(f"task selection: {args.select_tasks} rollouts of each of {len(tasks)} tasks ...", flush=True)
-    kept, counts = select_tasks(pool, tasks, args.select_tasks, model_policy(policy, args, args.temperature), args)
+    kept, counts = select_tasks(pool, tasks, args.select_tasks, policy_fn, args)
     with open(path, "w") as f:
         json.dump({"k": args.select_tasks, "success_threshold": args.success_threshold,
                    "successes": counts, "selected": [t.id for t in kept]}, f, indent=2)

@@ -1,0 +1,299 @@
+"""Tests for train_arpo.py on real local desktops (vm_server.py --xvfb) and the tiny real Qwen2.5-VL.
+
+    python -m pytest -q tests/test_train_arpo.py
+
+- smoke: `python train_arpo.py --vms 4 --group-size 2 --model tiny --iterations 2 --max-steps 3` end to
+  end as a subprocess, then `--resume` for one more iteration, then `--eval-only` (both protocols);
+- replay in a real iteration: a stored success of the forced task is injected into the tiny random
+  policy's all-failed group and trained on; `--no-replay` leaves the group alone;
+- task selection with a scripted stand-in policy (the task suite's solutions, as UI-TARS text) keeps
+  exactly the tasks it solved at least once;
+- standard vs hard evaluation: an infeasible task that times out passes standard and fails hard;
+- the reward, task order and VM grouping rules with hand-computed numbers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import rundir  # noqa: E402
+import train_arpo as T  # noqa: E402
+from env import VMPool, load_tasks  # noqa: E402
+from grpo import ReplayBuffer  # noqa: E402
+from model import load_policy  # noqa: E402
+from task_solutions import SOLUTIONS  # noqa: E402
+
+SMALL = 64 * 28 * 28  # screenshots of ~64 visual tokens for the tiny model: fast on CPU
+TASKS = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
+
+
+def small_args(**kw) -> T.Args:
+    base = dict(vms="2", group_size=2, model="tiny", max_steps=2, max_pixels=SMALL, max_new_tokens=8,
+                vm_timeout=30.0, lr=1e-3)
+    return T.Args(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = VMPool(2, timeout=30)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_policy("tiny", seed=0, max_pixels=SMALL)
+
+
+# ------------------------------------------------------------------------------------------------
+# A scripted stand-in policy: the task suite's solutions (screen-pixel Action dicts) as UI-TARS text
+
+
+def uitars_text(a: dict, image_size, screen) -> str:
+    """One Action dict -> what UI-TARS-1.5 would write, coordinates in the image the model sees."""
+    def box(x, y):
+        return f"({round(x * image_size[0] / screen[0])},{round(y * image_size[1] / screen[1])})"
+    t = a["type"]
+    if t in ("click", "double_click", "right_click"):
+        name = {"click": "click", "double_click": "left_double", "right_click": "right_single"}[t]
+        act = f"{name}(start_box='{box(a['x'], a['y'])}')"
+    elif t == "type":
+        text = a["text"].replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
+        act = f"type(content='{text}')"
+    elif t == "key":
+        act = f"hotkey(key='{' '.join(a['keys'])}')"
+    elif t == "wait":
+        act = "wait()"
+    elif t == "fail":
+        act = "call_user()"
+    elif t == "done":
+        act = "finished(content='done')"
+    else:
+        raise ValueError(f"no UI-TARS text for {t}")
+    return f"Thought: Next I do {t}.\nAction: {act}"
+
+
+def scripted(plans):
+    """policy_fn that follows, per episode, the action list plans(task_id, attempt) (attempt counts
+    this task's episodes so far), then says finished(). Episodes are told apart by their VM."""
+    attempts, current = {}, {}
+
+    def fn(observations):
+        out = []
+        for o in observations:
+            if o.step == 0:
+                n = attempts.get(o.task.id, 0)
+                attempts[o.task.id] = n + 1
+                current[o.vm] = plans(o.task.id, n)
+            acts = current[o.vm]
+            a = acts[o.step] if o.step < len(acts) else {"type": "done"}
+            out.append(uitars_text(a, o.image_size, o.screen))
+        return out
+    return fn
+
+
+def test_scripted_text_parses_back_to_the_solution():
+    from env import parse_action, smart_resize
+    h, w = smart_resize(720, 1280, max_pixels=SMALL)
+    for a in SOLUTIONS["calc-to-editor"] + SOLUTIONS["files-rename"]:
+        p = parse_action(uitars_text(a, (w, h), (1280, 720)), "uitars", (1280, 720), (w, h))
+        assert p is not None and p.action.type == a["type"]
+        if "x" in a:  # coordinates survive the trip through the model's image up to its scale
+            assert abs(p.action.x - a["x"]) <= 1280 / w and abs(p.action.y - a["y"]) <= 720 / h
+
+
+# ------------------------------------------------------------------------------------------------
+# Rules with hand-computed numbers (no VM needed)
+
+
+def test_rewards_and_protocols_by_hand():
+    args = small_args(format_penalty=0.5)
+    task = TASKS["infeasible-email"]
+
+    def ep(end, actions, ok):
+        return T.Episode(task, 0, end=end, actions=actions, format_ok=ok)
+    timed_out = ep("max_steps", [{"type": "wait"}, None], [True, False])
+    gave_up = ep("fail", [{"type": "wait"}, {"type": "fail"}], [True, True])
+    bad_fail = ep("fail", [None, {"type": "fail"}], [False, True])
+    formatted = ep("format", [None], [False])
+    eps = [timed_out, gave_up, bad_fail, formatted]
+    T.score_episodes(None, eps, args, 5)  # infeasible only: scored client side, no VM is asked
+    # timed out: hard 0 (last action wait), standard 1 (FAIL substituted); reward 0 - 0.5 = -0.5
+    assert (timed_out.score, timed_out.score_standard, timed_out.reward) == (0.0, 1.0, -0.5)
+    # call_user at the end, all answers parsed: 1 under both; reward 1 - 0 = 1
+    assert (gave_up.score, gave_up.score_standard, gave_up.reward) == (1.0, 1.0, 1.0)
+    # call_user at the end but one unparseable answer: 1 - 0.5 = 0.5 (the penalty is paid once)
+    assert (bad_fail.score, bad_fail.reward) == (1.0, 0.5)
+    # ended by an unparseable answer (ARPO: DONE): 0 under both; 0 - 0.5
+    assert (formatted.score, formatted.score_standard, formatted.reward) == (0.0, 0.0, -0.5)
+
+
+def test_task_order_and_groups():
+    state = {"epoch": 0, "pos": 0}
+    ids = ["a", "b", "c"]
+    first = T.pick_tasks(ids, state, 2, seed=7) + T.pick_tasks(ids, state, 1, seed=7)
+    assert sorted(first) == ids and state == {"epoch": 1, "pos": 0}  # one pass = every task once
+    again = {"epoch": 0, "pos": 0}
+    assert T.pick_tasks(ids, again, 3, seed=7) == first  # seeded: the same order again
+    assert len(T.pick_tasks(ids, state, 5, seed=7)) == 5 and state == {"epoch": 2, "pos": 2}
+    # 7 live VMs in groups of 3: two groups, VM 9 idle; fewer than a group: one smaller group
+    assert T.plan_groups([0, 1, 2, 4, 5, 8, 9], 3) == [[0, 1, 2], [4, 5, 8]]
+    assert T.plan_groups([3], 8) == [[3]] and T.plan_groups([], 8) == []
+
+
+def test_flags():
+    args, given = T.parse_args(["--no-replay", "--lr", "2e-6", "--vms", "http://a:1,http://b:2"])
+    assert (args.replay, args.lr, args.vms, args.group_size, args.stop_on_format_error) == \
+        (False, 2e-6, "http://a:1,http://b:2", 8, True)
+    assert given == {"replay": False, "lr": 2e-6, "vms": "http://a:1,http://b:2"}
+    with pytest.raises(SystemExit, match="--lora-rank"):
+        T.check_args(T.Args(beta=0.04))
+
+
+# ------------------------------------------------------------------------------------------------
+# Replay in a real iteration
+
+
+def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_path):
+    task = TASKS["calc-open"]
+    args = small_args()
+    # A stored success of calc-open, from an "earlier iteration": the scripted solution on a desktop.
+    eps, _ = T.run_jobs(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args, {})
+    assert eps[0].score == 1.0
+    stored = T.to_record(eps[0])
+    buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
+    assert buffer.add(task.id, stored, eps[0].score)
+    # Its tokens as a training sample: what the update must see for the replayed member.
+    want_tokens = sum(T.episode_sample(tiny, T.from_record(stored), args).target_mask)
+
+    # No weight decay: any change of the weights below comes from the GRPO gradient.
+    opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    tr = T.Trainer(args, pool, tiny, opt, buffer, T.model_policy(tiny, args, 1.0), str(tmp_path), [task])
+    before = tiny.model.lm_head.weight.detach().clone()
+    m, fresh = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    # The random tiny policy failed both rollouts -> the group is all-failed -> one member replaced.
+    assert [g["scores"] for g in m["groups"]] == [[1.0, 0.0]]
+    assert m["n_injections"] == 1
+    inj = m["replay_injections"][0]
+    assert (inj["task"], inj["from_iteration"], inj["score"]) == ("calc-open", 0, 1.0)
+    replayed = [b for b in m["batch"] if b["replayed"]]
+    assert len(m["batch"]) == 2 and len(replayed) == 1
+    r, other = replayed[0], next(b for b in m["batch"] if not b["replayed"])
+    assert r["target_tokens"] == want_tokens and r["reward"] == 1.0
+    # rewards [1.0, -0.5] (format penalty 0.5): mean 0.25, std 1.0607 -> advantages +-0.7071
+    assert r["advantage"] == pytest.approx(0.70711, abs=1e-4)
+    assert other["advantage"] == pytest.approx(-0.70711, abs=1e-4)
+    assert m["tokens"] == r["target_tokens"] + other["target_tokens"]  # the update consumed both
+    assert m["grad_norm"] > 0 and not torch.equal(before, tiny.model.lm_head.weight)  # and learned from them
+    assert len(buffer) == 1  # failures are never stored
+
+    # The buffer survives a checkpoint (ARPO's own code loses it on resume).
+    T.checkpoint(tr, 2, {"epoch": 0, "pos": 1}, [task.id])
+    state, _ = rundir.load_checkpoint(str(tmp_path))
+    back = ReplayBuffer()
+    back.load_state_dict(state["replay"])
+    again = T.from_record(back.sample(task.id))
+    assert sum(T.episode_sample(tiny, again, args).target_mask) == want_tokens
+
+    # --no-replay: the same all-failed group trains as it is, with zero advantages.
+    tr.replay = None
+    m, _ = T.run_iteration(tr, 2, lambda n: [task.id] * n)
+    assert m["n_injections"] == 0 and not any(b["replayed"] for b in m["batch"])
+    assert [b["advantage"] for b in m["batch"]] == [0.0, 0.0] and m["grad_norm"] == 0.0
+    assert len(buffer) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Task selection and evaluation protocols with a scripted policy
+
+
+def test_select_tasks_keeps_exactly_the_solved_ones(pool, tmp_path):
+    tasks = [TASKS["calc-open"], TASKS["clock-open"], TASKS["infeasible-email"]]
+
+    def plans(tid, attempt):
+        if tid == "calc-open":  # solved on the second try only: "at least once" must keep it
+            return SOLUTIONS[tid] if attempt == 1 else []
+        if tid == "clock-open":
+            return []  # finished() at once: never solved
+        return SOLUTIONS[tid]  # call_user(): the right answer to an infeasible task
+    args = small_args(select_tasks=2)
+    kept = T.select_and_record(pool, tasks, scripted(plans), args, str(tmp_path))
+    assert [t.id for t in kept] == ["calc-open", "infeasible-email"]
+    with open(tmp_path / "selected_tasks.json") as f:
+        sel = json.load(f)
+    assert sel["selected"] == ["calc-open", "infeasible-email"]
+    assert sel["successes"] == {"calc-open": 1, "clock-open": 0, "infeasible-email": 2}
+
+
+def test_timed_out_infeasible_task_passes_standard_fails_hard(pool):
+    tasks = [TASKS["infeasible-browser"], TASKS["infeasible-email"]]
+    plans = {"infeasible-browser": [{"type": "wait"}] * 5, "infeasible-email": [{"type": "fail"}]}
+    res = T.evaluate_policy(pool, tasks, scripted(lambda tid, n: plans[tid]), small_args(max_steps=2))
+    assert res["standard"]["per_task"] == {"infeasible-browser": 1.0, "infeasible-email": 1.0}
+    assert res["hard"]["per_task"] == {"infeasible-browser": 0.0, "infeasible-email": 1.0}
+    assert (res["standard"]["overall"], res["hard"]["overall"]) == (1.0, 0.5)
+    ends = {d["task"]: (d["end"], d["steps"]) for d in res["details"]}
+    assert ends == {"infeasible-browser": ("max_steps", 2), "infeasible-email": ("fail", 1)}
+    assert "overall" in T.eval_table(res) and json.dumps(res)
+
+
+# ------------------------------------------------------------------------------------------------
+# Smoke: the command line, end to end
+
+
+def _run(*flags, timeout=300):
+    cmd = [sys.executable, os.path.join(ROOT, "train_arpo.py"), "--model", "tiny", "--max-pixels", str(SMALL),
+           "--max-new-tokens", "12", "--task-ids", "calc-open,clock-open,terminal-open,infeasible-email", *flags]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def _metrics(run):
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_smoke_train_resume_eval(tmp_path):
+    runs = str(tmp_path)
+    run = os.path.join(runs, "smoke")
+    # Multi-turn: unparseable answers do not end the episode here, so every episode runs 3 steps.
+    out = _run("--vms", "4", "--group-size", "2", "--iterations", "2", "--max-steps", "3", "--runs-dir", runs,
+               "--run-name", "smoke", "--no-stop-on-format-error")
+    assert len([line for line in out.splitlines() if line.startswith("it ")]) == 2
+    ms = _metrics(run)
+    assert [m["iteration"] for m in ms] == [0, 1]
+    for m in ms:
+        assert len(m["tasks"]) == 2 and m["episodes"] + m["dropped"] == 4
+        assert m["time_generation"] > 0 and m["time_update"] > 0 and m["time_env"] > 0
+        assert all(b["steps"] <= 3 and b["target_tokens"] > 0 for b in m["batch"])
+    assert max(b["steps"] for b in ms[0]["batch"]) == 3
+    with open(os.path.join(run, "trajectories", "it000000", "vm00.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    assert lines[-1]["final"] and "score" in lines[-1] and "reward" in lines[-1]
+    assert all(os.path.exists(os.path.join(run, "trajectories", "it000000", s["screenshot"])) for s in lines[:-1])
+    assert os.path.exists(os.path.join(run, "ckpt", "COMPLETE"))
+
+    out = _run("--resume", run, "--vms", "4", "--iterations", "3")
+    assert "resumed" in out
+    assert [m["iteration"] for m in _metrics(run)] == [0, 1, 2]
+
+    out = _run("--resume", run, "--vms", "2", "--eval-only", "--max-steps", "2")
+    with open(os.path.join(run, "eval_it000003.json")) as f:
+        res = json.load(f)
+    for proto in ("standard", "hard"):
+        assert set(res[proto]["per_task"]) == {"calc-open", "clock-open", "terminal-open", "infeasible-email"}
+        assert 0.0 <= res[proto]["overall"] <= 1.0
+    # The random policy never writes call_user(), so the infeasible task passes only by timing out.
+    assert res["standard"]["per_task"]["infeasible-email"] == 1.0
+    assert res["hard"]["per_task"]["infeasible-email"] == 0.0
+    assert "overall" in out and "standard" in out

@@ -21,8 +21,8 @@ Where this departs from the papers (on purpose, each one small):
    rollout, where old log-probs are fixed before the first step and clipping matters.
 4. Replay injection replaces the (first) lowest-scoring member of a failed group, where ARPO picks
    one at random; in a group that qualifies (std < 0.05) every member scores about the same.
-5. Log-probs are recomputed by the trainer, never taken from the sampler (vLLM's numbers differ
-   slightly from HF's; mixing them would bias the ratio).
+5. Old log-probs are recomputed by the trainer, never taken from the sampler (vLLM's numbers
+   differ slightly from HF's; mixing the two would bias the ratio). verl does the same.
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def group_advantages(rewards, group_ids=None, eps: float = 1e-6) -> torch.Tensor
     r = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)  # (N,)
     ids = [0] * len(r) if group_ids is None else list(group_ids)
     if len(ids) != len(r):
-        raise ValueError(f"group_advantages got {len(r)} rewards but {len(ids)} group ids; pass one id per reward.")
+        raise ValueError(f"group_advantages got {len(r)} rewards but {len(ids)} group ids; "
+                         "pass one id per reward.")
     members: dict[Any, list[int]] = {}
     for i, g in enumerate(ids):
         members.setdefault(g, []).append(i)
@@ -93,8 +94,9 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         rows = max(1, _LSE_CHUNK_ELEMS // logits.shape[1])
         # Upcast per chunk: a bf16 logsumexp over 152k entries loses ~2 digits, and the GRPO
         # ratio exp(new - old) magnifies any such error.
-        lse = torch.cat([torch.logsumexp(logits[i:i + rows].to(out_dtype), dim=-1)
-                         for i in range(0, logits.shape[0], rows)] or [logits.new_zeros(0, dtype=out_dtype)])  # (N,)
+        lse = [torch.logsumexp(logits[i:i + rows].to(out_dtype), dim=-1)
+               for i in range(0, logits.shape[0], rows)]  # [(n,)]
+        lse = torch.cat(lse) if lse else logits.new_zeros(0, dtype=out_dtype)  # (N,)
         picked = logits.gather(1, index[:, None]).squeeze(1).to(out_dtype)  # (N,)
         ctx.save_for_backward(logits, index, lse)
         ctx.rows = rows
@@ -173,7 +175,8 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
     for b, s in enumerate(samples):
         n = len(s.input_ids)
         if len(s.target_mask) != n:
-            raise ValueError(f"sample {b} has {n} input ids but {len(s.target_mask)} target-mask entries; build it with step_sample or trajectory_sample.")
+            raise ValueError(f"sample {b} has {n} input ids but {len(s.target_mask)} target-mask entries; "
+                             "build samples with step_sample or trajectory_sample.")
         input_ids[b, :n] = torch.tensor(s.input_ids, dtype=torch.long)  # (n,)
         attention_mask[b, :n] = 1
         completion_mask[b, :n] = torch.tensor(s.target_mask, dtype=torch.long)  # (n,)
@@ -206,7 +209,7 @@ def per_token_logps(model, batch: dict) -> torch.Tensor:
     keep[:, :-1] = target[:, 1:]  # position t - 1 predicts token t
     kwargs = dict(input_ids=ids.to(dev), attention_mask=batch["attention_mask"].to(dev), use_cache=False)
     if batch.get("pixel_values") is not None:
-        kwargs["pixel_values"] = batch["pixel_values"].to(dev)  # (sum N_patches, D)
+        kwargs["pixel_values"] = batch["pixel_values"].to(dev, getattr(model, "dtype", None))  # (sum N_patches, D)
         kwargs["image_grid_thw"] = batch["image_grid_thw"].to(dev)  # (N_img, 3)
         # Qwen2.5-VL only builds its 3-D (time, height, width) rotary positions for image tokens when
         # told which tokens are image tokens; without this it silently falls back to 1-D positions.
@@ -238,13 +241,17 @@ def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float
     m = mask.to(logps.dtype)  # (B, T)
     adv = advantages.to(logps.dtype)
     A = adv[:, None] if adv.dim() == 1 else adv  # (B, 1) or (B, T)
-    ratio = torch.exp(logps - old_logps.detach())  # ALGO: importance ratio pi / pi_old, (B, T)
+    on = m > 0  # (B, T)
+    # Off-target positions are forced to 0 (not multiplied by 0: a -inf there would make NaN),
+    # and |log ratio| <= 20 keeps one absurd token from turning the whole step into inf / NaN.
+    log_ratio = torch.where(on, logps - old_logps.detach(), 0.0).clamp(-20, 20)  # (B, T)
+    ratio = torch.exp(log_ratio)  # ALGO: importance ratio pi / pi_old, (B, T)
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)  # ALGO: (B, T)
     pg = -torch.min(ratio * A, clipped * A)  # ALGO: pessimistic (clipped) surrogate, (B, T)
     per_token = pg  # (B, T)
     kl = torch.zeros_like(pg)  # (B, T)
     if ref_logps is not None:
-        d = ref_logps.detach() - logps  # (B, T)
+        d = torch.where(on, ref_logps.detach() - logps, 0.0).clamp(-20, 20)  # (B, T)
         kl = torch.exp(d) - d - 1  # ALGO: k3 estimator of KL(pi || pi_ref), >= 0, (B, T)
         if beta != 0.0:
             per_token = pg + beta * kl  # ALGO: (B, T)
@@ -329,7 +336,8 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
     if not samples:
         return {}
     if beta != 0.0 and ref_fn is None and not hasattr(model, "disable_adapter"):
-        raise ValueError("beta > 0 needs a reference policy: pass ref_fn, or train with LoRA (--lora-rank) so the adapter can be switched off.")
+        raise ValueError("beta > 0 needs a reference policy: pass ref_fn, or train with LoRA (--lora-rank) "
+                         "so the adapter can be switched off.")
     model.train()  # gradient checkpointing only runs in train mode; dropout is 0 in our configs
     # Each optimizer step takes one mini-batch of samples (all of them by default), accumulated
     # over micro-batches; `steps` holds the indices into `batches` of each step's micro-batches.

@@ -266,7 +266,8 @@ def _completion(policy, n, seed):
     # Random ordinary tokens (ids below the special ones), closed by <|im_end|> like a finished answer.
     g = torch.Generator().manual_seed(seed)
     im_end = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    return torch.randint(0, policy.tokenizer.convert_tokens_to_ids("<|endoftext|>"), (n,), generator=g).tolist() + [im_end]
+    first_special = policy.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    return torch.randint(0, first_special, (n,), generator=g).tolist() + [im_end]
 
 
 def _naive_logps(model, batch):
@@ -448,3 +449,17 @@ def test_grpo_learns_a_simple_reward():
         gains.append(mean_reward() - before)
     print("GRPO reward gains per seed:", gains)
     assert min(gains) > 0 and sum(gains) / len(gains) > 0.15, gains
+
+
+def test_no_target_tokens_and_bad_values_do_not_crash(policy):
+    # A sample without any target token (e.g. a step whose completion was empty) contributes
+    # nothing and breaks nothing; a -inf log-prob off the mask cannot produce NaN.
+    empty = grpo.step_sample(M.encode_chat(policy, [{"role": "user", "content": "hi"}]), [], reward=1.0)
+    net = copy.deepcopy(policy.model)
+    met = grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), [empty])
+    assert met["tokens"] == 0 and met["loss"] == 0.0 and met["skipped"] == 0.0
+    logps = torch.tensor([[-1.0, -math.inf]], requires_grad=True)
+    loss, _ = grpo_loss(logps, torch.tensor([[-1.0, 0.0]]), torch.tensor([1.0]), torch.tensor([[1, 0]]),
+                        ref_logps=torch.tensor([[-1.0, 0.0]]), beta=0.1)
+    loss.backward()
+    assert loss.item() == -1.0 and torch.isfinite(logps.grad).all()

@@ -37,11 +37,13 @@ import re
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
@@ -57,8 +59,7 @@ MAX_KEYS = 8             # a hotkey longer than this is not a hotkey
 MAX_ITEMS = 64           # setup steps / evaluator checks per request
 MAX_READ = 10 << 20      # file_contains reads at most this much of a file
 MAX_OUTPUT = 64 << 10    # command stdout kept (it goes to a temp file, never into our memory)
-PNG_LEVEL = 1            # zlib level 1 encodes a 1920x1080 desktop ~4x faster than Pillow's default
-                         # 6, for files only ~15% bigger: screens are flat colours, cheap to squeeze
+PNG_LEVEL = 1            # zlib level: 1 is the fastest that still squeezes flat screen colours well
 DEFAULT_ALLOW = frozenset(
     "xterm mousepad galculator pcmanfm xclock xeyes xcalc ls cat grep wc head tail test stat "
     "sha256sum md5sum mkdir touch cp mv echo sleep true false xdotool wmctrl bc date basename "
@@ -623,18 +624,37 @@ def evaluate(desk: Desktop, body) -> dict:
 # HTTP
 
 
+def encode_png(img) -> bytes:
+    """The screen as a PNG with no row filters, deflated at PNG_LEVEL.
+
+    Pillow's PNG encoder always tries several filters per row and keeps the best. On a screenshot
+    that search costs more than the compression (a 1920x1080 screen: ~25 of Pillow's ~45 ms at
+    level 1; 6, its default, is slower still), and un-filtering slows every decode too. Flat
+    desktop colours compress almost as well unfiltered (~4% bigger), so we write the few PNG
+    chunks ourselves: ~2x faster to encode, ~5x faster to decode (bench/screenshot.py).
+    """
+    img = img if img.mode == "RGB" else img.convert("RGB")
+    (w, h), raw = img.size, memoryview(img.tobytes())
+    rows = b"".join(b"\0" + raw[i:i + 3 * w] for i in range(0, len(raw), 3 * w))  # filter 0 per row
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))  # 8-bit RGB
+            + chunk(b"IDAT", zlib.compress(rows, PNG_LEVEL)) + chunk(b"IEND", b""))
+
+
 def screenshot(query: dict) -> tuple[bytes, str]:
     fmt, q = query.get("format", ["png"])[-1], query.get("quality", ["80"])[-1]
     if fmt not in ("png", "jpeg", "jpg"):
         raise BadRequest("'format' must be png or jpeg.")
     if not q.isdigit() or not 1 <= int(q) <= 95:
         raise BadRequest("'quality' must be an integer in [1, 95].")
-    img, buf = ImageGrab.grab(), io.BytesIO()  # X11 GetImage via Pillow's XCB: ~8 ms at 1280x720
+    img = ImageGrab.grab()  # X11 GetImage through Pillow's XCB binding: ~8 ms at 1280x720
     if fmt == "png":
-        img.save(buf, "PNG", compress_level=PNG_LEVEL)
-    else:
-        img.convert("RGB").save(buf, "JPEG", quality=int(q))
-    return buf.getvalue(), "image/png" if fmt == "png" else "image/jpeg"
+        return encode_png(img), "image/png"
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=int(q))
+    return buf.getvalue(), "image/jpeg"
 
 
 def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[int, object, str]:

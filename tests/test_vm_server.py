@@ -124,6 +124,17 @@ def test_screenshots_decode_to_screen_size(vm):
     assert img.getpixel((700, 300)) == BG and img.getpixel((700, 710)) != BG
 
 
+def test_encode_png_is_lossless():
+    # Noise plus flat areas: every pixel must come back exactly, in the right row and column.
+    img = Image.effect_noise((97, 61), 80).convert("RGB")
+    img.paste((47, 95, 143), (10, 10, 60, 40))
+    back = Image.open(io.BytesIO(vm_server.encode_png(img)))
+    assert back.mode == "RGB" and back.size == (97, 61)
+    assert ImageChops.difference(img, back).getbbox() is None
+    rgba = Image.new("RGBA", (3, 2), (1, 2, 3, 4))  # other modes are converted to RGB first
+    assert Image.open(io.BytesIO(vm_server.encode_png(rgba))).getpixel((2, 1)) == (1, 2, 3)
+
+
 def test_every_desktop_icon_opens_its_app(vm):
     expected = {"Terminal": "xterm", "Text Editor": "Untitled 1 - Mousepad", "Calculator": "galculator",
                 "File Manager": "home", "Clock": "xclock", "Eyes": "xeyes", "XCalc": "Calculator"}

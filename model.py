@@ -5,19 +5,14 @@
     policy = load_policy("Qwen/Qwen2.5-VL-3B-Instruct", lora_rank=64)   # a real checkpoint (GPU)
     gens = generate(policy, [explore_messages(img)] * 8, max_new_tokens=128)
 
-What is here, top to bottom:
-  1. load_policy / save_policy: Hugging Face transformers + peft (LoRA) or full fine-tuning; or
-     `"tiny"`, a random-weight Qwen2.5-VL of the REAL class built from a small config, with a
-     byte-level BPE tokenizer trained in milliseconds on an embedded corpus. It is what every test
-     and every CPU run uses.
-  2. Prompts: the ScreenExplorer exploration prompt and the UI-TARS-1.5 multi-turn prompt.
-  3. encode_chat: chat messages -> token ids + target mask + pixel values. We do the processor's
-     job ourselves (Qwen2VLImageProcessorPil for the pixels, our own `<|image_pad|>` expansion),
-     because the Qwen2.5-VL processor class needs torchvision, which cannot load beside CPU torch.
-  4. generate: one batched, left-padded HF `generate` call for N prompts, returning the sampled
-     token ids and their sampling log-probs.
-  5. VLLMEngine: the same, on vLLM, with weights synced after every update. GPU only, imported
-     lazily; it CANNOT be exercised on a CPU machine and is untested here.
+Top to bottom: load_policy/save_policy (transformers + peft LoRA, or "tiny": a random-weight
+Qwen2.5-VL of the REAL class from a small config, with a byte-level BPE tokenizer trained in
+milliseconds on an embedded corpus; every test and CPU run uses it); the two prompts; encode_chat
+(messages -> ids, target mask, pixels: we do the processor's job, Qwen2VLImageProcessorPil for the
+pixels and our own <|image_pad|> expansion, because the Qwen2.5-VL processor class needs
+torchvision, which cannot load beside CPU torch); generate (one batched, left-padded HF generate
+for N prompts, with sampling log-probs); VLLMEngine (the same on vLLM with weight sync; GPU only,
+imported lazily, CANNOT be exercised on a CPU machine and is untested here).
 
 Where we depart from the papers:
   - ScreenExplorer's exact prompt text is not published in full; ours asks for the same JSON
@@ -55,23 +50,17 @@ DEFAULT_SYSTEM = "You are a helpful assistant."
 # encode_chat builds the same token sequence piece by piece so it can mark the assistant tokens;
 # a test checks that the two agree.
 CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if loop.first and message['role'] != 'system' -%}"
-    "{{ '<|im_start|>system\\n" + DEFAULT_SYSTEM + "<|im_end|>\\n' }}"
-    "{%- endif -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{{ '<|im_end|>\\n' }}"
-    "{%- endfor -%}"
+    "{%- for m in messages -%}{%- if loop.first and m['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\\n" + DEFAULT_SYSTEM + "<|im_end|>\\n' }}{%- endif -%}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' }}{%- if m['content'] is string -%}{{ m['content'] }}"
+    "{%- else -%}{%- for p in m['content'] -%}{%- if p['type'] == 'image' -%}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{%- elif p['type'] == 'text' -%}{{ p['text'] }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}{{ '<|im_end|>\\n' }}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
 
-# Image size caps (pixels of the resized image). 1280 * 28 * 28 ~ 1280 visual tokens before the
-# 2x2 merge, i.e. a 1280x720 screen passes at (almost) full resolution: 1288x728 -> 1196 tokens.
+# Image size caps (pixels of the resized image). 1280 * 28 * 28 = at most 1280 image tokens (one per
+# 28x28 px after the 2x2 merge): a 1280x720 screen passes at full resolution, 1288x728 -> 1196.
 DEFAULT_MIN_PIXELS = 4 * 28 * 28
 DEFAULT_MAX_PIXELS = 1280 * 28 * 28
 
@@ -125,16 +114,11 @@ def _image_processor_class():
 def _tiny_corpus() -> list[str]:
     lines = [EXPLORE_PROMPT, UITARS_PROMPT, DEFAULT_SYSTEM]
     for x, y in [(12, 640), (300, 200), (1000, 512), (77, 33), (640, 360), (5, 715)]:
-        lines += [
-            f'{{"intent": "Open the file manager to look at the files", "action": "Click({x}, {y})"}}',
-            f'{{"intent": "Type a note", "action": "Text({x}, {y}, \\"hello world\\")"}}',
-            f'{{"intent": "Copy the text", "action": "Key(\\"ctrl+c\\")"}}',
-            f'{{"intent": "See more", "action": "ScrollDown({x}, {y})"}}',
-            f"Thought: The calculator is open, I click the button.\nAction: click(start_box='({x},{y})')",
-            f"Thought: I type the text.\nAction: type(content='hello world\\n')",
-            f"Thought: Save the file.\nAction: hotkey(key='ctrl s')",
-            f"Thought: Done.\nAction: finished(content='done')",
-        ]
+        lines += [f'{{"intent": "Open the file manager to look at the files", "action": "Click({x}, {y})"}}',
+                  f'{{"intent": "Type a note", "action": "Text({x}, {y}, \\"hello world\\")"}}',
+                  f'{{"intent": "See more", "action": "ScrollDown({x}, {y})"}} Key(\\"ctrl+c\\")',
+                  f"Thought: The calculator is open, I click the button.\nAction: click(start_box='({x},{y})')",
+                  "Thought: I type and save.\nAction: type(content='hello world\\n') hotkey(key='ctrl s')"]
     return lines * 4
 
 
@@ -264,14 +248,14 @@ def load_policy(name: str = "tiny", lora_rank: int = 0, lora_alpha: int = 16,
                                 "id, or use --model tiny for the random-weight test model.")
         name = os.path.expanduser(name)
         try:
-            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(name, dtype=dtype)
+            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(name, dtype=dtype, device_map=str(device))
             tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
             # The caps are ours, not the checkpoint's: they set how many tokens a screenshot costs.
             image_processor = ip_class.from_pretrained(name, min_pixels=min_pixels, max_pixels=max_pixels)
         except OSError as e:  # transformers reports missing files, repos and network errors as OSError
             reason = str(e).strip().splitlines()[0][:200]
             raise ModelNotFound(f"Could not load model '{name}' ({reason}); download it first or pass a "
-                                "local checkpoint folder, or use --model tiny for the random-weight test model.")
+                                "local checkpoint folder, or use --model tiny for the random-weight test model.") from None
     return wrap_policy(model, tokenizer, image_processor, name, device, dtype, lora_rank, lora_alpha,
                        gradient_checkpointing)
 
@@ -585,9 +569,9 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
 
 
 # --------------------------------------------------------------------------------------------
-# vLLM: GPU generation engine. NOT exercisable on CPU: vLLM needs CUDA, so this path is untested
-# here. It is written against vLLM's documented LLM API (LLM.generate with multi-modal data,
-# LLM.apply_model / collective_rpc for weight loading) and kept small so it is easy to fix.
+# vLLM (GPU only). UNTESTED: vLLM needs CUDA, so this cannot run on a CPU machine. Written against
+# vLLM's documented LLM API (generate with multi_modal_data; apply_model / collective_rpc to load
+# weights) and kept small so that it is easy to fix.
 
 
 def _collapse_image_pads(ids: list[int], pad: int) -> list[int]:
@@ -611,9 +595,8 @@ class VLLMEngine:
             from vllm import LLM
         except ImportError:
             raise SystemExit("--engine vllm needs vLLM on a CUDA machine (pip install vllm); "
-                             "use --engine hf otherwise.")
-        if not os.path.isdir(path):
-            save_policy(policy, path)  # vLLM loads from disk; a merged LoRA policy loads as-is
+                             "use --engine hf otherwise.") from None
+        save_policy(policy, path)  # vLLM loads from disk; a merged LoRA policy loads as a plain model
         self.llm = LLM(model=path, dtype=str(policy.dtype).replace("torch.", ""),
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                        limit_mm_per_prompt={"image": max_images}, enable_prefix_caching=True)

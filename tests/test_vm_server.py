@@ -441,13 +441,18 @@ def test_parallel_desktops_are_isolated_and_stop_cleanly(vm):
     other = start_vm_server()
     try:
         assert other.display != vm.display and other.home != vm.home
+        # Single-instance apps (pcmanfm, mousepad) must open on the desktop that asked.
+        vm_call(vm, "POST", "/setup", {"steps": [{"type": "open", "path": "notes.txt"}, {"type": "open", "path": "Pictures"}]})
+        wait_for(lambda: {"notes.txt - Mousepad", "Pictures"} <= set(windows(vm)), "the first desktop's windows")
         r = vm_call(other, "POST", "/setup", {"steps": [{"type": "write_file", "path": "mine.txt", "content": "1"},
+                                                        {"type": "open", "path": "mine.txt"},
+                                                        {"type": "open", "path": "Documents"},
                                                         {"type": "launch", "argv": ["xclock"]}]})
         assert r.status_code == 200
         assert os.path.exists(os.path.join(other.home, "mine.txt"))
         assert not os.path.exists(os.path.join(vm.home, "mine.txt"))
-        wait_window(other, "xclock")
-        assert "xclock" not in windows(vm)
+        wait_for(lambda: {"xclock", "mine.txt - Mousepad", "Documents"} <= set(windows(other)), "the second desktop's windows")
+        assert set(windows(vm)) == {"notes.txt - Mousepad", "Pictures"}
         kids = _children(other.proc.pid)
         assert len(kids) >= 5  # Xvfb, openbox, tint2, pcmanfm, xclock
     finally:

@@ -309,7 +309,9 @@ def test_lora_and_full_finetuning_step_and_round_trip(tmp_path, train_enc, lora_
     M.save_policy(p, str(tmp_path))
     back = M.load_policy(str(tmp_path))
     assert not back.lora  # LoRA is saved merged: a plain checkpoint
-    assert torch.allclose(_forward_logits(back, train_enc), after, atol=1e-5)
+    # Full: the same weights, so the same logits. LoRA: x @ (W + B A) vs x @ W + (x @ A) @ B round
+    # differently in float32, ~1e-5 on logits of magnitude ~10.
+    assert torch.allclose(_forward_logits(back, train_enc), after, atol=1e-4 if lora_rank else 1e-6)
     assert back.tokenizer.get_vocab() == p.tokenizer.get_vocab()
     assert back.image_processor.size.longest_edge == p.image_processor.size.longest_edge
 

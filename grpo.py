@@ -197,9 +197,11 @@ def per_token_logps(model, batch: dict) -> torch.Tensor:
 
     The vocabulary projection is what eats memory: a 4k-token screenshot prompt at V = 151,936 is
     2.5 GB of float32 logits per sample, twice that with a log_softmax beside it. Only the
-    positions just before a completion token are needed, so the model is asked for exactly those
-    via transformers' boolean `logits_to_keep` (hidden states are gathered before lm_head) and
-    the lm_head output is (N_completion, V). Works the same through a peft (LoRA) wrapper.
+    positions just before a completion token are needed, so we run the model's body for the
+    hidden states, gather exactly those rows and apply lm_head to them alone: (N_completion, V).
+    (transformers >= 5.24 can do the gather itself with a boolean `logits_to_keep`; 5.17, which the
+    GPU image has, cannot, so we do it by hand and work on both.) Works through peft's LoRA wrapper:
+    its adapters sit inside the body's Linear layers.
     """
     ids = batch["input_ids"]  # (B, T)
     dev = next(model.parameters()).device
@@ -214,7 +216,9 @@ def per_token_logps(model, batch: dict) -> torch.Tensor:
         # Qwen2.5-VL only builds its 3-D (time, height, width) rotary positions for image tokens when
         # told which tokens are image tokens; without this it silently falls back to 1-D positions.
         kwargs["mm_token_type_ids"] = (kwargs["input_ids"] == model.config.image_token_id).int()  # (B, T)
-    logits = model(**kwargs, logits_to_keep=keep).logits  # (N_completion, V)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # unwrap peft
+    hidden = base.model(**kwargs).last_hidden_state  # (B, T, H)
+    logits = base.lm_head(hidden[keep])  # (N_completion, V)
     lp = selective_log_softmax(logits, kwargs["input_ids"][target])  # (N_completion,)
     # Row-major order of `keep` and `target` is the same, so masked_scatter puts each value back.
     return torch.zeros(target.shape, dtype=lp.dtype, device=dev).masked_scatter(target, lp)  # (B, T)

@@ -91,6 +91,7 @@ class Args:
     temperature: float = arg(1.0, "sampling temperature in training (ARPO: 1.0)")
     top_p: float = arg(1.0, "nucleus sampling in training")
     stop_on_format_error: bool = arg(True, "an unparseable answer ends the episode, as in ARPO's code")
+    settle: float = arg(0.5, "seconds to let the screen settle after the actions, before the next screenshot (ARPO/OSWorld: 0.5)")
     # reward, loss, update
     format_penalty: float = arg(0.5, "reward -= this if any answer of the trajectory did not parse (ARPO: 0.5 * 1)")
     lr: float = arg(1e-6, "AdamW learning rate (ARPO: 1e-6)")
@@ -303,6 +304,8 @@ def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
                 actions[i] = parsed.action
         with timed(times, "env"):
             res = pool.act(actions) if any(a is not None for a in actions) else []
+            if res and args.settle > 0:
+                time.sleep(args.settle)  # a window takes a moment to map; the model should see it
         for i, r in enumerate(res):
             if actions[i] is None or r.ok:
                 continue
@@ -637,16 +640,45 @@ def checkpoint(tr: Trainer, it: int, picker: dict, train_ids: list[str]) -> None
 # Main: setup, then the loop
 
 
-def main(argv=None) -> None:
+def resolve_args(argv=None) -> tuple[Args, tuple | None, dict]:
+    """The command line; on --resume, the run's saved args with the flags given now on top.
+    Returns (args, (checkpoint state, folder) or None, the flags given now)."""
     args, given = parse_args(argv)
     ckpt = None
     if args.resume:
         ckpt = rundir.load_checkpoint(args.resume) if os.path.isdir(args.resume) else None
         if ckpt is None and (args.eval_only or not os.path.isdir(args.resume)):
             raise SystemExit(f"--resume {args.resume}: no checkpoint there; pass a run folder under {args.runs_dir}/.")
-        if ckpt is not None:  # the saved args, with the flags given now on top
+        if ckpt is not None:
             args = Args(**{**ckpt[0]["args"], **given})
     check_args(args)
+    return args, ckpt, given
+
+
+def start_vms(args: Args) -> VMPool:
+    try:
+        w, h = (int(v) for v in args.screen.lower().split("x"))
+        return VMPool(args.vms, token=args.token or os.environ.get("VM_TOKEN") or None,
+                      timeout=args.vm_timeout, screen=(w, h))
+    except (ValueError, VMError) as e:
+        raise SystemExit(f"cannot start the VMs ({e}); check --vms and --screen.")
+
+
+def eval_only(pool: VMPool, tasks: list, policy, args: Args, run: str, iteration: int) -> None:
+    result = evaluate_policy(pool, tasks, model_policy(policy, args, args.eval_temperature), args)
+    result.update(model=args.model, run=run, iteration=iteration, protocols={
+        "standard": "an episode that runs out of steps counts its last action as FAIL",
+        "hard": "the last action is what the agent did (OSWorld-Hard in ARPO)"})
+    out = args.eval_out or os.path.join(run, f"eval_it{iteration:06d}.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(eval_table(result))
+    print(f"eval written to {out}")
+
+
+def main(argv=None) -> None:
+    # -- setup (plumbing): args, seeds, run folder, tasks, policy, desktops
+    args, ckpt, given = resolve_args(argv)
     try:  # one summary line per iteration; transformers' load/save progress bars are noise here
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
@@ -655,46 +687,38 @@ def main(argv=None) -> None:
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-
-    tasks = load_task_list(args, ckpt[0]["tasks"] if ckpt is not None and not args.eval_only and not given.get("task_ids") else None)
+    # The run folder first: a name clash should fail before minutes of loading, not after.
+    if args.eval_only and args.resume:
+        run = args.resume  # evaluating a run: its args.json stays the training args
+    else:
+        run = rundir.make_run_dir(args.runs_dir, args.run_name, args, resume=args.resume or None)
+    # A resumed run trains on the task list it trained on (after --select-tasks), unless told otherwise.
+    resumed_ids = ckpt[0]["tasks"] if ckpt is not None and not args.eval_only and "task_ids" not in given else None
+    tasks = load_task_list(args, resumed_ids)
     policy = make_policy(args, ckpt)
-    try:
-        w, h = (int(v) for v in args.screen.lower().split("x"))
-        pool = VMPool(args.vms, token=args.token or os.environ.get("VM_TOKEN") or None,
-                      timeout=args.vm_timeout, screen=(w, h))
-    except (ValueError, VMError) as e:
-        raise SystemExit(f"cannot start the VMs: {e}")
+    pool = start_vms(args)
     try:
         if args.eval_only:
-            run = args.resume or rundir.make_run_dir(args.runs_dir, args.run_name, args)
-            result = evaluate_policy(pool, tasks, model_policy(policy, args, args.eval_temperature), args)
-            result.update(model=args.model, iteration=ckpt[0]["iteration"] if ckpt else 0)
-            out = args.eval_out or os.path.join(run, f"eval_it{result['iteration']:06d}.json")
-            with open(out, "w") as f:
-                json.dump(result, f, indent=2)
-            print(eval_table(result))
-            print(f"eval written to {out}")
-            return
-        run = rundir.make_run_dir(args.runs_dir, args.run_name, args, resume=args.resume or None)
+            return eval_only(pool, tasks, policy, args, run, ckpt[0]["iteration"] if ckpt else 0)
         params = [p for p in policy.model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)  # ARPO: AdamW, wd 0.01
         replay = ReplayBuffer(args.replay_capacity, args.success_threshold, seed=args.seed) if args.replay else None
         picker, start = {"epoch": 0, "pos": 0}, 0
-        tr = Trainer(args, pool, policy, optimizer, replay, model_policy(policy, args, args.temperature), run)
         if ckpt is not None:
             state = ckpt[0]
             optimizer.load_state_dict(state["optimizer"])
             if replay is not None and state["replay"] is not None:
-                replay.load_state_dict(state["replay"])
+                replay.load_state_dict(state["replay"])  # ARPO's own code starts it empty again
             picker, start = dict(state["picker"]), state["iteration"]
             rundir.set_rng_state(state["rng"])
             rundir.trim_metrics(run, start)
             print(f"resumed {run} at iteration {start} ({len(replay or [])} stored successes)")
         elif args.select_tasks > 0:
             tasks = select_and_record(pool, tasks, model_policy(policy, args, args.temperature), args, run)
-        tr.tasks = tasks
+        tr = Trainer(args, pool, policy, optimizer, replay, model_policy(policy, args, args.temperature), run, tasks)
         ids = [t.id for t in tasks]
-        # -- the loop
+
+        # -- the loop: one iteration, then trajectories, checkpoint, metrics line, console line
         for it in range(start, args.iterations):
             m, eps = run_iteration(tr, it, lambda n: pick_tasks(ids, picker, n, args.seed))
             t0 = time.perf_counter()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -244,6 +245,29 @@ def test_timed_out_infeasible_task_passes_standard_fails_hard(pool):
     ends = {d["task"]: (d["end"], d["steps"]) for d in res["details"]}
     assert ends == {"infeasible-browser": ("max_steps", 2), "infeasible-email": ("fail", 1)}
     assert "overall" in T.eval_table(res) and json.dumps(res)
+
+
+def test_a_dead_vm_drops_out_of_its_group_and_the_run_goes_on(pool, tiny):
+    task = TASKS["calc-open"]
+    solve, killed = scripted(lambda tid, n: SOLUTIONS[tid]), []
+
+    def fn(observations):  # VM 1's desktop crashes (once) while its first answer is being generated
+        if not killed and any(o.vm == 1 and o.step == 0 for o in observations):
+            os.killpg(pool.local[1].proc.pid, signal.SIGKILL)
+            killed.append(1)
+        return solve(observations)
+    args = small_args(max_steps=3)  # double-click the icon, wait, finished()
+    opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
+    tr = T.Trainer(args, pool, tiny, opt, None, fn, None, [task])
+    m, eps = T.run_iteration(tr, 0, lambda n: [task.id] * n)
+    assert eps[1].end == "dropped" and eps[0].end == "done" and eps[0].score == 1.0
+    assert (m["episodes"], m["dropped"]) == (1, 1)
+    assert m["groups"] == [{"group": 0, "task": "calc-open", "n": 1, "scores": [1.0], "rewards": [1.0],
+                            "mean": 1.0, "std": 0.0, "replayed": False}]
+    assert [b["vm"] for b in m["batch"]] == [0]  # the lost trajectory is not trained on
+    # The next iteration's reset restarts the dead desktop: both VMs play again.
+    m, eps = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    assert (m["episodes"], m["dropped"]) == (2, 0) and all(e.score == 1.0 for e in eps)
 
 
 # ------------------------------------------------------------------------------------------------

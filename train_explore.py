@@ -1,0 +1,727 @@
+"""ScreenExplorer: teach a vision-language model to explore real desktops, with no task at all.
+
+    python train_explore.py --vms 8                                  # 8 local Xvfb desktops, Qwen2.5-VL-3B
+    python train_explore.py --vms http://10.0.0.5:8000,http://10.0.0.6:8000 --token T
+    python train_explore.py --vms 2 --model tiny --iterations 2 --steps 2      # CPU smoke run
+    python train_explore.py --vms 8 --generations 3 --iterations-per-generation 100   # E1, E2, E3
+    python train_explore.py --resume runs/<name>                     # continue a run
+    python train_explore.py --eval-only --model runs/<name>/models/E1 --eval-episodes 20
+
+Paper: ScreenExplorer (arXiv 2505.19095). One iteration, top to bottom (see DESIGN.md):
+    for step in range(--steps): screenshots of every live desktop (parallel) -> exploration prompts
+        -> ONE batched generate -> parse {"intent", "action"} -> actions on every desktop (parallel)
+        -> after-screenshots
+    -> screen features (+ OCR text) -> world model trained --wm-epochs on this buffer -> rewards
+    (every component) -> advantages over the whole buffer (one group) -> GRPO update (after
+    --update-actor-delay iterations) -> sync weights to the generator -> trajectories, checkpoint, log.
+Experience-stream distillation (--generations G): at the end of a generation its best format-valid
+steps (top --distill-top of them by reward) become a dataset in runs/<name>/distill/; the next
+generation starts again from the BASE model, fine-tuned on all distilled data so far, then does RL.
+
+Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), and what it leaves out:
+1. Rewards, features and the world model are rewards.py's (a fixed patch-grid screen feature instead
+   of Cosmos latents, tesseract + MiniLM instead of PaddleOCR + BGE-M3, an MLP world model); see its
+   docstring. The release's two bugs are not here: the world model's image branch is trained, and
+   `--rewards all,no_world_model` still trains the actor (the release skipped the update).
+2. No guided (JSON-schema) decoding: the release constrained vLLM's sampler to the answer schema;
+   we sample freely and a malformed answer is a format failure (reward 0, nothing executed), which
+   is itself a learning signal. The release's repetition penalty (1.05) is off: it would make the
+   sampling distribution differ from the policy whose log-probs the loss uses.
+3. The actor starts updating at iteration --update-actor-delay (0-based; the release: after it).
+   One optimizer step per --mini-batch samples (the release: gradient accumulation 16 of batch 1).
+4. A desktop that dies drops out of the rest of the iteration (its unfinished step is not in the
+   buffer: the environment failed, not the model) and a reset restarts it; the release stopped.
+5. Distillation: the paper does not publish its SFT recipe; ours is --distill-epochs passes of
+   token-mean NLL on the sampled answers, at --distill-lr, with LoRA merged into the weights after
+   SFT, so the next generation's adapter (and its KL reference) start from the fine-tuned model.
+6. Exploration eval: distinct screens are counted by clustering screen features (cosine >=
+   --eval-same-screen), not by a perceptual hash; the paper's own numbers are its reward terms.
+7. Left out: multi-GPU (torchrun), mixed-precision autocast (bf16 weights on GPU instead), wandb.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+
+import grpo
+import model as M
+import rewards as R
+import rundir
+from env import Action, Parsed, VMPool, parse_action
+
+# -----------------------------------------------------------------------------------------------
+# Args
+
+
+@dataclass
+class Args:
+    vms: str = field(default="8", metadata={"help": "N local Xvfb desktops, or comma-separated vm_server.py URLs"})
+    token: str = field(default="", metadata={"help": "bearer token of remote VMs (or VM_TOKEN); local desktops make their own"})
+    model: str = field(default="Qwen/Qwen2.5-VL-3B-Instruct", metadata={"help": "HF id, a local checkpoint folder, or 'tiny' (random weights, CPU)"})
+    engine: str = field(default="hf", metadata={"help": "generation engine: hf (transformers generate) or vllm (GPU)"})
+    device: str = field(default="", metadata={"help": "torch device; empty = cuda if available else cpu"})
+    lora_rank: int = field(default=64, metadata={"help": "LoRA rank (paper: 64); 0 = full fine-tuning"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (paper: 16)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "trade compute for memory in the policy update"})
+    max_pixels: int = field(default=1280 * 28 * 28, metadata={"help": "screenshot size cap for the model, in pixels of the resized image"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = half the cores (the desktops and OCR need the rest)"})
+    # rollout
+    steps: int = field(default=10, metadata={"help": "steps per episode (one episode per desktop per iteration)"})
+    iterations: int = field(default=100, metadata={"help": "training iterations (per generation when --generations > 1 and --iterations-per-generation is 0)"})
+    reset_every: int = field(default=1, metadata={"help": "iterations between desktop resets (0 = only at start); a reset restarts dead local desktops"})
+    settle: float = field(default=1.0, metadata={"help": "seconds to wait after the actions before the after-screenshots"})
+    vm_timeout: float = field(default=30.0, metadata={"help": "seconds a VM call may take before that VM drops out"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (paper: 1.0)"})
+    max_new_tokens: int = field(default=128, metadata={"help": "answer length cap (paper: 128)"})
+    # actor (GRPO)
+    lr: float = field(default=4e-5, metadata={"help": "actor learning rate (paper: 4e-5 with LoRA)"})
+    eps_low: float = field(default=0.2, metadata={"help": "clip range below 1 (paper: 0.2)"})
+    eps_high: float = field(default=0.28, metadata={"help": "clip range above 1 (paper: 0.28)"})
+    beta: float = field(default=0.04, metadata={"help": "KL coefficient to the starting model (LoRA: adapter off; full FT: a frozen copy)"})
+    micro_batch: int = field(default=4, metadata={"help": "samples per forward/backward (memory knob only)"})
+    mini_batch: int = field(default=16, metadata={"help": "samples per optimizer step (release: gradient accumulation 16)"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping of the actor"})
+    update_actor_delay: int = field(default=5, metadata={"help": "iterations of world-model warm-up before the actor is updated"})
+    # rewards + world model
+    rewards: str = field(default="all", metadata={"help": "reward components, e.g. all | all,no_world_model | none,image,immediate"})
+    wm_epochs: int = field(default=3, metadata={"help": "world-model epochs per iteration (paper: 3)"})
+    wm_lr: float = field(default=1e-3, metadata={"help": "world-model learning rate"})
+    wm_batch_size: int = field(default=16, metadata={"help": "world-model batch size"})
+    wm_hidden: int = field(default=256, metadata={"help": "world-model hidden width"})
+    # experience-stream distillation
+    generations: int = field(default=1, metadata={"help": "generations E1..EG; each after the first starts from the base model + SFT"})
+    iterations_per_generation: int = field(default=0, metadata={"help": "iterations per generation; 0 = --iterations"})
+    distill_top: float = field(default=0.3, metadata={"help": "fraction of a generation's format-valid steps (best rewards) kept for SFT"})
+    distill_epochs: int = field(default=2, metadata={"help": "SFT passes over all distilled data at the start of a generation"})
+    distill_lr: float = field(default=1e-4, metadata={"help": "SFT learning rate"})
+    distill_batch: int = field(default=16, metadata={"help": "samples per SFT optimizer step"})
+    # eval
+    eval_only: bool = field(default=False, metadata={"help": "run the policy without training and report exploration diversity"})
+    eval_episodes: int = field(default=20, metadata={"help": "episodes for --eval-only (spread over the desktops)"})
+    eval_random: bool = field(default=True, metadata={"help": "also run a random-action baseline on the same desktops"})
+    eval_same_screen: float = field(default=0.95, metadata={"help": "screens with feature cosine >= this count as the same screen"})
+    # run
+    run_name: str = field(default="", metadata={"help": "folder under --runs-dir; empty = a timestamp"})
+    runs_dir: str = field(default="runs", metadata={"help": "where run folders go"})
+    resume: str = field(default="", metadata={"help": "a run folder to continue (flags given now override its args.json)"})
+    save_every: int = field(default=1, metadata={"help": "iterations between checkpoints (generation ends always save)"})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+
+
+def parse_args(argv=None) -> tuple[Args, set]:
+    """Args from the command line, one flag per field; also the set of flags given explicitly."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for f in fields(Args):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=f.metadata["help"])
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+            p.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.upper(),
+                           help=f"{f.metadata['help']} (default: {f.default})")
+    # argparse's own error is a usage block and exit code 2; we want one sentence.
+    p.error = lambda msg: sys.exit(f"train_explore.py: {msg}; see --help for the flags.")
+    given = vars(p.parse_args(argv))
+    return Args(**given), set(given)
+
+
+def check_args(a: Args) -> None:
+    """Refuse, in one sentence, anything that would only fail later."""
+    problems = [
+        (a.steps < 1, "--steps must be at least 1"),
+        (a.iterations < 1 or a.generations < 1, "--iterations and --generations must be at least 1"),
+        (a.iterations_per_generation < 0, "--iterations-per-generation must be 0 (= --iterations) or more"),
+        (a.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
+        (a.temperature < 0 or a.max_new_tokens < 1, "--temperature must be >= 0 and --max-new-tokens >= 1"),
+        (not 0 < a.distill_top <= 1, "--distill-top must be in (0, 1]"),
+        (a.micro_batch < 1 or a.mini_batch < 1 or a.wm_batch_size < 1 or a.distill_batch < 1, "batch sizes must be at least 1"),
+        (a.eval_episodes < 1, "--eval-episodes must be at least 1"),
+        (a.lora_rank < 0 or a.beta < 0, "--lora-rank and --beta must be >= 0"),
+        (a.eval_only and bool(a.resume), "--eval-only evaluates --model; pass --model runs/<name>/models/E<g> (or .../ckpt/policy) instead of --resume"),
+        (a.engine == "vllm" and a.beta > 0 and a.lora_rank == 0, "--engine vllm with full fine-tuning and --beta > 0 would hold three model copies; use LoRA or --beta 0"),
+    ]
+    for bad, msg in problems:
+        if bad:
+            sys.exit(f"train_explore.py: {msg}.")
+    try:
+        R.parse_reward_flags(a.rewards)
+    except ValueError as e:
+        sys.exit(f"--rewards: {e}")
+
+
+def resolve_args(argv=None) -> Args:
+    """Parse and check; on --resume, the run's own args.json with the flags typed now on top."""
+    args, given = parse_args(argv)
+    check_args(args)
+    if args.resume and not args.eval_only:
+        try:
+            with open(os.path.join(args.resume, "args.json")) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            sys.exit(f"--resume {args.resume}: no readable args.json there; pass a run folder this script wrote.")
+        args = Args(**{**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__},
+                       **{k: getattr(args, k) for k in given}})
+        check_args(args)
+    return args
+
+
+# -----------------------------------------------------------------------------------------------
+# Small plumbing: timers, the one console line
+
+
+@contextmanager
+def timed(times: dict, key: str):
+    """Add the block's wall time to times["time/<key>"] (phases repeat once per step)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[f"time/{key}"] = times.get(f"time/{key}", 0.0) + time.perf_counter() - t0
+
+
+def console_line(m: dict) -> str:
+    f = lambda k, fmt="{:.3f}": "-" if m.get(k) is None else fmt.format(m[k])  # noqa: E731
+    return (f"it {m['iteration']:4d} E{m['generation']} | vms {m['vms']} steps {m['steps']} | "
+            f"reward {f('reward/total')} fmt {f('reward/format', '{:.2f}')} "
+            f"img {f('reward/image_immediate')}/{f('reward/image_sequence')}/{f('reward/image_world_model')} "
+            f"txt {f('reward/text_immediate')}/{f('reward/text_sequence')}/{f('reward/text_world_model')} "
+            f"intent {f('reward/intent_before')}/{f('reward/intent_after')}/{f('reward/intent_click')} | "
+            f"wm {f('wm/loss', '{:.4f}')} | kl {f('actor/kl', '{:.4f}')} clip {f('actor/clip_high', '{:.2f}')} | "
+            f"{m['time/iteration']:.1f}s (gen {m.get('time/generate', 0):.1f} "
+            f"vm {m.get('time/screenshot', 0) + m.get('time/act', 0):.1f} "
+            f"feat {m.get('time/features', 0):.1f} upd {m.get('time/update', 0):.1f})")
+
+
+# -----------------------------------------------------------------------------------------------
+# Rollout: --steps lockstep steps on every live desktop. Shapes in the buffer: N = live VMs x steps.
+
+
+@dataclass
+class Step:
+    """One step of one desktop: what the model saw, said and did, and what came of it."""
+    vm: int
+    t: int
+    before: Image.Image  # the screenshot the model saw (screen pixels)
+    after: Image.Image  # the screen --settle seconds after the action
+    text: str  # the model's answer (or the random baseline's action string)
+    parsed: object  # env.Parsed, or None: a format failure, nothing was executed
+    gen: object = None  # model.Generation (prompt + sampled ids), None for the random baseline
+    error: str | None = None  # the VM rejected the action (4xx): counts as a format failure
+
+
+def policy_chooser(policy, a: Args):
+    """images -> [(text, Parsed | None, Generation)] with ONE batched generate for all desktops."""
+    def choose(images):
+        gens = M.generate(policy, [M.explore_messages(im) for im in images], a.max_new_tokens, a.temperature)
+        # Coordinates are in the resized image the model saw; parse_action maps them to the screen.
+        return [(g.text, parse_action(g.text, "explore", im.size, g.prompt.image_sizes[0]), g)
+                for g, im in zip(gens, images)]
+    return choose
+
+
+def random_chooser(rng: random.Random):
+    """The eval baseline: uniformly random pointer actions anywhere on the screen."""
+    kinds = ("click", "double_click", "right_click", "move", "scroll")
+
+    def choose(images):
+        out = []
+        for im in images:
+            kind = rng.choice(kinds)
+            act = Action(kind, x=rng.randrange(im.width), y=rng.randrange(im.height),
+                         direction=rng.choice(("up", "down")) if kind == "scroll" else None)
+            out.append((json.dumps(act.to_dict()), Parsed(act, ""), None))
+        return out
+    return choose
+
+
+def rollout(pool: VMPool, live: set, choose, a: Args, times: dict) -> list[Step]:
+    """Steps in time order (t, then vm). A VM that fails a screenshot or dies mid-action leaves the
+    rest of this iteration (and `live`); a VM that only rejects an action stays in."""
+    with timed(times, "screenshot"):
+        shots = pool.map("screenshot", ["png" if i in live else None for i in range(pool.size)])
+    current = {i: r.value for i, r in enumerate(shots) if i in live and r.ok and r.value is not None}
+    live.intersection_update(current)
+    buffer = []
+    for t in range(a.steps):
+        vms = sorted(current)
+        if not vms:
+            break
+        with timed(times, "generate"):
+            choices = choose([current[i] for i in vms])
+        actions = [None] * pool.size
+        for i, (_, parsed, _) in zip(vms, choices):
+            actions[i] = parsed.action if parsed else None  # a format failure executes nothing
+        with timed(times, "act"):
+            done = pool.act(actions)
+            if any(x is not None for x in actions):
+                time.sleep(a.settle)  # let the screen react (menus open, windows map)
+        with timed(times, "screenshot"):
+            after = pool.map("screenshot", ["png" if i in current else None for i in range(pool.size)])
+        for i, (text, parsed, gen) in zip(vms, choices):
+            error = None
+            if actions[i] is not None and not done[i].ok:
+                if not pool.alive[i]:  # unreachable: the environment failed, not the model
+                    print(f"vm {i} dropped out: {done[i].error}", flush=True)
+                    current.pop(i), live.discard(i)
+                    continue
+                error = done[i].error  # the VM refused the action (bad key name, ...)
+            if not after[i].ok or after[i].value is None:
+                print(f"vm {i} dropped out: {after[i].error}", flush=True)
+                current.pop(i), live.discard(i)
+                continue
+            buffer.append(Step(i, t, current[i], after[i].value, text, None if error else parsed, gen, error))
+            current[i] = after[i].value  # the after-screen is the next step's before-screen
+    return buffer
+
+
+# -----------------------------------------------------------------------------------------------
+# Rewards: features, the world model's update, every component (rewards.py does the math)
+
+
+def score(buffer: list[Step], flags: dict, tools, wm, wm_opt, a: Args, times: dict):
+    """-> (rewards.Rewards over the buffer, each (N,), and the world model's metrics).
+
+    Only format-valid steps are featurised, learned from and scored: a malformed answer executed
+    nothing, so every one of its components is 0 anyway, and skipping it saves its OCR (the
+    costliest part of the rewards, ~0.5-1 s per screen per core)."""
+    n = len(buffer)
+    rows = [k for k, s in enumerate(buffer) if s.parsed is not None]
+    full = R.Rewards(**{f.name: torch.zeros(n) for f in fields(R.Rewards)})  # (N,) each
+    wm_metrics = {"wm/loss": None, "wm/loss_first_epoch": None}
+    if not rows:
+        return full, wm_metrics
+    steps = [buffer[k] for k in rows]
+    actions = [s.parsed.action for s in steps]
+    with timed(times, "features"):
+        f = R.step_features([s.before for s in steps], [s.after for s in steps], [s.parsed.thought for s in steps],
+                            actions, tools if R.needs_text(flags) else None)
+    pred_s = pred_t = None
+    if flags["world_model"]:
+        text = wm.text_head is not None
+        with timed(times, "world_model"):
+            # ALGO: the world model learns this buffer's transitions BEFORE it scores them (release order)
+            wm_metrics = R.train_world_model(wm, wm_opt, f.screen_before, actions, f.screen_after,
+                                             f.text_before if text else None, f.text_after if text else None,
+                                             epochs=a.wm_epochs, batch_size=a.wm_batch_size)
+            pred_s, pred_t = R.predict_next(wm, f.screen_before, actions, f.text_before if text else None)  # (V, D), (V, E)
+    with timed(times, "rewards"):
+        r = R.exploration_rewards(flags, [s.vm for s in steps], [1] * len(steps), f.screen_before, f.screen_after,
+                                  pred_s, f.text_before, f.text_after, pred_t, f.intent, f.click_text, f.click_hit)
+    for name in full.__dataclass_fields__:
+        getattr(full, name)[rows] = getattr(r, name)  # (V,) into (N,); malformed steps stay 0
+    return full, wm_metrics
+
+
+# -----------------------------------------------------------------------------------------------
+# The policy of a generation: load, distill (SFT), checkpoint round trip
+
+
+def load(name: str, a: Args, lora: bool = True):
+    return M.load_policy(name, lora_rank=a.lora_rank if lora else 0, lora_alpha=a.lora_alpha,
+                         gradient_checkpointing=a.gradient_checkpointing, device=a.device or None,
+                         max_pixels=a.max_pixels, seed=a.seed)
+
+
+def trainable(policy):
+    return [p for p in policy.model.parameters() if p.requires_grad]
+
+
+def distill_samples(policy, run: str, upto: int) -> list:
+    """grpo.Samples of every distilled step of generations 1..upto: the saved screenshot as the
+    prompt, the answer's sampled token ids verbatim as the target."""
+    samples = []
+    for g in range(1, upto + 1):
+        path = os.path.join(run, "distill", f"gen{g}.jsonl")
+        if not os.path.exists(path):
+            continue
+        with open(path) as fh:
+            for line in fh:
+                d = json.loads(line)
+                with Image.open(os.path.join(run, "distill", d["image"])) as im:
+                    enc = M.encode_chat(policy, M.explore_messages(im.convert("RGB")))
+                samples.append(grpo.step_sample(enc, d["completion_ids"]))
+    return samples
+
+
+def start_generation(g: int, run: str, a: Args) -> tuple:
+    """Generation g's policy: the BASE model, fine-tuned on all distilled data of generations < g.
+    -> (policy, start_model path (= the KL reference), SFT metrics)."""
+    policy = load(a.model, a)
+    samples = distill_samples(policy, run, g - 1) if g > 1 else []
+    if not samples:
+        if g > 1:
+            print(f"E{g}: no distilled steps yet (no format-valid answers), starting from the base model.", flush=True)
+        return policy, a.model, {}
+    opt = torch.optim.AdamW(trainable(policy), lr=a.distill_lr)
+    rng = random.Random(a.seed + g)
+    nll = []
+    for _ in range(a.distill_epochs):
+        rng.shuffle(samples)
+        for chunk in grpo.micro_batches(samples, a.distill_batch):
+            nll.append(grpo.distill_step(policy, opt, chunk, a.micro_batch, a.max_grad_norm)["nll"])  # ALGO: SFT
+    # Saved merged: with LoRA the next adapter is fresh on top of the fine-tuned weights, so the
+    # KL term pulls generation g towards its own starting point, not towards the raw base.
+    path = os.path.join(run, "models", f"E{g}_sft")
+    save_model(policy, path)
+    if a.lora_rank > 0:
+        policy = load(path, a)
+    per_epoch = max(1, len(nll) // max(1, a.distill_epochs))
+    metrics = {"distill/samples": len(samples), "distill/steps": len(nll), "distill/nll_first": nll[0],
+               "distill/nll_last_epoch": float(np.mean(nll[-per_epoch:]))}
+    print(f"E{g}: SFT on {len(samples)} distilled steps, nll {nll[0]:.3f} -> {metrics['distill/nll_last_epoch']:.3f}", flush=True)
+    return policy, path, metrics
+
+
+def save_model(policy, path: str, extra: dict | None = None) -> None:
+    """save_policy into a temp folder, then rename: a model folder is either complete or absent."""
+    tmp = path + f".tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    M.save_policy(policy, tmp)
+    for name, text in (extra or {}).items():
+        with open(os.path.join(tmp, name), "w") as fh:
+            fh.write(text)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
+
+
+def reference_fn(start_model: str, a: Args):
+    """KL reference for full fine-tuning: a frozen copy of the generation's starting model.
+    (LoRA needs none: update_policy switches the adapter off.)"""
+    if a.beta == 0 or a.lora_rank > 0:
+        return None
+    ref = load(start_model, a, lora=False)
+    ref.model.eval().requires_grad_(False)
+    return lambda batch: grpo.per_token_logps(ref.model, batch)  # (B, T)
+
+
+def adapter_state(policy):
+    from peft import get_peft_model_state_dict
+    return {k: v.detach().cpu() for k, v in get_peft_model_state_dict(policy.model).items()}
+
+
+# -----------------------------------------------------------------------------------------------
+# Experience-stream distillation: a generation's best steps -> runs/<name>/distill/gen<g>.jsonl
+
+
+def top_steps(valid: list[dict], top: float) -> list[dict]:
+    """ALGO: the ceil(top * n) steps with the highest total reward, best first; ties keep time order."""
+    return sorted(valid, key=lambda s: -s["reward"])[:math.ceil(top * len(valid))]
+
+
+def write_distill_dataset(run: str, g: int, iterations: range, top: float) -> int:
+    """ALGO: the top `top` fraction (by total reward) of the generation's format-valid steps, read
+    back from its trajectory files, copied with their screenshots. Returns how many were kept.
+    Rebuilt only when the generation's iterations changed (a resumed run with more --iterations)."""
+    out = os.path.join(run, "distill", f"gen{g}.jsonl")
+    meta_path = os.path.join(run, "distill", f"gen{g}.meta.json")
+    span = [iterations.start, iterations.stop]
+    if os.path.exists(out) and os.path.exists(meta_path):
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+        if meta["iterations"] == span:
+            return meta["kept"]
+    steps = []
+    for it in iterations:
+        folder = os.path.join(run, "trajectories", f"it{it:06d}")
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            if name.endswith(".jsonl"):
+                with open(os.path.join(folder, name)) as fh:
+                    steps += [dict(json.loads(line), folder=folder) for line in fh]
+    valid = [s for s in steps if s.get("valid") and s.get("completion_ids") and s.get("screenshot")]
+    keep = top_steps(valid, top)
+    img_dir = os.path.join(run, "distill", f"gen{g}")
+    shutil.rmtree(img_dir, ignore_errors=True)
+    os.makedirs(img_dir)
+    tmp = out + ".tmp"
+    with open(tmp, "w") as fh:
+        for k, s in enumerate(keep):
+            name = f"{k:05d}.png"
+            shutil.copyfile(os.path.join(s["folder"], s["screenshot"]), os.path.join(img_dir, name))
+            fh.write(json.dumps({"image": f"gen{g}/{name}", "text": s["text"], "completion_ids": s["completion_ids"],
+                                 "intent": s["intent"], "action": s["action"], "reward": s["reward"],
+                                 "source": os.path.relpath(os.path.join(s["folder"], s["screenshot"]), run)}) + "\n")
+    os.replace(tmp, out)
+    with open(meta_path, "w") as fh:
+        json.dump({"iterations": span, "kept": len(keep), "valid": len(valid), "steps": len(steps), "top": top}, fh)
+    print(f"E{g}: distilled {len(keep)} of {len(valid)} format-valid steps ({len(steps)} in all) -> {out}", flush=True)
+    return len(keep)
+
+
+def finish_generation(run: str, g: int, first_iteration: int, last_iteration: int, policy, a: Args) -> None:
+    """End of generation g: its model as models/E<g>, its best steps as distill/gen<g>.jsonl."""
+    path = os.path.join(run, "models", f"E{g}")
+    stamp = os.path.join(path, "LAST_ITERATION")
+    if not (os.path.exists(stamp) and open(stamp).read().strip() == str(last_iteration)):
+        save_model(policy, path, extra={"LAST_ITERATION": str(last_iteration)})
+    write_distill_dataset(run, g, range(first_iteration, last_iteration + 1), a.distill_top)
+
+
+# -----------------------------------------------------------------------------------------------
+# Exploration eval (--eval-only): diversity of what the policy reaches, next to random actions
+
+
+def distinct_screens(feats: torch.Tensor, same: float) -> int:
+    """ALGO: greedy leader clustering of unit feature rows (N, D): a screen is new when its cosine
+    to every earlier cluster leader is below `same`. Returns the number of clusters."""
+    leaders = []
+    for row in feats:
+        if not leaders or float((torch.stack(leaders) @ row).max()) < same:
+            leaders.append(row)
+    return len(leaders)
+
+
+def window_titles(pool: VMPool, vms: list[int]) -> dict:
+    """Titles of the open windows of each VM, via /evaluate's window_exists check (its `info`
+    lists them). A lower bound: the server truncates the list at 500 characters."""
+    res = pool.evaluate([{"conj": "or", "checks": [{"type": "window_exists", "title": ".*"}]} if i in vms else None
+                         for i in range(pool.size)])
+    out = {}
+    for i in vms:
+        out[i] = parse_window_titles(res[i].value["details"][0]["info"] if res[i].ok and res[i].value else "")
+    return out
+
+
+def parse_window_titles(info: str) -> list[str]:
+    """vm_server's window_exists info, "windows: ['xterm', "it's"]" (a Python list repr) -> titles."""
+    return [x or y for x, y in re.findall(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"", info)]
+
+
+def episode_metrics(buffer: list[Step], titles: dict, same: float) -> list[dict]:
+    """Per desktop trajectory: format rate, immediate visual change and sequence diversity per step
+    (rewards.py's image terms, 0 on format failures), distinct screens, windows open at the end."""
+    if not buffer:
+        return []
+    flags = R.parse_reward_flags("none,image,immediate,sequence")
+    sb = R.screen_features([s.before for s in buffer])  # (N, D)
+    sa = R.screen_features([s.after for s in buffer])  # (N, D)
+    r = R.exploration_rewards(flags, [s.vm for s in buffer], [s.parsed is not None for s in buffer], sb, sa)
+    out = []
+    for vm in sorted({s.vm for s in buffer}):
+        rows = [k for k, s in enumerate(buffer) if s.vm == vm]
+        screens = torch.cat([sb[rows[:1]], sa[rows]])  # (T + 1, D): s_0, s'_1 .. s'_T
+        out.append({"vm": vm, "steps": len(rows), "format": float(r.format[rows].mean()),
+                    "immediate": float(r.image_immediate[rows].mean()), "sequence": float(r.image_sequence[rows].mean()),
+                    "distinct_screens": distinct_screens(screens, same), "windows": len(titles.get(vm, []))})
+    return out
+
+
+def run_eval(pool: VMPool, live: set, policy, a: Args, run: str) -> dict:
+    """--eval-episodes episodes of --steps steps (one per desktop per round, reset before each
+    round), for the policy and the random baseline; writes runs/<name>/eval.json, prints a table."""
+    rounds = math.ceil(a.eval_episodes / pool.size)
+    who = {"policy": policy_chooser(policy, a)}
+    if a.eval_random:
+        who["random"] = random_chooser(random.Random(a.seed))
+    report = {"args": asdict(a), "same_screen_cosine": a.eval_same_screen}
+    for name, choose in who.items():
+        episodes, screens = [], []
+        for _ in range(rounds):
+            live.intersection_update({i for i, res in enumerate(pool.reset()) if res.ok})
+            buf = rollout(pool, set(sorted(live)[:a.eval_episodes - len(episodes)]), choose, a, {})
+            titles = window_titles(pool, sorted({s.vm for s in buf}))
+            episodes += episode_metrics(buf, titles, a.eval_same_screen)
+            if buf:  # features, not images: 20 episodes of 1280x720 screenshots would be ~1 GB
+                screens.append(R.screen_features([s.before for s in buf if s.t == 0] + [s.after for s in buf]))  # (n, D)
+        keys = ("format", "immediate", "sequence", "distinct_screens", "windows")
+        summary = {k: float(np.mean([e[k] for e in episodes])) if episodes else None for k in keys}
+        summary["distinct_screens_all"] = distinct_screens(torch.cat(screens), a.eval_same_screen) if screens else 0
+        summary["episodes"] = len(episodes)
+        report[name] = {"summary": summary, "episodes": episodes}
+    path = os.path.join(run, "eval.json")
+    with open(path, "w") as fh:
+        json.dump(report, fh, indent=2)
+    cols = ("format", "immediate", "sequence", "distinct_screens", "distinct_screens_all", "windows", "episodes")
+    heads = ("format", "immediate", "sequence", "screens/ep", "screens all", "windows", "episodes")
+    print(f"{'':8s}" + "".join(f"{h:>12s}" for h in heads))
+    for name in who:
+        s = report[name]["summary"]
+        print(f"{name:8s}" + "".join(f"{'-' if s[c] is None else format(s[c], '.3f'):>12s}" for c in cols))
+    print(f"eval report: {path}", flush=True)
+    return report
+
+
+# -----------------------------------------------------------------------------------------------
+# Setup helpers: the desktops, a resumed run
+
+
+def open_desktops(a: Args) -> tuple:
+    """-> (VMPool, set of VMs that answered /health, screen (w, h)); one sentence if none did."""
+    try:
+        pool = VMPool(a.vms, token=a.token or os.environ.get("VM_TOKEN") or None, timeout=a.vm_timeout)
+    except Exception as e:  # noqa: BLE001 -- a bad --vms or a desktop that cannot start: one sentence
+        sys.exit(f"--vms {a.vms}: {e}")
+    health = pool.map("health", timeout=min(10.0, a.vm_timeout))
+    live = {i for i, h in enumerate(health) if h.ok}
+    if not live:
+        pool.close()
+        sys.exit(f"None of the {pool.size} VM(s) answered /health: {health[0].error.rstrip('.')}; "
+                 "also check --vms and --token.")
+    for i, h in enumerate(health):
+        if not h.ok:
+            print(f"vm {i} left out: {h.error}", flush=True)
+    return pool, live, tuple(health[min(live)].value.get("screen", (1280, 720)))
+
+
+def restore(state: dict, ckpt_dir: str, wm, wm_opt, a: Args) -> tuple:
+    """A checkpoint back into memory -> (policy, optimizer). RNG states are restored last, by the caller."""
+    if a.lora_rank > 0:  # the generation's starting model + the trained adapter (exact, not merged)
+        from peft import set_peft_model_state_dict
+        policy = load(state["start_model"], a)
+        set_peft_model_state_dict(policy.model, state["adapter"])
+    else:
+        policy = load(os.path.join(ckpt_dir, "policy"), a)
+    optimizer = torch.optim.AdamW(trainable(policy), lr=a.lr)
+    optimizer.load_state_dict(state["optimizer"])
+    try:
+        wm.load_state_dict(state["wm"])
+    except RuntimeError:
+        sys.exit("The checkpoint's world model does not fit these reward flags / text tools; resume with the "
+                 "run's own --rewards and the same OCR + embedder installed.")
+    wm_opt.load_state_dict(state["wm_opt"])
+    return policy, optimizer
+
+
+def trajectory_lines(buffer: list[Step], rows: list[int], r, adv) -> list[dict]:
+    """One JSON line per step of one desktop: what it saw (the PNG), said, did, and earned."""
+    comps = {name: getattr(r, name) for name in ("format",) + R.COMPONENTS}
+    return [{"step": buffer[k].t, "intent": buffer[k].parsed.thought if buffer[k].parsed else None,
+             "action": buffer[k].parsed.action.to_dict() if buffer[k].parsed else None,
+             "valid": buffer[k].parsed is not None, "error": buffer[k].error, "text": buffer[k].text,
+             "completion_ids": buffer[k].gen.completion_ids, "image_size": list(buffer[k].gen.prompt.image_sizes[0]),
+             "screen": list(buffer[k].before.size), "reward": float(r.total[k]), "advantage": float(adv[k]),
+             "rewards": {n: float(c[k]) for n, c in comps.items()}} for k in rows]
+
+
+# -----------------------------------------------------------------------------------------------
+# Main: setup, then one top-to-bottom loop
+
+if __name__ == "__main__":
+    args = resolve_args()
+    ipg = args.iterations_per_generation or args.iterations  # iterations per generation
+    total_iterations = args.generations * ipg
+    transformers.utils.logging.disable_progress_bar()  # one console line per iteration, not bars
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    if args.threads > 0 or not (args.device.startswith("cuda") or (not args.device and torch.cuda.is_available())):
+        # OpenMP threads spin while they wait; next to Xvfb desktops and tesseract on the same cores
+        # the default (every core) ran our tiny-model steps 10x slower than one thread did.
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
+    pool, live, screen = open_desktops(args)  # first: an unreachable VM should leave no run folder behind
+    try:
+        if args.eval_only:
+            run = rundir.make_run_dir(args.runs_dir, args.run_name or time.strftime("eval-%Y%m%d-%H%M%S"), args)
+            ckpt = None
+        else:
+            run = rundir.make_run_dir(args.runs_dir, args.run_name or None, args, resume=args.resume or None)
+            ckpt = rundir.load_checkpoint(run)
+        print(f"run folder: {run}", flush=True)
+        random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
+        if args.eval_only:
+            policy = load(args.model, args, lora=False)
+            if args.engine == "vllm":
+                policy.engine = M.VLLMEngine(policy, os.path.join(run, "vllm_init"))
+            run_eval(pool, live, policy, args, run)
+            sys.exit(0)
+
+        # Text tools (OCR + embedder) only when a text/intent term is on; without them those terms
+        # are off (said once) and the world model has no text branch.
+        want = R.parse_reward_flags(args.rewards)
+        tools = R.load_text_tools() if R.needs_text(want) else None
+        flags = R.effective_flags(want, tools)
+        print("reward components on: " + ", ".join(k for k, v in flags.items() if v), flush=True)
+        wm = R.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags["text"]) else 0, args.wm_hidden, screen)
+        wm_opt = torch.optim.AdamW(wm.parameters(), lr=args.wm_lr)
+        distill_metrics = {}
+        if ckpt is None:
+            start_it, generation = 0, 1
+            policy, start_model, distill_metrics = start_generation(1, run, args)
+            optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr)
+        else:
+            state, ckpt_dir = ckpt
+            start_it, generation, start_model = state["iteration"] + 1, state["generation"], state["start_model"]
+            policy, optimizer = restore(state, ckpt_dir, wm, wm_opt, args)
+            rundir.trim_metrics(run, start_it)  # lines logged after this checkpoint are redone
+            rundir.set_rng_state(state["rng"])
+            print(f"resumed {run} at iteration {start_it} (generation E{generation})", flush=True)
+        ref_fn = reference_fn(start_model, args)
+        if args.engine == "vllm":
+            policy.engine = M.VLLMEngine(policy, os.path.join(run, "vllm_init"))
+
+        for it in range(start_it, total_iterations):
+            t_iter = time.perf_counter()
+            times = {}
+            g = it // ipg + 1
+            if g != generation:  # a generation boundary (also right after resuming at one)
+                with timed(times, "distill"):
+                    finish_generation(run, generation, (generation - 1) * ipg, it - 1, policy, args)
+                    engine = policy.engine
+                    policy, start_model, distill_metrics = start_generation(g, run, args)
+                    policy.engine = engine
+                    M.sync_weights(policy)
+                    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr)
+                    ref_fn = reference_fn(start_model, args)
+                    generation = g
+            if it == start_it or (args.reset_every and it % args.reset_every == 0):
+                with timed(times, "reset"):  # fresh desktops; dead local ones are restarted here
+                    live = {i for i, res in enumerate(pool.reset()) if res.ok}
+            shutil.rmtree(os.path.join(run, "trajectories", f"it{it:06d}"), ignore_errors=True)  # a redo after a kill
+
+            # rollout: --steps lockstep steps on every live desktop, one batched generate per step
+            buffer = rollout(pool, live, policy_chooser(policy, args), args, times)
+            if not buffer:
+                print(f"it {it}: no desktop answered; resetting them and going on.", flush=True)
+                live = {i for i, res in enumerate(pool.reset()) if res.ok}
+                continue
+
+            # rewards: features, the world model's update, every component (N,) each
+            r, wm_metrics = score(buffer, flags, tools, wm, wm_opt, args, times)
+
+            # ALGO: GRPO with the whole buffer as ONE group: each step's reward against every step's
+            samples = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), group=0)
+                       for k, s in enumerate(buffer)]
+            adv = grpo.assign_advantages(samples)  # (N,)
+            actor = dict.fromkeys(("actor/loss", "actor/kl", "actor/clip_low", "actor/clip_high", "actor/grad_norm"))
+            updated = it >= args.update_actor_delay  # whatever the reward flags: no world model still trains
+            if updated:
+                with timed(times, "update"):
+                    m = grpo.update_policy(policy, optimizer, samples, args.micro_batch, args.eps_low, args.eps_high,
+                                           args.beta, ref_fn, args.max_grad_norm, mini_batch_size=args.mini_batch)
+                    actor = {f"actor/{k}": v for k, v in m.items()}
+                with timed(times, "sync"):
+                    M.sync_weights(policy)  # the generator samples the next iteration from the new weights
+
+            # trajectories, checkpoint, then the metrics line (this order: see rundir.py)
+            with timed(times, "save"):
+                for vm in sorted({s.vm for s in buffer}):
+                    rows = [k for k, s in enumerate(buffer) if s.vm == vm]
+                    rundir.save_trajectory(run, it, vm, trajectory_lines(buffer, rows, r, adv), [buffer[k].before for k in rows])
+                if (it + 1) % args.save_every == 0 or (it + 1) % ipg == 0 or it + 1 == total_iterations:
+                    state = {"iteration": it, "generation": generation, "start_model": start_model,
+                             "adapter": adapter_state(policy) if args.lora_rank > 0 else None,
+                             "optimizer": optimizer.state_dict(), "wm": wm.state_dict(), "wm_opt": wm_opt.state_dict(),
+                             "wm_config": wm.config, "rng": rundir.rng_state(), "args": asdict(args)}
+                    rundir.save_checkpoint(run, state, lambda d: M.save_policy(policy, os.path.join(d, "policy")))
+            metrics = {"iteration": it, "generation": generation, "vms": len({s.vm for s in buffer}),
+                       "steps": len(buffer), **R.summarize_rewards(r), **wm_metrics, "actor/updated": int(updated),
+                       **actor, "adv/std": float(adv.std()) if len(adv) > 1 else 0.0, **distill_metrics, **times,
+                       "time/iteration": time.perf_counter() - t_iter}
+            rundir.log_metrics(run, metrics)
+            distill_metrics = {}
+            print(console_line(metrics), flush=True)
+
+        finish_generation(run, generation, (generation - 1) * ipg, total_iterations - 1, policy, args)
+        print(f"done: {run}", flush=True)
+    finally:
+        pool.close()

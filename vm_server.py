@@ -460,7 +460,10 @@ def type_text(text: str) -> None:
     import pyautogui
     from Xlib import X, display
     from Xlib.ext import xtest
-    us = lambda c: c in "\n\t" or " " <= c <= "~"  # noqa: E731
+    # "<" is printable ASCII but pyautogui types it as shift + the key that carries "<" on this
+    # keymap, which gives ">" (an agent's `wc -l < f` would become `wc -l > f`): it takes the
+    # remapped-keycode path like non-ASCII text.
+    us = lambda c: c in "\n\t" or (" " <= c <= "~" and c != "<")  # noqa: E731
     if all(map(us, text)):
         return pyautogui.write(text)
     d = display.Display()
@@ -478,7 +481,7 @@ def type_text(text: str) -> None:
             d.change_keyboard_mapping(kc, [(ord(c) if ord(c) < 256 else 0x1000000 + ord(c),) * width])
         d.sync()
         time.sleep(0.05)  # apps reload their keymap on the MappingNotify first
-        for c in re.findall(r"[\t\n -~]+|.", text[pos:end], re.S):  # US runs, single others
+        for c in re.findall(r"[\t\n -;=-~]+|.", text[pos:end], re.S):  # US runs (no "<"), single others
             if c in codes:
                 xtest.fake_input(d, X.KeyPress, codes[c])
                 xtest.fake_input(d, X.KeyRelease, codes[c])

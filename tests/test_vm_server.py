@@ -179,11 +179,15 @@ def test_right_click_opens_context_menu(vm):
     wait_for(lambda: is_bg(shot(vm), box), "the menu to close")
 
 
+PRINTABLE = "".join(map(chr, range(32, 127)))
+
+
 def test_type_hotkey_and_save_in_editor(vm):
     x, y = ICONS["Text Editor"]
     act(vm, type="double_click", x=x, y=y)
     wait_window(vm, "Untitled 1 - Mousepad")
     act(vm, type="type", text="ascii line 1\n")
+    act(vm, type="type", text=PRINTABLE + "\n")  # every ASCII symbol lands as itself ("<" once didn't)
     act(vm, type="type", text="héllo wörld ✓")  # non-ASCII goes through xdotool
     act(vm, type="key", keys=["ctrl", "s"])
     wait_window(vm, "Save As")
@@ -193,7 +197,7 @@ def test_type_hotkey_and_save_in_editor(vm):
     wait_window(vm, "typed.txt - Mousepad")
     path = os.path.join(vm.home, "typed.txt")
     wait_for(lambda: os.path.exists(path), "the saved file")
-    assert open(path, encoding="utf-8").read().startswith("ascii line 1\nhéllo wörld ✓")
+    assert open(path, encoding="utf-8").read().startswith("ascii line 1\n" + PRINTABLE + "\nhéllo wörld ✓")
 
 
 def test_hotkey_closes_window(vm):

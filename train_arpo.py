@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -76,7 +75,8 @@ class Args:
     task_ids: str = arg("", "comma-separated task ids to use (default: every task)")
     group_size: int = arg(8, "rollouts per task = one GRPO group (ARPO: 8); tasks per iteration = live VMs // this")
     # policy
-    model: str = arg("ByteDance-Seed/UI-TARS-1.5-7B", "HF id or folder of a Qwen2.5-VL checkpoint; 'tiny' = random test model (CPU)")
+    model: str = arg("ByteDance-Seed/UI-TARS-1.5-7B",
+                     "HF id or folder of a Qwen2.5-VL checkpoint; 'tiny' = random test model (CPU)")
     engine: str = arg("hf", "generation engine: hf (any device) or vllm (GPU, pip install vllm)")
     lora_rank: int = arg(0, "LoRA rank; 0 = full fine-tuning (ARPO)")
     lora_alpha: int = arg(16, "LoRA alpha")
@@ -91,7 +91,7 @@ class Args:
     temperature: float = arg(1.0, "sampling temperature in training (ARPO: 1.0)")
     top_p: float = arg(1.0, "nucleus sampling in training")
     stop_on_format_error: bool = arg(True, "an unparseable answer ends the episode, as in ARPO's code")
-    settle: float = arg(0.5, "seconds to let the screen settle after the actions, before the next screenshot (ARPO/OSWorld: 0.5)")
+    settle: float = arg(0.5, "seconds the screen gets to settle after the actions (ARPO/OSWorld: 0.5)")
     # reward, loss, update
     format_penalty: float = arg(0.5, "reward -= this if any answer of the trajectory did not parse (ARPO: 0.5 * 1)")
     lr: float = arg(1e-6, "AdamW learning rate (ARPO: 1e-6)")
@@ -150,9 +150,11 @@ def check_args(args: Args) -> None:
     if args.loss_agg not in ("seq-mean-token-mean", "token-mean"):
         raise SystemExit("--loss-agg must be seq-mean-token-mean or token-mean.")
     if args.beta != 0 and args.lora_rank == 0:
-        raise SystemExit("--beta > 0 needs a reference policy: add --lora-rank 64 (the adapter-free model is the reference), or keep --beta 0 as ARPO does.")
+        raise SystemExit("--beta > 0 needs a reference policy: add --lora-rank 64 (the adapter-free model "
+                         "is the reference), or keep --beta 0 as ARPO does.")
     if min(args.max_steps, args.max_images, args.max_new_tokens, args.eval_rollouts, args.ckpt_every) < 1:
-        raise SystemExit("--max-steps, --max-images, --max-new-tokens, --eval-rollouts and --ckpt-every must be at least 1.")
+        raise SystemExit("--max-steps, --max-images, --max-new-tokens, --eval-rollouts and --ckpt-every "
+                         "must be at least 1.")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -481,6 +483,48 @@ def apply_replay(buffer: ReplayBuffer, members: list[Episode], group: int) -> tu
         "from_vm": ep.vm, "score": ep.score, "reward": ep.reward}
 
 
+def replay_groups(buffer: ReplayBuffer | None, fresh: list[Episode], task_ids: list[str]):
+    """Per group: replay (if on) and its stats. Returns (update batch, injections, group stats)."""
+    batch, injections, stats = [], [], []
+    for g, tid in enumerate(task_ids):
+        members = [e for e in fresh if e.group == g]
+        if not members:
+            continue  # every VM of this group failed: nothing to learn from it
+        if buffer is not None:
+            members, inj = apply_replay(buffer, members, g)
+            injections += [inj] if inj else []
+        batch += members
+        r = torch.tensor([e.reward for e in members])  # (G,)
+        stats.append({"group": g, "task": tid, "n": len(members), "scores": [e.score for e in members],
+                      "rewards": r.tolist(), "mean": float(r.mean()), "std": float(r.std()) if len(r) > 1 else 0.0,
+                      "replayed": any(e.replayed for e in members)})
+    return batch, injections, stats
+
+
+def iteration_metrics(it, task_ids, eps, fresh, batch, samples, upd, times, args: Args) -> dict:
+    """One metrics.jsonl line: rewards, success, format, the update's numbers, the time split."""
+    def mean(xs):
+        return float(np.mean(xs)) if len(xs) else 0.0
+    vm_time = times["reset"] + times["env"] + times["evaluate"]
+    return {
+        "iteration": it, "tasks": task_ids, "episodes": len(fresh),
+        "dropped": len([e for e in eps if e is not None and e.end == "dropped"]),
+        "reward_mean": mean([e.reward for e in fresh]),
+        "reward_std": float(np.std([e.reward for e in fresh])) if fresh else 0.0,
+        "score_mean": mean([e.score for e in fresh]),
+        "success_rate": mean([e.score > args.success_threshold for e in fresh]),
+        "format_rate": mean([ok for e in fresh for ok in e.format_ok]),  # share of steps that parsed
+        "steps_mean": mean([len(e.actions) for e in fresh]),
+        "batch": [{"task": e.task.id, "group": e.group, "vm": e.vm, "replayed": e.replayed,
+                   "from_iteration": e.iteration, "reward": e.reward, "advantage": s.advantage,
+                   "target_tokens": int(sum(s.target_mask)), "steps": len(e.actions)}
+                  for e, s in zip(batch, samples)],
+        **{k: upd.get(k, 0.0) for k in ("loss", "pg_loss", "kl", "clip_low", "clip_high", "ratio_mean",
+                                        "grad_norm", "tokens")},
+        **{f"time_{k}": v for k, v in times.items()},
+        "vm_wait_share": vm_time / times["total"] if times["total"] else 0.0}
+
+
 def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
     """One ARPO iteration; pick(n) -> n task ids. Returns (metrics, this iteration's episodes)."""
     args, pool = tr.args, tr.pool
@@ -505,20 +549,7 @@ def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
         score_episodes(pool, eps, args, args.vm_timeout)
     fresh = [e for e in eps if e is not None and e.end != "dropped"]
     # -- ALGO: replay into all-failed groups, THEN store this iteration's successes
-    batch, injections, group_stats = [], [], []
-    for g, tid in enumerate(task_ids):
-        members = [e for e in fresh if e.group == g]
-        if not members:
-            continue
-        if tr.replay is not None:
-            members, inj = apply_replay(tr.replay, members, g)
-            injections += [inj] if inj else []
-        batch += members
-        r = torch.tensor([e.reward for e in members])  # (G,)
-        group_stats.append({"group": g, "task": tid, "n": len(members), "scores": [e.score for e in members],
-                            "rewards": r.tolist(), "mean": float(r.mean()),
-                            "std": float(r.std()) if len(r) > 1 else 0.0,
-                            "replayed": any(e.replayed for e in members)})
+    batch, injections, group_stats = replay_groups(tr.replay, fresh, task_ids)
     if tr.replay is not None:
         for e in fresh:
             if e.score > tr.replay.success_threshold:  # ALGO: success = score > 0.1; PNG-encode only those
@@ -533,30 +564,12 @@ def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
                                 eps_low=args.eps_low, eps_high=args.eps_high, beta=args.beta,
                                 max_grad_norm=args.max_grad_norm, agg=args.loss_agg,
                                 mini_batch_size=args.mini_batch or None)
-            sync_weights(tr.policy)
-    # -- metrics
+            sync_weights(tr.policy)  # vLLM generates with the new weights from the next step on
     times["total"] = time.perf_counter() - t0
-    rewards = [e.reward for e in fresh]
-    steps = [ok for e in fresh for ok in e.format_ok]
-    vm_time = times["reset"] + times["env"] + times["evaluate"]
-    m = {"iteration": it, "tasks": task_ids, "episodes": len(fresh),
-         "dropped": len([e for e in eps if e is not None and e.end == "dropped"]) + len(setup_errors),
-         "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
-         "reward_std": float(np.std(rewards)) if rewards else 0.0,
-         "score_mean": float(np.mean([e.score for e in fresh])) if fresh else 0.0,
-         "success_rate": float(np.mean([e.score > args.success_threshold for e in fresh])) if fresh else 0.0,
-         "format_rate": float(np.mean(steps)) if steps else 0.0,
-         "steps_mean": float(np.mean([len(e.actions) for e in fresh])) if fresh else 0.0,
-         "groups": group_stats, "replay_injections": injections, "n_injections": len(injections),
-         "replay_size": len(tr.replay) if tr.replay is not None else 0,
-         "batch": [{"task": e.task.id, "group": e.group, "vm": e.vm, "replayed": e.replayed,
-                    "from_iteration": e.iteration, "reward": e.reward, "advantage": s.advantage,
-                    "target_tokens": int(sum(s.target_mask)), "steps": len(e.actions)}
-                   for e, s in zip(batch, samples)],
-         **{k: upd.get(k, 0.0) for k in ("loss", "pg_loss", "kl", "clip_low", "clip_high", "ratio_mean",
-                                         "grad_norm", "tokens")},
-         **{f"time_{k}": v for k, v in times.items()},
-         "vm_wait_share": vm_time / times["total"] if times["total"] else 0.0}
+    m = iteration_metrics(it, task_ids, eps, fresh, batch, samples, upd, times, args)
+    m.update(groups=group_stats, replay_injections=injections, n_injections=len(injections),
+             replay_size=len(tr.replay) if tr.replay is not None else 0)
+    m["dropped"] += len(setup_errors)
     if setup_errors:
         m["setup_errors"] = {str(k): v for k, v in setup_errors.items()}
     return m, eps
@@ -567,9 +580,11 @@ def save_episodes(run: str, it: int, eps: list) -> None:
     for e in eps:
         if e is None or not e.screenshots:
             continue
-        steps = [{"step": s, "task": e.task.id, "thought": e.thoughts[s] if s < len(e.thoughts) else "",
-                  "text": e.texts[s] if s < len(e.texts) else "", "format_ok": e.format_ok[s] if s < len(e.format_ok) else None,
-                  "action": e.actions[s] if s < len(e.actions) else None} for s in range(len(e.screenshots))]
+        # A dropped episode may have one screenshot more than answers (the VM died in between).
+        n = len(e.texts)
+        steps = [{"step": s, "task": e.task.id, "thought": e.thoughts[s] if s < n else "",
+                  "text": e.texts[s] if s < n else "", "format_ok": e.format_ok[s] if s < n else None,
+                  "action": e.actions[s] if s < n else None} for s in range(len(e.screenshots))]
         steps.append({"final": True, "task": e.task.id, "instruction": e.task.instruction, "group": e.group,
                       "end": e.end, "error": e.error, "score": e.score, "score_standard": e.score_standard,
                       "format_penalty": e.reward - e.score, "reward": e.reward})
@@ -619,7 +634,8 @@ def make_policy(args: Args, ckpt: tuple[dict, str] | None):
     if args.engine == "vllm":
         from model import VLLMEngine
         import tempfile  # vLLM loads weights from disk: the starting ones, or a fresh copy of ours
-        path = args.model if os.path.isdir(args.model) and ckpt is None else os.path.join(tempfile.mkdtemp(prefix="arpo-vllm-"), "w")
+        fresh_copy = os.path.join(tempfile.mkdtemp(prefix="arpo-vllm-"), "w")
+        path = args.model if os.path.isdir(args.model) and ckpt is None else fresh_copy
         policy.engine = VLLMEngine(policy, path, max_images=args.max_images)
     return policy
 

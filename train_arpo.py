@@ -264,6 +264,8 @@ def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
     groups = groups or {}
     eps = [Episode(t, i, groups.get(i, 0), iteration) if t is not None else None for i, t in enumerate(vm_tasks)]
     while True:
+        # Lockstep: every step waits for the slowest VM and for the one generate call. Finished
+        # VMs sit out (a None argument sends them nothing) instead of padding the batch.
         active = [i for i, e in enumerate(eps) if e is not None and e.end is None]
         if not active:
             return eps
@@ -277,7 +279,10 @@ def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
                 continue
             img = shots[i].value
             e.screenshots.append(img)
+            # The size the processor resizes this screenshot to: UI-TARS answers in those pixels.
             h, w = smart_resize(img.height, img.width, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+            # The history: earlier answers as the sampled ids themselves, so this prompt and the
+            # training sequence built from the same episode later hold the very same tokens.
             msgs = uitars_messages(e.task.instruction, e.screenshots, e.assistant, max_images=args.max_images)
             obs.append(Observation(e.task, i, len(e.assistant), msgs, img.size, (w, h)))
             who.append(i)
@@ -332,6 +337,8 @@ def score_episodes(pool: VMPool, eps: list, args: Args, timeout: float) -> None:
     1 iff the last action is `fail` (call_user()); under the standard protocol an episode that ran
     out of steps counts its last action as FAIL.
     """
+    # All VMs are evaluated at once after the last episode ended; a finished VM's screen no longer
+    # changes, so this scores the same as ARPO's evaluate-as-soon-as-done, in one round trip.
     evaluators = [e.task.evaluator if e is not None and e.end != "dropped" and not e.task.infeasible else None
                   for e in eps]
     res = pool.evaluate(evaluators, timeout=timeout) if any(evaluators) else [None] * len(eps)
@@ -343,8 +350,9 @@ def score_episodes(pool: VMPool, eps: list, args: Args, timeout: float) -> None:
             e.score = 1.0 if last == "fail" else 0.0  # ALGO: OSWorld's infeasible rule
             e.score_standard = 1.0 if last == "fail" or e.end == "max_steps" else 0.0
         elif res[i].ok and isinstance(res[i].value, dict) and "score" in res[i].value:
-            e.score = e.score_standard = float(res[i].value["score"])
+            e.score = e.score_standard = float(res[i].value["score"])  # ALGO: execution-based score
         else:
+            # No score is not a score of 0: training on it would punish the policy for a VM fault.
             _drop(e, res[i].error or "the VM's /evaluate answered without a score")
             continue
         # ALGO: ARPO's trajectory reward: the task score, minus the format penalty once if any answer
@@ -441,7 +449,7 @@ class Trainer:
 def plan_groups(live: list[int], group_size: int) -> list[list[int]]:
     """Live VMs -> groups of group_size (leftovers idle). Fewer live VMs than a group: one group."""
     n = len(live) // group_size
-    if n == 0:
+    if n == 0:  # a smaller group still gives GRPO a baseline; a lone VM gets replay or nothing
         return [live] if live else []
     return [live[g * group_size:(g + 1) * group_size] for g in range(n)]
 
@@ -449,8 +457,11 @@ def plan_groups(live: list[int], group_size: int) -> list[list[int]]:
 def pick_tasks(ids: list[str], state: dict, n: int, seed: int) -> list[str]:
     """The next n task ids: round robin over a seeded shuffle of the list, reshuffled each pass.
     state = {"epoch": e, "pos": p} (mutated; it is all a checkpoint needs to continue the order)."""
+    if not ids:
+        raise ValueError("pick_tasks needs at least one task id.")
     out = []
     while len(out) < n:
+        # The order of a pass is a function of (seed, pass): nothing but two ints to checkpoint.
         order = list(ids)
         random.Random(f"{seed}-{state['epoch']}").shuffle(order)
         take = order[state["pos"]:state["pos"] + n - len(out)]
@@ -473,10 +484,13 @@ def apply_replay(buffer: ReplayBuffer, members: list[Episode], group: int) -> tu
     """ALGO: ARPO's replay. If the group failed alike (score std < 0.05 and mean < 0.2), one member
     is replaced by a stored success of the same task (stored in an EARLIER iteration: the buffer is
     filled only after this step). Returns the group's trajectories for the update + the injection."""
+    # ARPO decides on the evaluator scores (not the rewards with their format penalty): a group
+    # whose members all failed the task needs a success, however well-formed their answers were.
     new, _, injected = buffer.inject(members[0].task.id, members, [e.score for e in members])
     if not injected:
         return members, None
-    k = next(i for i, (a, b) in enumerate(zip(members, new)) if a is not b)
+    k = next(i for i, (a, b) in enumerate(zip(members, new)) if a is not b)  # the replaced member
+    # The stored success joins this group: its own reward, normalised against today's members.
     ep = replace(from_record(new[k]), group=group, replayed=True)
     return members[:k] + [ep] + members[k + 1:], {
         "task": ep.task.id, "group": group, "replaced_vm": members[k].vm, "from_iteration": ep.iteration,
@@ -629,8 +643,14 @@ def make_policy(args: Args, ckpt: tuple[dict, str] | None):
         policy = load_policy(os.path.join(ckpt[1], "policy"), **kw)
     else:
         policy = load_policy(args.model, **kw)
-        if ckpt is not None:
-            policy.model.load_state_dict(ckpt[0]["trainable"], strict=False)
+        if ckpt is not None:  # the adapter; strict=False because the frozen base is not in it
+            try:
+                bad = policy.model.load_state_dict(ckpt[0]["trainable"], strict=False).unexpected_keys
+            except RuntimeError as e:  # shape mismatch: another rank
+                bad = [str(e).strip().splitlines()[-1].strip()]
+            if bad:
+                raise SystemExit(f"the checkpoint's adapter does not fit this model ({bad[0][:150]}); "
+                                 "resume with the --model and --lora-rank the run was started with.")
     if args.engine == "vllm":
         from model import VLLMEngine
         import tempfile  # vLLM loads weights from disk: the starting ones, or a fresh copy of ours
@@ -641,6 +661,7 @@ def make_policy(args: Args, ckpt: tuple[dict, str] | None):
 
 
 def checkpoint(tr: Trainer, it: int, picker: dict, train_ids: list[str]) -> None:
+    """Everything a resume needs, written atomically (rundir): `it` is the next iteration to run."""
     policy, args = tr.policy, tr.args
     state = {"iteration": it, "args": asdict(args), "optimizer": tr.optimizer.state_dict(),
              "replay": tr.replay.state_dict() if tr.replay is not None else None,
@@ -665,8 +686,12 @@ def resolve_args(argv=None) -> tuple[Args, tuple | None, dict]:
         ckpt = rundir.load_checkpoint(args.resume) if os.path.isdir(args.resume) else None
         if ckpt is None and (args.eval_only or not os.path.isdir(args.resume)):
             raise SystemExit(f"--resume {args.resume}: no checkpoint there; pass a run folder under {args.runs_dir}/.")
-        if ckpt is not None:
-            args = Args(**{**ckpt[0]["args"], **given})
+        saved = ckpt[0]["args"] if ckpt is not None else None
+        if saved is None and os.path.exists(os.path.join(args.resume, "args.json")):
+            with open(os.path.join(args.resume, "args.json")) as f:  # killed before its first checkpoint
+                saved = json.load(f)
+        if saved is not None:
+            args = Args(**{**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__}, **given})
     check_args(args)
     return args, ckpt, given
 
@@ -755,13 +780,14 @@ def select_and_record(pool: VMPool, tasks: list, policy_fn, args: Args, run: str
     if os.path.exists(path):  # killed after selecting, before the first checkpoint: reuse it
         with open(path) as f:
             keep = json.load(f)["selected"]
-        return [t for t in tasks if t.id in keep]
-    print(f"task selection: {args.select_tasks} rollouts of each of {len(tasks)} tasks ...", flush=True)
-    kept, counts = select_tasks(pool, tasks, args.select_tasks, policy_fn, args)
-    with open(path, "w") as f:
-        json.dump({"k": args.select_tasks, "success_threshold": args.success_threshold,
-                   "successes": counts, "selected": [t.id for t in kept]}, f, indent=2)
-    print(f"task selection kept {len(kept)}/{len(tasks)} tasks: {[t.id for t in kept]} (written to {path})")
+        kept = [t for t in tasks if t.id in keep]
+    else:
+        print(f"task selection: {args.select_tasks} rollouts of each of {len(tasks)} tasks ...", flush=True)
+        kept, counts = select_tasks(pool, tasks, args.select_tasks, policy_fn, args)
+        with open(path, "w") as f:
+            json.dump({"k": args.select_tasks, "success_threshold": args.success_threshold,
+                       "successes": counts, "selected": [t.id for t in kept]}, f, indent=2)
+        print(f"task selection kept {len(kept)}/{len(tasks)} tasks: {[t.id for t in kept]} (written to {path})")
     if not kept:
         raise SystemExit(f"no task was solved even once in {args.select_tasks} tries; raise --select-tasks, "
                          "use an easier task set, or train without --select-tasks.")

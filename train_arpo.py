@@ -582,7 +582,9 @@ def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
     times["total"] = time.perf_counter() - t0
     m = iteration_metrics(it, task_ids, eps, fresh, batch, samples, upd, times, args)
     m.update(groups=group_stats, replay_injections=injections, n_injections=len(injections),
-             replay_size=len(tr.replay) if tr.replay is not None else 0)
+             replay_size=len(tr.replay) if tr.replay is not None else 0,
+             # ARPO's "invalid groups": equal rewards, so zero advantages and no learning signal
+             zero_std_groups=sum(g["std"] < 0.01 for g in group_stats))
     m["dropped"] += len(setup_errors)
     if setup_errors:
         m["setup_errors"] = {str(k): v for k, v in setup_errors.items()}
@@ -608,7 +610,8 @@ def save_episodes(run: str, it: int, eps: list) -> None:
 def summary_line(m: dict) -> str:
     return (f"it {m['iteration']:4d} | tasks {','.join(m['tasks'])[:40]:40s} | reward {m['reward_mean']:+.2f}"
             f"±{m['reward_std']:.2f} | success {m['success_rate']:.2f} | format {m['format_rate']:.2f} | "
-            f"replay +{m['n_injections']} ({m['replay_size']} stored) | kl {m['kl']:.4f} clip "
+            f"replay +{m['n_injections']}{''.join(' ' + i['task'] for i in m['replay_injections'])} "
+            f"({m['replay_size']} stored) | flat groups {m['zero_std_groups']}/{len(m['groups'])} | kl {m['kl']:.4f} clip "
             f"{m['clip_low']:.2f}/{m['clip_high']:.2f} | {m['time_total']:.1f}s (reset {m['time_reset']:.1f} "
             f"gen {m['time_generation']:.1f} env {m['time_env']:.1f} eval {m['time_evaluate']:.1f} "
             f"upd {m['time_update']:.1f}; VM wait {100 * m['vm_wait_share']:.0f}%)")

@@ -2,10 +2,16 @@
 
     python train_explore.py --vms 8                                  # 8 local Xvfb desktops, Qwen2.5-VL-3B
     python train_explore.py --vms http://10.0.0.5:8000,http://10.0.0.6:8000 --token T
-    python train_explore.py --vms 2 --model tiny --iterations 2 --steps 2      # CPU smoke run
+    python train_explore.py --vms 2 --model tiny --iterations 2 --steps 2      # CPU smoke run (*)
     python train_explore.py --vms 8 --generations 3 --iterations-per-generation 100   # E1, E2, E3
     python train_explore.py --resume runs/<name>                     # continue a run
     python train_explore.py --eval-only --model runs/<name>/models/E1 --eval-episodes 20
+(*) the random-weight tiny model almost never writes a well-formed answer: it tests the plumbing only.
+
+A run folder: args.json; metrics.jsonl (one line per iteration: every reward component, world-model
+loss, KL, clip fractions, format rate, per-phase seconds); trajectories/it<i>/vm<k>.jsonl + the PNG
+the model saw at each step; ckpt/ (the latest checkpoint); models/E<g> (each generation's model,
+E<g>_sft its SFT starting point); distill/gen<g>.jsonl + gen<g>/*.png (its distilled steps).
 
 Paper: ScreenExplorer (arXiv 2505.19095). One iteration, top to bottom (see DESIGN.md):
     for step in range(--steps): screenshots of every live desktop (parallel) -> exploration prompts
@@ -30,7 +36,8 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
 3. The actor starts updating at iteration --update-actor-delay (0-based; the release: after it).
    One optimizer step per --mini-batch samples (the release: gradient accumulation 16 of batch 1).
 4. A desktop that dies drops out of the rest of the iteration (its unfinished step is not in the
-   buffer: the environment failed, not the model) and a reset restarts it; the release stopped.
+   buffer: the environment failed, not the model) and a reset restarts it; the release threw the
+   whole iteration away when any environment failed.
 5. Distillation: the paper does not publish its SFT recipe; ours is --distill-epochs passes of
    token-mean NLL on the sampled answers, at --distill-lr, with LoRA merged into the weights after
    SFT, so the next generation's adapter (and its KL reference) start from the fine-tuned model.

@@ -14,6 +14,9 @@ One iteration, top to bottom (`run_iteration`):
     replay: an all-failed group gets one member swapped for a stored success of the same task ->
     reward = score - format penalty -> advantages per group, broadcast to every assistant token ->
     one GRPO update on whole trajectories -> store this iteration's successes -> log, checkpoint.
+Tasks come in a seeded shuffled round robin. Every rollout goes through a `policy_fn(observations)
+-> answers` (default: one batched model.generate), so a scripted policy can stand in (the tests do).
+Output: runs/<name>/ with args.json, metrics.jsonl (one line per iteration), trajectories/, ckpt/.
 
 Where this departs from ARPO (paper + its released code), on purpose:
 1. Desktops are local Xvfb desktops (or remote `vm_server.py`s), not OSWorld's Ubuntu VMs; tasks are
@@ -26,15 +29,15 @@ Where this departs from ARPO (paper + its released code), on purpose:
    episode go on (the penalty is still paid once per trajectory).
 4. The replay buffer is saved in every checkpoint and restored on resume (ARPO's is lost). Injection
    replaces the lowest scorer of the failed group (grpo.ReplayBuffer), ARPO the first member.
-5. One optimizer step per iteration by default (`--mini-batch` splits it; ARPO did 2 per iteration of
-   16 trajectories), no learning-rate warm-up (ARPO: 5 %), HF generate on CPU / vLLM on a GPU.
+5. One optimizer step per iteration by default (`--mini-batch` splits it into several, as ARPO's
+   config does), no learning-rate warm-up (ARPO: 5 %), HF generate on CPU / vLLM on a GPU.
 6. The whole trajectory is re-encoded once for training with the last `--max-images` screenshots; with
    max steps <= max images (the default 15/15, as ARPO) that is exactly the context each step saw.
 7. Evaluation: "standard" counts an episode that runs out of steps as ending in FAIL (so infeasible
    tasks pass by timing out), "hard" does not (ARPO's OSWorld-Hard). Training rewards use the hard rule,
    as ARPO's training environment did. A feasible task is scored by its checks under both.
-8. Left out: KL to a reference model (beta 0, as ARPO; `--beta` works with LoRA only), ARPO's
-   sequence-parallel/FSDP plumbing (use torchrun + vLLM tensor parallelism), wandb.
+8. Left out: KL to a reference model (beta 0, as ARPO; `--beta` works with LoRA only), multi-GPU
+   training (ARPO: FSDP over 8 GPUs; this script trains on one device), wandb.
 """
 from __future__ import annotations
 

@@ -200,13 +200,14 @@ def timed(times: dict, key: str):
 
 
 def console_line(m: dict) -> str:
+    """The iteration's summary: reward components as image/text imm/seq/wm and intent before/after/click."""
     f = lambda k, fmt="{:.3f}": "-" if m.get(k) is None else fmt.format(m[k])  # noqa: E731
     return (f"it {m['iteration']:4d} E{m['generation']} | vms {m['vms']} steps {m['steps']} | "
             f"reward {f('reward/total')} fmt {f('reward/format', '{:.2f}')} "
             f"img {f('reward/image_immediate')}/{f('reward/image_sequence')}/{f('reward/image_world_model')} "
             f"txt {f('reward/text_immediate')}/{f('reward/text_sequence')}/{f('reward/text_world_model')} "
             f"intent {f('reward/intent_before')}/{f('reward/intent_after')}/{f('reward/intent_click')} | "
-            f"wm {f('wm/loss', '{:.4f}')} | kl {f('actor/kl', '{:.4f}')} clip {f('actor/clip_high', '{:.2f}')} | "
+            f"wm {f('wm/loss', '{:.4f}')} | kl {f('actor/kl', '{:.4f}')} clip {f('actor/clip_low', '{:.2f}')}/{f('actor/clip_high', '{:.2f}')} | "
             f"{m['time/iteration']:.1f}s (gen {m.get('time/generate', 0):.1f} "
             f"vm {m.get('time/screenshot', 0) + m.get('time/act', 0):.1f} "
             f"feat {m.get('time/features', 0):.1f} upd {m.get('time/update', 0):.1f})")
@@ -267,6 +268,7 @@ def rollout(pool: VMPool, live: set, choose, a: Args, times: dict) -> list[Step]
         if not vms:
             break
         with timed(times, "generate"):
+            # One call for all desktops: on a GPU a batch of 8 costs about what one prompt does.
             choices = choose([current[i] for i in vms])
         actions = [None] * pool.size
         for i, (_, parsed, _) in zip(vms, choices):
@@ -289,6 +291,8 @@ def rollout(pool: VMPool, live: set, choose, a: Args, times: dict) -> list[Step]
                 print(f"vm {i} dropped out: {after[i].error}", flush=True)
                 current.pop(i), live.discard(i)
                 continue
+            # The step is kept even when malformed: its reward is 0, and below the buffer's mean
+            # that is a negative advantage, which is how GRPO teaches the format.
             buffer.append(Step(i, t, current[i], after[i].value, text, None if error else parsed, gen, error))
             current[i] = after[i].value  # the after-screen is the next step's before-screen
     return buffer
@@ -650,7 +654,7 @@ if __name__ == "__main__":
         print("reward components on: " + ", ".join(k for k, v in flags.items() if v), flush=True)
         wm = R.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags["text"]) else 0, args.wm_hidden, screen)
         wm_opt = torch.optim.AdamW(wm.parameters(), lr=args.wm_lr)
-        distill_metrics = {}
+        distill_metrics = {}  # SFT numbers of a generation's start, logged once on its first line
         if ckpt is None:
             start_it, generation = 0, 1
             policy, start_model, distill_metrics = start_generation(1, run, args)
@@ -683,7 +687,9 @@ if __name__ == "__main__":
             if it == start_it or (args.reset_every and it % args.reset_every == 0):
                 with timed(times, "reset"):  # fresh desktops; dead local ones are restarted here
                     live = {i for i, res in enumerate(pool.reset()) if res.ok}
-            shutil.rmtree(os.path.join(run, "trajectories", f"it{it:06d}"), ignore_errors=True)  # a redo after a kill
+            # A kill after an iteration saved trajectories but before its checkpoint leaves files
+            # that this redo would only partly overwrite (fewer live desktops, say): start clean.
+            shutil.rmtree(os.path.join(run, "trajectories", f"it{it:06d}"), ignore_errors=True)
 
             # rollout: --steps lockstep steps on every live desktop, one batched generate per step
             buffer = rollout(pool, live, policy_chooser(policy, args), args, times)
@@ -700,7 +706,10 @@ if __name__ == "__main__":
                        for k, s in enumerate(buffer)]
             adv = grpo.assign_advantages(samples)  # (N,)
             actor = dict.fromkeys(("actor/loss", "actor/kl", "actor/clip_low", "actor/clip_high", "actor/grad_norm"))
-            updated = it >= args.update_actor_delay  # whatever the reward flags: no world model still trains
+            # The delay lets the world model warm up before its curiosity steers the actor. It is
+            # the ONLY condition: the release also skipped the update whenever the world model was
+            # off, so its no-world-model ablation never trained at all.
+            updated = it >= args.update_actor_delay
             if updated:
                 with timed(times, "update"):
                     m = grpo.update_policy(policy, optimizer, samples, args.micro_batch, args.eps_low, args.eps_high,
@@ -714,7 +723,9 @@ if __name__ == "__main__":
                 for vm in sorted({s.vm for s in buffer}):
                     rows = [k for k, s in enumerate(buffer) if s.vm == vm]
                     rundir.save_trajectory(run, it, vm, trajectory_lines(buffer, rows, r, adv), [buffer[k].before for k in rows])
+                # Always at a generation's last iteration: the boundary (dataset, SFT) is redone from it.
                 if (it + 1) % args.save_every == 0 or (it + 1) % ipg == 0 or it + 1 == total_iterations:
+                    # LoRA: the adapter alone, exact; the merged policy beside it is for loading elsewhere.
                     state = {"iteration": it, "generation": generation, "start_model": start_model,
                              "adapter": adapter_state(policy) if args.lora_rank > 0 else None,
                              "optimizer": optimizer.state_dict(), "wm": wm.state_dict(), "wm_opt": wm_opt.state_dict(),

@@ -166,7 +166,7 @@ def test_flags():
 
 def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_path):
     task = TASKS["calc-open"]
-    args = small_args()
+    args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1)  # the solution, then finished()
     # A stored success of calc-open, from an "earlier iteration": the scripted solution on a desktop.
     eps, _ = T.run_jobs(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args, {})
     assert eps[0].score == 1.0
@@ -256,7 +256,7 @@ def test_a_dead_vm_drops_out_of_its_group_and_the_run_goes_on(pool, tiny):
             os.killpg(pool.local[1].proc.pid, signal.SIGKILL)
             killed.append(1)
         return solve(observations)
-    args = small_args(max_steps=3)  # double-click the icon, wait, finished()
+    args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1)  # the solution, then finished()
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
     tr = T.Trainer(args, pool, tiny, opt, None, fn, None, [task])
     m, eps = T.run_iteration(tr, 0, lambda n: [task.id] * n)

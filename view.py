@@ -396,6 +396,45 @@ def iteration_header(m: dict | None, kind: str) -> str:
     return f'<div class="chips">{chips}{inj}</div>'
 
 
+def _grid(head: list, rows: list[list]) -> str:
+    cell = lambda v: esc("-" if v is None else _fmt(v) if _num(v) is not None else v)  # noqa: E731
+    return (f'<table class="grid"><tr>{"".join(f"<th>{esc(h)}</th>" for h in head)}</tr>'
+            + "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in r) + "</tr>" for r in rows) + "</table>")
+
+
+def evals_html(run: str) -> str:
+    """The evaluations in the run folder: train_explore.py's eval.json (policy vs random actions),
+    train_arpo.py's eval_it<N>.json (success per task, both protocols) and selected_tasks.json."""
+    parts = []
+    for name in sorted(os.listdir(run)):
+        if not re.fullmatch(r"eval(_it\d+)?\.json|selected_tasks\.json", name):
+            continue
+        try:
+            with open(os.path.join(run, name)) as f:
+                d = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(d, dict):
+            continue
+        std, hard = d.get("standard"), d.get("hard")
+        if isinstance(std, dict) and isinstance(hard, dict):  # ARPO --eval-only
+            per_std, per_hard = std.get("per_task") or {}, hard.get("per_task") or {}
+            rows = [[t, per_std.get(t), per_hard.get(t)] for t in per_std] + [["overall", std.get("overall"), hard.get("overall")]]
+            parts.append(f"<h3>{esc(name)}: success rate, {esc(d.get('episodes'))} episodes ({esc(d.get('lost'))} lost), "
+                         f"temperature {esc(d.get('temperature'))}</h3>" + _grid(["task", "standard", "hard"], rows))
+        elif isinstance(d.get("successes"), dict):  # ARPO --select-tasks
+            kept = set(d.get("selected") or [])
+            parts.append(f"<h3>{esc(name)}: task selection, {esc(d.get('k'))} rollouts per task</h3>" + _grid(
+                ["task", "successes", "kept"], [[t, n, "yes" if t in kept else "no"] for t, n in d["successes"].items()]))
+        else:  # train_explore.py --eval-only: per-episode means of the policy and of random actions
+            who = [k for k in ("policy", "random") if isinstance(d.get(k), dict) and isinstance(d[k].get("summary"), dict)]
+            if who:
+                keys = list(d[who[0]]["summary"])
+                parts.append(f"<h3>{esc(name)}: exploration, per episode</h3>" + _grid(
+                    [""] + keys, [[w] + [d[w]["summary"].get(k) for k in keys] for w in who]))
+    return f'<section id="eval"><h2>evaluation</h2>{"".join(parts)}</section>' if parts else ""
+
+
 # -----------------------------------------------------------------------------------------------
 # The page
 
@@ -413,6 +452,7 @@ figcaption span{margin-right:8px;font-size:11px}figcaption i{display:inline-bloc
 .kv{border-collapse:collapse;font-size:12px}.kv th{text-align:left;font-weight:normal;padding-right:12px}
 .kv td{font-family:monospace}.zero{color:#aaa}.warn,.bad{color:#d70015}.good{color:#248a3d}
 .chips span{display:inline-block;background:#fff;border-radius:10px;padding:2px 8px;margin:2px;font-size:12px}
+.grid{border-collapse:collapse;background:#fff}.grid td,.grid th{border:1px solid #ddd;padding:2px 8px;font-size:12px}
 .instr{font-style:italic}.empty{color:#888}.final{border-top:1px solid #e5e5ea;padding-top:6px}"""
 
 # Selectors + image bookkeeping. Images carry data-src and get their src only when shown, so a run
@@ -467,7 +507,7 @@ def build_report(run: str, out: str | None = None, last: int = 0) -> str:
 <p>{what} · {len(metrics)} iterations logged · {sum(len(v) for v in trajs.values())} trajectories saved
 {f"(showing the last {len(its)} iterations)" if len(its) < len(trajs) else ""}</p>
 <details><summary>args.json</summary>{args_rows}</details></header>
-<main><section id="curves"><h2>training curves</h2>{charts_html(kind, metrics)}</section>
+<main><section id="curves"><h2>training curves</h2>{charts_html(kind, metrics)}</section>{evals_html(run)}
 <nav><label>iteration <select id="sel-it">{sel_it}</select></label><label>VM <select id="sel-vm">{sel_vm}</select></label>
 <span id="shown"></span> <small>(arrow keys: previous / next iteration)</small></nav>
 <section id="trajectories">{"".join(sections) or '<p class="empty">No trajectories saved yet.</p>'}</section></main>

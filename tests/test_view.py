@@ -74,6 +74,9 @@ def explore_run(tmp_path_factory):
     run_script("train_explore.py", "--vms", 2, "--model", speaker, "--iterations", 2, "--steps", 3,
                "--update-actor-delay", 0, "--rewards", "no_text,no_intent,no_intent_click", "--settle", 0.3,
                "--threads", 1, "--runs-dir", tmp, "--run-name", "run", *SMALL)
+    # and an exploration eval of the same model (its own folder: eval.json, policy vs random actions)
+    run_script("train_explore.py", "--eval-only", "--vms", 2, "--model", speaker, "--steps", 1, "--eval-episodes", 2,
+               "--settle", 0.3, "--threads", 1, "--runs-dir", tmp, "--run-name", "eval", *SMALL)
     return str(tmp / "run")
 
 
@@ -82,6 +85,9 @@ def arpo_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("arpo")
     run_script("train_arpo.py", "--vms", 2, "--group-size", 2, "--model", "tiny", "--iterations", 2, "--max-steps", 2,
                "--no-stop-on-format-error", "--settle", 0.2, "--runs-dir", tmp, "--run-name", "run", *SMALL)
+    # + an evaluation of its checkpoint (eval_it000002.json in the run folder)
+    run_script("train_arpo.py", "--eval-only", "--resume", tmp / "run", "--max-steps", 1,
+               "--task-ids", "calc-open,clock-open", *SMALL)
     return str(tmp / "run")
 
 
@@ -185,6 +191,11 @@ def test_explore_report_renders_every_step_image_action_and_curve(explore_run, t
     blue = int((np.abs(px - np.array(DESKTOP_BLUE)).max(axis=2) <= 3).sum())
     assert blue > 400_000, blue
 
+    # The eval-only folder: no trajectories, no metrics, the eval table (policy vs random actions).
+    dom = dump_dom(tmp_path, view.build_report(os.path.join(os.path.dirname(explore_run), "eval")))
+    assert "eval.json: exploration, per episode" in dom and "No trajectories saved yet." in dom
+    assert re.search(r"<tr><td>policy</td>(<td>[\d.e-]+</td>){7}</tr><tr><td>random</td>", dom)
+
 
 def test_arpo_report_shows_episodes_scores_and_curves(arpo_run, tmp_path):
     report = view.build_report(arpo_run)  # default: report.html in the run folder, screenshots in place
@@ -202,6 +213,8 @@ def test_arpo_report_shows_episodes_scores_and_curves(arpo_run, tmp_path):
     for f in finals:
         assert view.esc(f["instruction"]) in dom  # the task's instruction heads its episode
     assert dom.count(">format_penalty</th><td>-0.5</td>") == 4
+    assert "eval_it000002.json: success rate, 2 episodes (0 lost)" in dom
+    assert re.search(r"<tr><td>calc-open</td><td>[\d.]+</td><td>[\d.]+</td></tr>.*<tr><td>overall</td>", dom)
     c = curves(dom)
     for key in ("reward_mean", "score_mean", "success_rate", "format_rate", "kl", "clip_low", "clip_high"):
         assert c.get(key) == 2, (key, c.get(key))

@@ -1,11 +1,11 @@
 """progress.py: what a running train script shows and sends: progress bars, console lines, trackers.
 
     import progress
-    with progress.bar(args.steps, "rollout") as pb:   # a tqdm bar on a terminal, silent in logs
-        for t in range(args.steps): ...; pb.update(1); pb.set_postfix_str(f"{len(live)} vms")
-    progress.say(console_line(metrics))              # the iteration's line, printed above open bars
+    for t in progress.track(range(args.steps), "rollout"):  # a tqdm bar on a terminal, silent in logs
+    with progress.bar(len(jobs), "eval") as pb:             # the same, advanced by hand: pb.update(n)
+    progress.say(console_line(metrics))                     # the iteration's line, above open bars
     tr = progress.open_trackers(run, asdict(args), wandb=args.wandb, tensorboard=args.tensorboard)
-    progress.log(tr, metrics, step=it)               # every number of the metrics line
+    progress.log(tr, metrics, step=it)                      # every number of the metrics line
     progress.close(tr)
 
 Why a shared file when STYLE.md lets the train scripts repeat setup: both need the same three
@@ -59,6 +59,17 @@ def bar(total: int, desc: str, enabled: bool | None = None, file=None):
     except ImportError:
         return _Quiet()
     return tqdm(total=total, desc=desc, leave=False, file=file, dynamic_ncols=True, mininterval=0.5)
+
+
+def track(iterable, desc: str, total: int | None = None, enabled: bool | None = None):
+    """`for t in track(range(n), "rollout"):` -- the iterable with a bar (see bar), or as it is."""
+    if enabled is None:
+        enabled = os.environ.get("PROGRESS") == "1" or sys.stderr.isatty()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True, mininterval=0.5) if enabled else iterable
 
 
 def say(line: str) -> None:

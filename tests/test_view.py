@@ -313,6 +313,8 @@ def test_bars_say_and_scalars(capsys):
     with progress.bar(3, "rollout", enabled=True, file=out) as pb:
         pb.update(1), pb.set_postfix_str("2 vms")
     assert "rollout" in out.getvalue() and "/3" in out.getvalue()
+    assert progress.track(range(3), "x", enabled=False) == range(3)  # off: the iterable itself
+    assert list(progress.track(range(3), "x", enabled=True)) == [0, 1, 2]
     progress.say("it    0 | reward 0.5")
     assert capsys.readouterr().out == "it    0 | reward 0.5\n"
     m = {"iteration": 0, "reward/total": 0.5, "wm": {"loss": 2}, "tasks": ["a"], "kl": None, "x": float("inf")}

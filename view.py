@@ -513,11 +513,14 @@ def build_report(run: str, out: str | None = None, last: int = 0) -> str:
 <section id="trajectories">{"".join(sections) or '<p class="empty">No trajectories saved yet.</p>'}</section></main>
 <script>{JS}</script></body></html>"""
     if os.path.abspath(out) != os.path.abspath(run):
-        for rel in images:  # same relative layout under out; unchanged files are not copied again
+        for rel in images:  # same relative layout under out; files copied before are not copied again
             src, dst = os.path.join(run, rel), os.path.join(out, rel)
-            if not (os.path.exists(dst) and os.path.getsize(dst) == os.path.getsize(src)):
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
-                shutil.copyfile(src, dst)
+            try:
+                if not (os.path.exists(dst) and os.path.getmtime(dst) >= os.path.getmtime(src)):
+                    os.makedirs(os.path.dirname(dst), exist_ok=True)
+                    shutil.copyfile(src, dst)
+            except OSError:  # deleted since we looked (a resumed run redoes an iteration): a broken image
+                pass
     path = os.path.join(out, "report.html")
     with open(path + ".tmp", "w", encoding="utf-8") as f:  # a browser reloading mid-write sees the old page
         f.write(page)

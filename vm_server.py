@@ -209,7 +209,7 @@ def _obj(d, what: str, table: dict | None = None, required=(), optional=()) -> d
     if not isinstance(d, dict):
         raise BadRequest(f"{what} must be a JSON object.")
     if table is not None:
-        if d.get("type") not in table:
+        if not isinstance(d.get("type"), str) or d["type"] not in table:  # a list/dict is unhashable
             raise BadRequest(f"{what} 'type' must be one of {list(table)}, got {d.get('type')!r}.")
         what, required, optional = f"a {d['type']!r} {what}", ("type",) + table[d["type"]][0], table[d["type"]][1]
     d = {k: v for k, v in d.items() if v is not None}
@@ -500,7 +500,7 @@ def run_check(desk: Desktop, c: dict) -> tuple[bool, str]:
 
 def evaluate(desk: Desktop, body) -> dict:
     checks = [check_check(desk, c) for c in _items(body, "/evaluate", "checks", ("conj",))]
-    conj = body.get("conj") or "and"
+    conj = "and" if body.get("conj") is None else body["conj"]  # null counts as absent; [] or 0 do not
     if conj not in ("and", "or"):
         raise BadRequest("'conj' must be 'and' or 'or'.")
     details = [dict(zip(("type", "passed", "info"), (c["type"], *run_check(desk, c)))) for c in checks]
@@ -536,7 +536,7 @@ def screenshot(query: dict) -> tuple[bytes, str]:
     fmt, q = query.get("format", ["png"])[-1], query.get("quality", ["80"])[-1]
     if fmt not in ("png", "jpeg", "jpg"):
         raise BadRequest("'format' must be png or jpeg.")
-    if not q.isdigit() or not 1 <= int(q) <= 95:
+    if not re.fullmatch(r"[0-9]{1,2}", q) or not 1 <= int(q) <= 95:  # not isdigit(): '²' is a digit to it
         raise BadRequest("'quality' must be an integer in [1, 95].")
     img = ImageGrab.grab()  # X11 GetImage through Pillow's XCB binding: ~8 ms at 1280x720
     if fmt == "png":
@@ -619,7 +619,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def _body(self):
         n = self.headers.get("Content-Length", "0")
-        if self.headers.get("Transfer-Encoding") or not n.isdigit() or int(n) > MAX_BODY:
+        # ASCII digits only ('²'.isdigit() is True, int('²') raises), and only one Content-Length.
+        if self.headers.get("Transfer-Encoding") or not re.fullmatch(r"[0-9]{1,9}", n) or int(n) > MAX_BODY \
+                or len(self.headers.get_all("Content-Length", [])) > 1:
             self.close_connection = True
             raise BadRequest(f"send a JSON body of at most {MAX_BODY} bytes with a Content-Length.", 413)
         raw = self.rfile.read(int(n))

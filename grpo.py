@@ -325,7 +325,7 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
                   eps_low: float = 0.2, eps_high: float = 0.28, beta: float = 0.0,
                   ref_fn: Callable[[dict], torch.Tensor] | None = None, max_grad_norm: float = 1.0,
                   agg: str = "seq-mean-token-mean", mini_batch_size: int | None = None,
-                  epochs: int = 1) -> dict:
+                  epochs: int = 1, on_micro_batch: Callable[[int], None] | None = None) -> dict:
     """One GRPO update on a rollout; returns metrics averaged over its optimizer steps.
 
     samples carry .advantage already (assign_advantages). By default the whole rollout is one
@@ -334,6 +334,7 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
     into several steps and `epochs` repeats them; old log-probs are fixed before the first step.
     Reference for beta > 0: `ref_fn(batch) -> (B, T)` (e.g. a frozen copy), or, for a peft model,
     the same weights with the LoRA adapter disabled. beta == 0 computes no reference at all.
+    `on_micro_batch(n)` is called after each micro-batch's backward with its n samples (a progress bar).
     """
     model, pad_id = _unwrap(policy_or_model)
     samples = list(samples)
@@ -382,6 +383,8 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
                                     None if ref[i] is None else ref[i].to(dev), eps_low, eps_high, beta, agg)
                 w = _units(b["completion_mask"], agg) / max(units, 1.0)
                 (loss * w).backward()  # ALGO: this micro-batch's share of the step's mean loss
+                if on_micro_batch is not None:
+                    on_micro_batch(len(b["advantages"]))
                 sums["loss"] += m["loss"] * w
                 sums["tokens"] += m["tokens"]
                 for key in avg_keys:

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+import progress
 import rundir
 from env import Task, TaskError, VMError, VMPool, load_tasks, parse_action, smart_resize
 from grpo import ReplayBuffer, assign_advantages, trajectory_sample, update_policy
@@ -122,6 +123,8 @@ class Args:
     ckpt_every: int = arg(1, "checkpoint every N iterations (and at the end)")
     save_trajectories: bool = arg(True, "write every episode's screenshots + steps into the run folder")
     seed: int = arg(0, "seed of task order, sampling and the tiny model's weights")
+    wandb: bool = arg(False, "also log every metric to Weights & Biases (pip install wandb; WANDB_PROJECT names the project)")
+    tensorboard: bool = arg(False, "also log every metric to TensorBoard in runs/<name>/tb (pip install tensorboard)")
 
 
 def parse_args(argv=None) -> tuple[Args, dict]:
@@ -266,11 +269,13 @@ def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
     """
     groups = groups or {}
     eps = [Episode(t, i, groups.get(i, 0), iteration) if t is not None else None for i, t in enumerate(vm_tasks)]
+    pb = progress.bar(args.max_steps, "rollout")  # lockstep steps of the longest episode
     while True:
         # Lockstep: every step waits for the slowest VM and for the one generate call. Finished
         # VMs sit out (a None argument sends them nothing) instead of padding the batch.
         active = [i for i, e in enumerate(eps) if e is not None and e.end is None]
         if not active:
+            pb.close()
             return eps
         with timed(times, "env"):
             shots = pool.map("screenshot", ["png" if i in active else None for i in range(pool.size)])
@@ -331,6 +336,7 @@ def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
             e = eps[i]
             if e.end is None and len(e.assistant) >= min(args.max_steps, e.task.max_steps):
                 e.end = "max_steps"
+        pb.update(1)
 
 
 def score_episodes(pool: VMPool, eps: list, args: Args, timeout: float) -> None:
@@ -367,6 +373,7 @@ def run_jobs(pool: VMPool, jobs: list, policy_fn, args: Args, times: dict) -> tu
     """Play a list of tasks (repeats allowed) in waves of as many VMs as are alive: reset, setup,
     rollout, score. An episode lost to a failing VM is played once more. Returns (episodes, lost)."""
     queue, done, lost = [(t, 0) for t in jobs], [], 0
+    pb = progress.bar(len(jobs), "episodes")
     while queue:
         with timed(times, "reset"):
             live = reset_vms(pool)
@@ -386,6 +393,8 @@ def run_jobs(pool: VMPool, jobs: list, policy_fn, args: Args, times: dict) -> tu
         done += [e for e in eps if e is not None and e.end != "dropped"]
         queue += [(t, n + 1) for t, n in failed if n < 1]
         lost += sum(n >= 1 for _, n in failed)
+        pb.update(len(wave) - sum(n < 1 for _, n in failed))  # re-queued jobs are not finished yet
+    pb.close()
     return done, lost
 
 
@@ -577,10 +586,11 @@ def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
         samples = [episode_sample(tr.policy, e, args) for e in batch]
         assign_advantages(samples)
         if samples:
-            upd = update_policy(tr.policy, tr.optimizer, samples, micro_batch_size=args.micro_batch,
-                                eps_low=args.eps_low, eps_high=args.eps_high, beta=args.beta,
-                                max_grad_norm=args.max_grad_norm, agg=args.loss_agg,
-                                mini_batch_size=args.mini_batch or None)
+            with progress.bar(len(samples), "update") as pb:
+                upd = update_policy(tr.policy, tr.optimizer, samples, micro_batch_size=args.micro_batch,
+                                    eps_low=args.eps_low, eps_high=args.eps_high, beta=args.beta,
+                                    max_grad_norm=args.max_grad_norm, agg=args.loss_agg,
+                                    mini_batch_size=args.mini_batch or None, on_micro_batch=pb.update)
             sync_weights(tr.policy)  # vLLM generates with the new weights from the next step on
     times["total"] = time.perf_counter() - t0
     m = iteration_metrics(it, task_ids, eps, fresh, batch, samples, upd, times, args)
@@ -766,7 +776,8 @@ def main(argv=None) -> None:
         ids = [t.id for t in tasks]
 
         # -- the loop: one iteration, then trajectories, checkpoint, metrics line, console line
-        for it in range(start, args.iterations):
+        trackers = progress.open_trackers(run, asdict(args), wandb=args.wandb, tensorboard=args.tensorboard)
+        for it in progress.track(range(start, args.iterations), "iterations"):
             m, eps = run_iteration(tr, it, lambda n: pick_tasks(ids, picker, n, args.seed))
             t0 = time.perf_counter()
             if args.save_trajectories:
@@ -775,7 +786,9 @@ def main(argv=None) -> None:
                 checkpoint(tr, it + 1, picker, ids)
             m["time_save"] = time.perf_counter() - t0
             rundir.log_metrics(run, m)  # after the checkpoint: a resume never logs an iteration twice
-            print(summary_line(m), flush=True)
+            progress.log(trackers, m, step=it)
+            progress.say(summary_line(m))
+        progress.close(trackers)
     finally:
         pool.close()
 

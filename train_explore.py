@@ -66,6 +66,7 @@ from PIL import Image
 import grpo
 import model as M
 import rewards as R
+import progress
 import rundir
 from env import Action, Parsed, VMPool, parse_action
 
@@ -125,6 +126,8 @@ class Args:
     runs_dir: str = field(default="runs", metadata={"help": "where run folders go"})
     resume: str = field(default="", metadata={"help": "a run folder to continue (flags given now override its args.json)"})
     save_every: int = field(default=1, metadata={"help": "iterations between checkpoints (generation ends always save)"})
+    wandb: bool = field(default=False, metadata={"help": "also log every metric to Weights & Biases (pip install wandb; WANDB_PROJECT names the project)"})
+    tensorboard: bool = field(default=False, metadata={"help": "also log every metric to TensorBoard in runs/<name>/tb (pip install tensorboard)"})
     seed: int = field(default=0, metadata={"help": "random seed"})
 
 
@@ -263,7 +266,7 @@ def rollout(pool: VMPool, live: set, choose, a: Args, times: dict) -> list[Step]
     current = {i: r.value for i, r in enumerate(shots) if i in live and r.ok and r.value is not None}
     live.intersection_update(current)
     buffer = []
-    for t in range(a.steps):
+    for t in progress.track(range(a.steps), "rollout"):
         vms = sorted(current)
         if not vms:
             break
@@ -539,7 +542,7 @@ def run_eval(pool: VMPool, live: set, policy, a: Args, run: str) -> dict:
     report = {"args": asdict(a), "same_screen_cosine": a.eval_same_screen}
     for name, choose in who.items():
         episodes, screens = [], []
-        for _ in range(rounds):
+        for _ in progress.track(range(rounds), f"eval {name}"):
             live.intersection_update({i for i, res in enumerate(pool.reset()) if res.ok})
             buf = rollout(pool, set(sorted(live)[:a.eval_episodes - len(episodes)]), choose, a, {})
             titles = window_titles(pool, sorted({s.vm for s in buf}))
@@ -670,7 +673,8 @@ if __name__ == "__main__":
         if args.engine == "vllm":
             policy.engine = M.VLLMEngine(policy, os.path.join(run, "vllm_init"))
 
-        for it in range(start_it, total_iterations):
+        trackers = progress.open_trackers(run, asdict(args), wandb=args.wandb, tensorboard=args.tensorboard)
+        for it in progress.track(range(start_it, total_iterations), "iterations"):
             t_iter = time.perf_counter()
             times = {}
             g = it // ipg + 1
@@ -711,9 +715,10 @@ if __name__ == "__main__":
             # off, so its no-world-model ablation never trained at all.
             updated = it >= args.update_actor_delay
             if updated:
-                with timed(times, "update"):
+                with timed(times, "update"), progress.bar(len(samples), "update") as pb:
                     m = grpo.update_policy(policy, optimizer, samples, args.micro_batch, args.eps_low, args.eps_high,
-                                           args.beta, ref_fn, args.max_grad_norm, mini_batch_size=args.mini_batch)
+                                           args.beta, ref_fn, args.max_grad_norm, mini_batch_size=args.mini_batch,
+                                           on_micro_batch=pb.update)
                     actor = {f"actor/{k}": v for k, v in m.items()}
                 with timed(times, "sync"):
                     M.sync_weights(policy)  # the generator samples the next iteration from the new weights
@@ -736,10 +741,12 @@ if __name__ == "__main__":
                        **actor, "adv/std": float(adv.std()) if len(adv) > 1 else 0.0, **distill_metrics, **times,
                        "time/iteration": time.perf_counter() - t_iter}
             rundir.log_metrics(run, metrics)
+            progress.log(trackers, metrics, step=it)
             distill_metrics = {}
-            print(console_line(metrics), flush=True)
+            progress.say(console_line(metrics))
 
         finish_generation(run, generation, (generation - 1) * ipg, total_iterations - 1, policy, args)
+        progress.close(trackers)
         print(f"done: {run}", flush=True)
     finally:
         pool.close()

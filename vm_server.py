@@ -592,6 +592,32 @@ class Handler(BaseHTTPRequestHandler):
         if self.verbose:
             super().log_message(fmt, *args)
 
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            return False
+        if self.request_version not in ("HTTP/1.0", "HTTP/1.1"):  # HTTP/0.9 answers carry no status line
+            self.send_error(400, f"{self.request_version} is not spoken here; send HTTP/1.1")
+            return False
+        return True
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (a broken request line, oversized headers, a method we do not
+        serve, an HTTP version we do not speak) as our JSON errors, and 4xx: each is the client's
+        mistake (http.server says 501 for an unknown method and 505 for a version, and uses HTML)."""
+        code = {501: 405, 505: 400}.get(int(code), int(code))
+        if code == 405:
+            message = f"method {self.command!r} is not served; use GET or POST"
+        self.request_version = "HTTP/1.1"  # a request line that did not parse left "HTTP/0.9"
+        self.close_connection = True
+        data = json.dumps({"error": f"{(message or 'bad request').rstrip('.')}; see the README's VM protocol."}).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
     def _serve(self, method: str):
         url = urlsplit(self.path)
         try:

@@ -68,6 +68,40 @@ DEFAULT_ALLOW = frozenset(
     "sha256sum md5sum mkdir touch cp mv echo sleep true false xdotool wmctrl bc date basename "
     "dirname find sort uniq diff cmp".split())
 TEXT_EXTS = (".txt", ".md", ".csv", ".json", ".log", ".py", ".sh", ".conf", ".ini", ".xml", ".html")
+# What the arguments of each default program may be, so that setup/evaluate (a task file, or
+# anyone with the token) cannot run code or reach outside HOME THROUGH the allow-list: `find -exec`,
+# `xterm -e`, `xdotool exec`/`type`, `sort --compress-program`, GTK's `--gtk-module`, `date -s`,
+# `cat /etc/shadow` and `cp x /tmp` are all refused.
+#   "none"  no arguments (GTK apps take --gtk-module=LIB, Xt apps -xrm and -display);
+#   "paths" only paths, handed over absolute (so 'file:///etc' stays a file name inside HOME);
+#   "free"  anything (these programs open no files);
+#   "-a -b ..."  these options (one-letter ones combine: -la); every other argument (an option's
+#           value too) must be a path inside HOME -- on the safe side, a grep pattern like '/usr' is
+#           refused as well.
+# No path may name a hidden file or folder (.bashrc, .config/...): shells and GTK run code from them.
+# xdotool runs only window commands: no input (key, type, click), no exec, no behave. xterm takes
+# -T/-title/-geometry/-hold and `-e PROG ARGS` with PROG allow-listed and ARGS under PROG's rule.
+# A program added with --allow-exec is the operator's choice and takes any arguments.
+ARGV_RULES = {
+    **dict.fromkeys(("galculator", "xclock", "xeyes", "xcalc"), "none"), "xterm": "xterm",
+    **dict.fromkeys(("mousepad", "pcmanfm"), "paths"),
+    **dict.fromkeys(("echo", "sleep", "true", "false", "basename", "dirname", "wmctrl"), "free"),
+    "ls": "-l -a -A -1 -R -h -t -r -S -d -F", "cat": "-n -b -s -A -E -T", "wc": "-l -w -c -m -L",
+    "grep": "-q -c -i -v -n -l -L -w -x -E -F -o -s -h -H -r -e -m", "head": "-n -c -q", "tail": "-n -c -q",
+    "test": "-e -f -d -s -r -w -x -L -h -n -z -nt -ot -eq -ne -lt -le -gt -ge -a -o", "stat": "-c -t",
+    "sha256sum": "-b -t -c", "md5sum": "-b -t -c", "mkdir": "-p -v", "touch": "-c -a -m", "bc": "-l -q",
+    "cp": "-r -R -a -f -n -p -v -T -u", "mv": "-f -n -v -T -u", "date": "-u -R -I -d", "uniq": "-c -d -u -i",
+    "find": "-name -iname -type -maxdepth -mindepth -path -ipath -size -empty -print -newer -mtime -mmin -not -a -o",
+    "sort": "-r -n -u -f -b -h -V -s -k -t -o", "diff": "-u -q -r -N -i -w -b -B -s", "cmp": "-s -l -b",
+    "xdotool": "xdotool",
+}
+XDOTOOL_OK = frozenset("search getactivewindow getwindowfocus getwindowname getwindowpid getwindowgeometry "
+                       "getdisplaygeometry getmouselocation windowactivate windowfocus windowraise windowmove "
+                       "windowsize windowminimize windowmap windowunmap windowclose get_desktop get_num_desktops "
+                       "get_desktop_for_window get_desktop_viewport sleep".split())
+XDOTOOL_DENY = frozenset("exec behave behave_screen_edge key keydown keyup type click mousedown mouseup mousemove "
+                         "mousemove_relative selectwindow set_window windowkill windowreparent set_desktop "
+                         "set_num_desktops set_desktop_for_window set_desktop_viewport".split())
 
 
 class BadRequest(Exception):
@@ -251,9 +285,72 @@ def _argv(desk: Desktop, d: dict) -> list[str]:
     # A bare name only: '/tmp/x/ls' would pass a basename check and run anything.
     if argv[0] not in desk.allow:
         raise BadRequest(f"program {argv[0]!r} is not allowed; use one of {sorted(desk.allow)} or start the server with --allow-exec {argv[0]}.")
-    if shutil.which(argv[0], path=desk.env.get("PATH")) is None:
-        raise BadRequest(f"program {argv[0]!r} is not installed on this VM.")
+    runnable(desk, argv)  # refused now if it would be refused when it runs
     return argv
+
+
+def program(desk: Desktop, name: str) -> str | None:
+    """The absolute path `name` runs as, found on PATH without relative or HOME entries: a file
+    written into HOME (~/bin/ls, ./ls) must never become an allow-listed program."""
+    home = os.path.realpath(desk.home)
+    dirs = [d for d in desk.env.get("PATH", os.defpath).split(os.pathsep)
+            if os.path.isabs(d) and not _under(os.path.realpath(d), home)]
+    return shutil.which(name, path=os.pathsep.join(dirs))
+
+
+def _under(real: str, home: str) -> bool:
+    return real == home or real.startswith(home + os.sep)
+
+
+def visible_in_home(desk: Desktop, p: str) -> str | None:
+    """The real path of `p` (relative to HOME) if it lies inside HOME and no part of it below HOME
+    is hidden (starts with '.'); else None."""
+    home = os.path.realpath(desk.home)
+    real = os.path.realpath(os.path.join(home, p))
+    rel = os.path.relpath(real, home)
+    if not _under(real, home) or (rel != "." and any(c.startswith(".") for c in rel.split(os.sep))):
+        return None
+    return real
+
+
+def check_args(desk: Desktop, argv: list[str]) -> list[str]:
+    """argv as it will run, per ARGV_RULES (GUI paths made absolute); BadRequest if refused. Applied
+    to the request's argv when it is checked AND right before the program starts: an earlier step
+    may have put a symlink where a path pointed."""
+    rule, name, out = ARGV_RULES.get(argv[0], "free"), argv[0], argv[:1]
+    if rule == "free":
+        return list(argv)
+    if rule == "none" and len(argv) > 1:
+        raise BadRequest(f"{name} takes no arguments in setup/evaluate; start it bare.")
+    if rule == "xterm":  # a terminal that shows an allow-listed command: xterm -T t -hold -e cat f
+        i = 1
+        while i < len(argv) and argv[i] != "-e":
+            if argv[i] not in ("-T", "-title", "-geometry", "-hold") or (argv[i] != "-hold" and i + 1 == len(argv)):
+                raise BadRequest(f"xterm takes only -T/-title/-geometry/-hold and -e PROGRAM here, not {argv[i]!r}.")
+            i += 1 if argv[i] == "-hold" else 2
+        if i + 1 >= len(argv):
+            return list(argv[:i])
+        if argv[i + 1] not in desk.allow or argv[i + 1] == "xterm":
+            raise BadRequest(f"xterm -e runs only allow-listed programs, not {argv[i + 1]!r}.")
+        return list(argv[:i + 1]) + runnable(desk, argv[i + 1:])
+    if rule == "xdotool":
+        if len(argv) < 2 or argv[1] not in XDOTOOL_OK or XDOTOOL_DENY & set(argv):
+            raise BadRequest(f"xdotool may only run window commands here ({', '.join(sorted(XDOTOOL_OK))}); "
+                             "no input, no exec, no behave.")
+        return list(argv)
+    options = set(rule.split()) if rule.startswith("-") else set()
+    for a in argv[1:]:
+        if a.startswith("-") and a != "-":
+            if not (a in options or (a[1] != "-" and all(f"-{c}" in options for c in a[1:]))):
+                raise BadRequest(f"option {a!r} of {name} is not allowed in setup/evaluate; it takes {rule if options else 'no options'}.")
+            out.append(a)
+            continue
+        real = visible_in_home(desk, a) if a else desk.home
+        if real is None:
+            raise BadRequest(f"argument {a!r} of {name} leaves HOME or names a hidden file; setup/evaluate "
+                             "programs only touch visible files inside HOME.")
+        out.append(real if rule == "paths" else a)
+    return out
 
 
 def resolve(desk: Desktop, p) -> str:
@@ -414,6 +511,8 @@ def check_step(desk: Desktop, s) -> dict:
         s["path"], s["content"] = resolve(desk, s["path"]), _str(s, "content", MAX_BODY, empty=True)
         if os.path.isdir(s["path"]):
             raise BadRequest(f"cannot write {s['path']!r}: it is a folder.")
+        if visible_in_home(desk, s["path"]) is None:  # ~/.bashrc, ~/.config/...: code other programs run
+            raise BadRequest(f"cannot write {s['path']!r}: setup writes no hidden files or folders.")
     else:
         _number(s, "seconds", 0, 30, integer=False)
     return s
@@ -424,7 +523,7 @@ def run_step(desk: Desktop, s: dict) -> dict:
     if t == "open":  # decided now, after the steps before it ran
         s["argv"] = ["pcmanfm" if os.path.isdir(s["path"]) else "mousepad", s["path"]]
     if t in ("launch", "open"):
-        return {"type": t, "pid": spawn(desk, s["argv"]).pid}
+        return {"type": t, "pid": spawn(desk, runnable(desk, s["argv"])).pid}
     if t == "write_file":
         os.makedirs(os.path.dirname(s["path"]), exist_ok=True)
         with open(s["path"], "w", encoding="utf-8") as f:
@@ -437,8 +536,17 @@ def run_step(desk: Desktop, s: dict) -> dict:
     return {"type": t, "exit_code": code, "stdout": out[:4096]}
 
 
+def runnable(desk: Desktop, argv: list[str]) -> list[str]:
+    """argv checked once more right before it starts, its program as an absolute path."""
+    argv, exe = check_args(desk, argv), program(desk, argv[0])
+    if exe is None:
+        raise BadRequest(f"program {argv[0]!r} is not installed on this VM.")
+    return [exe] + argv[1:]
+
+
 def run_command(desk: Desktop, argv: list[str], timeout: float) -> tuple[int | None, str]:
     """Run argv (no shell) in HOME -> (exit code, or None on timeout; the start of stdout)."""
+    argv = runnable(desk, argv)
     with tempfile.TemporaryFile() as out:
         try:
             code = subprocess.run(argv, cwd=desk.home, env=desk.env, stdin=subprocess.DEVNULL,

@@ -507,6 +507,8 @@ def check_step(desk: Desktop, s) -> dict:
         text = (mimetypes.guess_type(path)[0] or "").startswith("text/") or path.lower().endswith(TEXT_EXTS)
         if not (text or os.path.isdir(path) or os.path.isfile(path) and "." not in os.path.basename(path)):
             raise BadRequest(f"cannot open {path!r}: open a folder or a text file ({', '.join(TEXT_EXTS)}).")
+        if visible_in_home(desk, path) is None:  # the editor and file manager take visible paths only
+            raise BadRequest(f"cannot open {path!r}: setup opens no hidden files or folders.")
     elif s["type"] == "write_file":
         s["path"], s["content"] = resolve(desk, s["path"]), _str(s, "content", MAX_BODY, empty=True)
         if os.path.isdir(s["path"]):
@@ -520,13 +522,19 @@ def check_step(desk: Desktop, s) -> dict:
 
 def run_step(desk: Desktop, s: dict) -> dict:
     t = s["type"]
+    if "path" in s:  # again: an earlier step may have moved a symlink that points out onto its way
+        s["path"] = resolve(desk, s["path"])
     if t == "open":  # decided now, after the steps before it ran
         s["argv"] = ["pcmanfm" if os.path.isdir(s["path"]) else "mousepad", s["path"]]
     if t in ("launch", "open"):
         return {"type": t, "pid": spawn(desk, runnable(desk, s["argv"])).pid}
     if t == "write_file":
+        if visible_in_home(desk, s["path"]) is None:
+            raise BadRequest(f"cannot write {s['path']!r}: setup writes no hidden files or folders.")
         os.makedirs(os.path.dirname(s["path"]), exist_ok=True)
-        with open(s["path"], "w", encoding="utf-8") as f:
+        # O_NOFOLLOW: a symlink put there since the line above is refused, not followed
+        fd = os.open(s["path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with open(fd, "w", encoding="utf-8") as f:
             f.write(s["content"])
         return {"type": t, "bytes": len(s["content"].encode())}
     if t == "sleep":
@@ -583,6 +591,8 @@ def check_check(desk: Desktop, c) -> dict:
 def run_check(desk: Desktop, c: dict) -> tuple[bool, str]:
     """-> (passed, a short human-readable reason)."""
     t, exists = c["type"], c.get("exists", True)
+    if "path" in c:  # again, as in run_step: a command check before this one may have moved things
+        c["path"] = resolve(desk, c["path"])
     if t == "file_exists":
         found = os.path.exists(c["path"])
         return found == exists, "exists" if found else "does not exist"

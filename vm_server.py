@@ -13,9 +13,11 @@ without one is refused. Requests execute one at a time (there is one mouse and o
 `--port 0` picks a free port; the first stdout line is `vm_server: serving http://HOST:PORT ...`.
 
 Where this departs from OSWorld's in-VM server (the papers' environment):
-  - No endpoint runs code sent by the client: setup/evaluate are a handful of typed steps, and the
-    programs they may start are an allow-list. The token is the security boundary; the allow-list
-    keeps task files honest, it is not a sandbox (`xterm -e ...` runs anything).
+  - No endpoint runs code sent by the client: setup/evaluate are a handful of typed steps, the
+    programs they may start are an allow-list, and each program's arguments are checked
+    (ARGV_RULES), so no step can run code or touch a file outside HOME. The token is still the
+    security boundary of the desktop itself: its holder drives the mouse and keyboard, and the
+    desktop's terminal runs anything typed into it.
   - Evaluators are generic checks (files, window titles, a command's output) instead of
     per-application getters, so task files stay small and readable.
   - `--xvfb` builds a whole desktop (Xvfb, openbox, tint2 taskbar, pcmanfm icons) per server, with

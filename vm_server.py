@@ -533,9 +533,15 @@ def run_step(desk: Desktop, s: dict) -> dict:
     if t == "write_file":
         if visible_in_home(desk, s["path"]) is None:
             raise BadRequest(f"cannot write {s['path']!r}: setup writes no hidden files or folders.")
+        if os.path.lexists(s["path"]) and not os.path.isfile(s["path"]):  # a FIFO would block us forever
+            raise BadRequest(f"cannot write {s['path']!r}: it is not a regular file.")
         os.makedirs(os.path.dirname(s["path"]), exist_ok=True)
-        # O_NOFOLLOW: a symlink put there since the line above is refused, not followed
-        fd = os.open(s["path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        # O_NOFOLLOW: a symlink put there since the check is refused, not followed; O_NONBLOCK: so
+        # is a FIFO (no reader: ENXIO), instead of holding the request lock until one comes
+        try:
+            fd = os.open(s["path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            raise BadRequest(f"cannot write {s['path']!r} ({e.strerror}).")
         with open(fd, "w", encoding="utf-8") as f:
             f.write(s["content"])
         return {"type": t, "bytes": len(s["content"].encode())}

@@ -29,13 +29,14 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import time
 import uuid
 
 import pytest
 import requests
 
-from conftest import vm_call
+from conftest import SERVER, vm_call
 
 N_MIN = 500
 
@@ -492,3 +493,28 @@ def test_requests_library_sees_the_413_of_a_10mb_body(vm_desktop):
         assert r.status_code == 413 and r.json()["error"].endswith(".")
         r = requests.post(vm_desktop.url + "/setup", data=b"x" * (200 << 10), timeout=30, headers={"Authorization": "Bearer no"})
         assert r.status_code == 401
+
+
+def test_a_fifo_in_home_cannot_hang_the_server(armed):
+    """The agent can make a FIFO with its terminal (mkfifo result.txt). Writing to one blocks until
+    a reader comes, and the server runs one request at a time: a write_file to it used to hold the
+    request lock forever (only /health answered). Now it is refused at once, and checks on it end."""
+    vm, _ = armed
+    os.mkfifo(os.path.join(vm.home, "result.txt"))
+    t = time.perf_counter()
+    r = vm_call(vm, "POST", "/setup", {"steps": [{"type": "write_file", "path": "result.txt", "content": "x"}]}, timeout=10)
+    assert 400 <= r.status_code < 500 and "regular file" in r.json()["error"], r.text
+    r = vm_call(vm, "POST", "/evaluate", {"checks": [{"type": "file_contains", "path": "result.txt", "text": "x"},
+                                                     {"type": "command", "argv": ["cat", "result.txt"], "timeout": 1}]}, timeout=10)
+    assert r.status_code == 200 and r.json()["score"] == 0.0, r.text
+    assert time.perf_counter() - t < 5
+    assert vm_call(vm, "POST", "/action", {"type": "move", "x": 5, "y": 5}, timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "example.com", "127.0.0.1.nip.io", "::ffff:0.0.0.0"])
+def test_a_non_loopback_bind_needs_a_token(host):
+    env = {k: v for k, v in os.environ.items() if k != "VM_TOKEN"}
+    for token in ([], ["--token", ""]):
+        r = subprocess.run([sys.executable, SERVER, "--host", host, "--port", "0", *token], env=env,
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode != 0 and "without a token" in r.stderr, (host, r.stderr)

@@ -12,7 +12,9 @@ a resume), and two copies would drift. Everything else about a run lives in the 
 Crash safety, the whole story:
 - A checkpoint is written into `ckpt.tmp-<pid>/`, fsynced, then swapped in with two renames
   (`ckpt` -> `ckpt.old`, tmp -> `ckpt`), then `ckpt.old` is deleted. A kill at any moment leaves
-  either `ckpt` or `ckpt.old` complete; `latest_checkpoint` picks whichever exists.
+  either `ckpt` or `ckpt.old` complete; `latest_checkpoint` picks whichever has COMPLETE. When only
+  `ckpt.old` is left (a kill between the renames), it is kept until the new `ckpt` is in place, and
+  a killed save's `ckpt.tmp-*` is removed by the next save.
 - metrics.jsonl is appended one fsynced line per iteration, *after* the checkpoint of that iteration
   is in place. On resume the file is rewritten without lines of iterations the checkpoint does not
   cover (they were logged by an iteration whose checkpoint never landed), so every iteration appears
@@ -59,7 +61,9 @@ def save_checkpoint(run: str, state: dict, write_extra=None) -> None:
     save_pretrained, say), so the policy and the optimizer state can never come from two iterations.
     """
     tmp = os.path.join(run, f"ckpt.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for name in os.listdir(run):  # ours from before, or a killed save's: never picked, only disk
+        if name.startswith("ckpt.tmp-"):
+            shutil.rmtree(os.path.join(run, name), ignore_errors=True)
     os.makedirs(tmp)
     if write_extra is not None:
         write_extra(tmp)
@@ -73,9 +77,13 @@ def save_checkpoint(run: str, state: dict, write_extra=None) -> None:
         f.flush()
         os.fsync(f.fileno())
     final, old = os.path.join(run, "ckpt"), os.path.join(run, "ckpt.old")
-    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(final) and not os.path.exists(os.path.join(final, "COMPLETE")):
+        shutil.rmtree(final)  # not ours (we only ever rename complete folders to ckpt): never keep it
     if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
+    # else ckpt.old, if there, is the only complete checkpoint (a kill came between the renames):
+    # it stays until the new one is in place.
     os.rename(tmp, final)
     _fsync_dir(run)
     shutil.rmtree(old, ignore_errors=True)

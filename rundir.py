@@ -16,9 +16,10 @@ Crash safety, the whole story:
   `ckpt.old` is left (a kill between the renames), it is kept until the new `ckpt` is in place, and
   a killed save's `ckpt.tmp-*` is removed by the next save.
 - metrics.jsonl is appended one fsynced line per iteration, *after* the checkpoint of that iteration
-  is in place. On resume the file is rewritten without lines of iterations the checkpoint does not
-  cover (they were logged by an iteration whose checkpoint never landed), so every iteration appears
-  exactly once.
+  is in place; the checkpoint carries a copy of that line. On resume the file is rewritten without
+  lines of iterations the checkpoint does not cover (they were logged by an iteration whose
+  checkpoint never landed), and with the checkpoint's own line if the kill came before it was
+  logged, so every iteration appears exactly once.
 """
 import json
 import os
@@ -54,11 +55,13 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def save_checkpoint(run: str, state: dict, write_extra=None) -> None:
+def save_checkpoint(run: str, state: dict, write_extra=None, metrics: dict | None = None) -> None:
     """Atomically replace runs/<name>/ckpt with `state` (torch.save'd as state.pt).
 
     `write_extra(folder)` writes anything else into the same folder before the swap (the policy via
     save_pretrained, say), so the policy and the optimizer state can never come from two iterations.
+    `metrics`: the iteration's metrics line, kept in the checkpoint (metrics.json) so that a kill
+    between this call and log_metrics loses no line: trim_metrics writes it back on resume.
     """
     tmp = os.path.join(run, f"ckpt.tmp-{os.getpid()}")
     for name in os.listdir(run):  # ours from before, or a killed save's: never picked, only disk
@@ -67,6 +70,9 @@ def save_checkpoint(run: str, state: dict, write_extra=None) -> None:
     os.makedirs(tmp)
     if write_extra is not None:
         write_extra(tmp)
+    if metrics is not None:
+        with open(os.path.join(tmp, "metrics.json"), "w") as f:
+            json.dump(metrics, f, default=float)
     torch.save(state, os.path.join(tmp, "state.pt"))
     for root, _, files in os.walk(tmp):  # everything on disk before the rename makes it visible
         for f in files:
@@ -124,18 +130,27 @@ def set_rng_state(s: dict) -> None:
 
 
 def trim_metrics(run: str, next_iteration: int) -> None:
-    """Drop metric lines of iterations >= next_iteration (logged after the last checkpoint)."""
+    """On resume: drop metric lines of iterations >= next_iteration (logged after the last
+    checkpoint, they are redone), and write back the checkpoint's own line if a kill between the
+    checkpoint and its log_metrics lost it. Every iteration then appears exactly once."""
     path = os.path.join(run, "metrics.jsonl")
-    if not os.path.exists(path):
-        return
-    keep = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["iteration"] < next_iteration:
+    keep, seen = [], set()
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    it = json.loads(line)["iteration"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn last line from a kill mid-write: drop it
+                if it < next_iteration:
                     keep.append(line if line.endswith("\n") else line + "\n")
-            except (ValueError, KeyError, TypeError):
-                pass  # a torn last line from a kill mid-write: drop it
+                    seen.add(it)
+    ckpt = latest_checkpoint(run)
+    if ckpt is not None and os.path.exists(os.path.join(ckpt, "metrics.json")):
+        with open(os.path.join(ckpt, "metrics.json")) as f:
+            line = json.load(f)
+        if line.get("iteration", next_iteration) < next_iteration and line["iteration"] not in seen:
+            keep.append(json.dumps(line) + "\n")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(keep)

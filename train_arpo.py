@@ -676,8 +676,9 @@ def make_policy(args: Args, ckpt: tuple[dict, str] | None):
     return policy
 
 
-def checkpoint(tr: Trainer, it: int, picker: dict, train_ids: list[str]) -> None:
-    """Everything a resume needs, written atomically (rundir): `it` is the next iteration to run."""
+def checkpoint(tr: Trainer, it: int, picker: dict, train_ids: list[str], metrics: dict | None = None) -> None:
+    """Everything a resume needs, written atomically (rundir): `it` is the next iteration to run.
+    `metrics`: the line of iteration it - 1, which a kill before its log_metrics would lose."""
     policy, args = tr.policy, tr.args
     state = {"iteration": it, "args": asdict(args), "optimizer": tr.optimizer.state_dict(),
              "replay": tr.replay.state_dict() if tr.replay is not None else None,
@@ -686,7 +687,7 @@ def checkpoint(tr: Trainer, it: int, picker: dict, train_ids: list[str]) -> None
              "trainable": {n: p.detach().cpu() for n, p in policy.model.named_parameters()
                            if p.requires_grad} if policy.lora else None}
     write = None if policy.lora else (lambda folder: save_policy(policy, os.path.join(folder, "policy")))
-    rundir.save_checkpoint(tr.run, state, write)
+    rundir.save_checkpoint(tr.run, state, write, metrics=metrics)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -783,7 +784,7 @@ def main(argv=None) -> None:
             if args.save_trajectories:
                 save_episodes(run, it, eps)
             if (it + 1) % args.ckpt_every == 0 or it + 1 == args.iterations:
-                checkpoint(tr, it + 1, picker, ids)
+                checkpoint(tr, it + 1, picker, ids, m)
             m["time_save"] = time.perf_counter() - t0
             rundir.log_metrics(run, m)  # after the checkpoint: a resume never logs an iteration twice
             progress.log(trackers, m, step=it)

@@ -724,6 +724,9 @@ if __name__ == "__main__":
                     M.sync_weights(policy)  # the generator samples the next iteration from the new weights
 
             # trajectories, checkpoint, then the metrics line (this order: see rundir.py)
+            metrics = {"iteration": it, "generation": generation, "vms": len({s.vm for s in buffer}),
+                       "steps": len(buffer), **R.summarize_rewards(r), **wm_metrics, "actor/updated": int(updated),
+                       **actor, "adv/std": float(adv.std()) if len(adv) > 1 else 0.0, **distill_metrics}
             with timed(times, "save"):
                 for vm in sorted({s.vm for s in buffer}):
                     rows = [k for k, s in enumerate(buffer) if s.vm == vm]
@@ -735,11 +738,12 @@ if __name__ == "__main__":
                              "adapter": adapter_state(policy) if args.lora_rank > 0 else None,
                              "optimizer": optimizer.state_dict(), "wm": wm.state_dict(), "wm_opt": wm_opt.state_dict(),
                              "wm_config": wm.config, "rng": rundir.rng_state(), "args": asdict(args)}
-                    rundir.save_checkpoint(run, state, lambda d: M.save_policy(policy, os.path.join(d, "policy")))
-            metrics = {"iteration": it, "generation": generation, "vms": len({s.vm for s in buffer}),
-                       "steps": len(buffer), **R.summarize_rewards(r), **wm_metrics, "actor/updated": int(updated),
-                       **actor, "adv/std": float(adv.std()) if len(adv) > 1 else 0.0, **distill_metrics, **times,
-                       "time/iteration": time.perf_counter() - t_iter}
+                    # The checkpoint carries this iteration's line (its times up to now): a kill
+                    # before log_metrics below would otherwise lose the line for good.
+                    rundir.save_checkpoint(run, state, lambda d: M.save_policy(policy, os.path.join(d, "policy")),
+                                           metrics={**metrics, **times, "time/iteration": time.perf_counter() - t_iter})
+            metrics.update(times)
+            metrics["time/iteration"] = time.perf_counter() - t_iter
             rundir.log_metrics(run, metrics)
             progress.log(trackers, metrics, step=it)
             distill_metrics = {}

@@ -21,8 +21,11 @@ Where this departs from the papers (on purpose, each one small):
    rollout, where old log-probs are fixed before the first step and clipping matters.
 4. Replay injection replaces the (first) lowest-scoring member of a failed group, where ARPO picks
    one at random; in a group that qualifies (std < 0.05) every member scores about the same.
-5. Old log-probs are recomputed by the trainer, never taken from the sampler (vLLM's numbers
-   differ slightly from HF's; mixing the two would bias the ratio). verl does the same.
+5. Old log-probs are recomputed by the trainer by default, not taken from the sampler (vLLM's
+   numbers differ slightly from HF's, and sampling at temperature != 1 or top_p < 1 draws from
+   another distribution; mixing the two would bias the ratio). verl does the same. Samples may
+   still carry the sampler's log-probs (Sample.old_logps, collated to (B, T)), and
+   update_policy(..., old_logps="sampler") uses them instead.
 """
 from __future__ import annotations
 
@@ -42,12 +45,16 @@ import torch
 def group_advantages(rewards, group_ids=None, eps: float = 1e-6) -> torch.Tensor:
     """(r - mean_g) / (std_g + eps) within each group; returns (N,) float32.
 
-    group_ids: one id per reward (int or str), or None for one group (ScreenExplorer normalises
-    every step of the rollout buffer together). torch.std is the unbiased one (divides by n - 1).
-    A group of one, or one where every reward is equal, gets advantage 0: it carries no signal.
+    group_ids: one id per reward (int or str; a list, tensor or numpy array), or None for one group
+    (ScreenExplorer normalises every step of the rollout buffer together). torch.std is the
+    unbiased one (divides by n - 1). A group of one, or one where every reward is equal, gets
+    advantage 0: it carries no signal.
     """
     r = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)  # (N,)
     ids = [0] * len(r) if group_ids is None else list(group_ids)
+    # A tensor (or numpy array) of ids iterates as 0-d tensors, which hash by identity: every
+    # member would become its own group and every advantage 0, silently. Plain Python values.
+    ids = [g.item() if hasattr(g, "item") else g for g in ids]
     if len(ids) != len(r):
         raise ValueError(f"group_advantages got {len(r)} rewards but {len(ids)} group ids; "
                          "pass one id per reward.")
@@ -133,7 +140,9 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
 @dataclass
 class Sample:
     """One training sequence: a prompt + completion (ScreenExplorer step) or a whole multi-turn
-    trajectory (ARPO). target_mask is 1 on the tokens the policy produced (the loss's tokens)."""
+    trajectory (ARPO). target_mask is 1 on the tokens the policy produced (the loss's tokens).
+    old_logps, if given, has one log-prob per target token, in order (e.g. the sampler's
+    Generation.logprobs); update_policy uses them only with old_logps="sampler"."""
     input_ids: list[int]
     target_mask: list[int]
     pixel_values: torch.Tensor | None  # (N_patches, D) of all this sample's images, in order
@@ -141,21 +150,28 @@ class Sample:
     reward: float = 0.0
     advantage: float = 0.0
     group: int | str = 0
+    old_logps: list[float] | None = None
 
 
-def step_sample(prompt, completion_ids: Sequence[int], reward: float = 0.0, group: int | str = 0) -> Sample:
+def step_sample(prompt, completion_ids: Sequence[int], reward: float = 0.0, group: int | str = 0,
+                old_logps: Sequence[float] | None = None) -> Sample:
     """ScreenExplorer step: an Encoded prompt (model.encode_chat) followed by the sampled tokens,
-    used verbatim (re-tokenising the text could give other ids than the ones sampled)."""
+    used verbatim (re-tokenising the text could give other ids than the ones sampled).
+    old_logps: the sampler's log-prob of each completion token (Generation.logprobs), optional."""
     ids = list(prompt.input_ids) + [int(t) for t in completion_ids]
     mask = [0] * len(prompt.input_ids) + [1] * len(completion_ids)
-    return Sample(ids, mask, prompt.pixel_values, prompt.image_grid_thw, float(reward), 0.0, group)
+    olds = None if old_logps is None else [float(x) for x in old_logps]
+    return Sample(ids, mask, prompt.pixel_values, prompt.image_grid_thw, float(reward), 0.0, group, olds)
 
 
-def trajectory_sample(encoded, reward: float = 0.0, group: int | str = 0) -> Sample:
+def trajectory_sample(encoded, reward: float = 0.0, group: int | str = 0,
+                      old_logps: Sequence[float] | None = None) -> Sample:
     """ARPO trajectory: the whole conversation encoded once (model.encode_chat with
-    add_generation_prompt=False), target_mask already 1 on every assistant turn."""
+    add_generation_prompt=False), target_mask already 1 on every assistant turn.
+    old_logps: one per target token, i.e. every turn's sampler log-probs concatenated, optional."""
+    olds = None if old_logps is None else [float(x) for x in old_logps]
     return Sample(list(encoded.input_ids), list(encoded.target_mask), encoded.pixel_values,
-                  encoded.image_grid_thw, float(reward), 0.0, group)
+                  encoded.image_grid_thw, float(reward), 0.0, group, olds)
 
 
 def micro_batches(samples: Sequence[Sample], size: int) -> Iterator[list[Sample]]:
@@ -167,11 +183,17 @@ def micro_batches(samples: Sequence[Sample], size: int) -> Iterator[list[Sample]
 
 def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
     """Right-pad samples into one batch. Images of all samples are concatenated in sample order,
-    which is the order the model's placeholder tokens appear in when reading the batch row-major."""
+    which is the order the model's placeholder tokens appear in when reading the batch row-major.
+
+    Also carries rewards (B,) and advantages (B,), and old_logps (B, T) -- each sample's per-target
+    values put at its target positions, 0 elsewhere, aligned with input_ids as per_token_logps is --
+    when every sample has them (None otherwise)."""
     B, T = len(samples), max(len(s.input_ids) for s in samples)
     input_ids = torch.full((B, T), int(pad_id), dtype=torch.long)  # (B, T)
     attention_mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
     completion_mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
+    carried = all(s.old_logps is not None for s in samples)
+    old_logps = torch.zeros(B, T, dtype=torch.float32) if carried else None  # (B, T)
     for b, s in enumerate(samples):
         n = len(s.input_ids)
         if len(s.target_mask) != n:
@@ -180,6 +202,12 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
         input_ids[b, :n] = torch.tensor(s.input_ids, dtype=torch.long)  # (n,)
         attention_mask[b, :n] = 1
         completion_mask[b, :n] = torch.tensor(s.target_mask, dtype=torch.long)  # (n,)
+        if carried:
+            on = completion_mask[b].bool()  # (T,)
+            if len(s.old_logps) != int(on.sum()):
+                raise ValueError(f"sample {b} has {int(on.sum())} target tokens but {len(s.old_logps)} old log-probs; "
+                                 "pass one log-prob per completion token (Generation.logprobs).")
+            old_logps[b, on] = torch.tensor(s.old_logps, dtype=torch.float32)  # (n_target,) into (T,)
     pix = [s.pixel_values for s in samples if s.pixel_values is not None]
     thw = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
     return {
@@ -188,7 +216,9 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
         "completion_mask": completion_mask,
         "pixel_values": torch.cat(pix) if pix else None,  # (sum N_patches, D)
         "image_grid_thw": torch.cat(thw) if thw else None,  # (N_img, 3)
+        "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),  # (B,)
         "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),  # (B,)
+        "old_logps": old_logps,  # (B, T) or None
     }
 
 
@@ -243,7 +273,7 @@ def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float
     if agg not in ("seq-mean-token-mean", "token-mean"):
         raise ValueError(f"unknown aggregation {agg!r}; use 'seq-mean-token-mean' or 'token-mean'.")
     m = mask.to(logps.dtype)  # (B, T)
-    adv = advantages.to(logps.dtype)
+    adv = advantages.to(logps.dtype)  # (B,) or (B, T)
     A = adv[:, None] if adv.dim() == 1 else adv  # (B, 1) or (B, T)
     on = m > 0  # (B, T)
     # Off-target positions are forced to 0 (not multiplied by 0: a -inf there would make NaN),
@@ -269,7 +299,7 @@ def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float
         loss = (per_token * m).sum() / m.sum().clamp(min=1)  # ALGO: one mean over all tokens
 
     with torch.no_grad():
-        N = m.sum().clamp(min=1)
+        N = m.sum().clamp(min=1)  # () target tokens
         A_full = A.expand_as(m)  # (B, T)
         low = ((ratio < 1 - eps_low) & (A_full < 0)).to(m.dtype)  # (B, T)
         high = ((ratio > 1 + eps_high) & (A_full > 0)).to(m.dtype)  # (B, T)
@@ -325,7 +355,8 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
                   eps_low: float = 0.2, eps_high: float = 0.28, beta: float = 0.0,
                   ref_fn: Callable[[dict], torch.Tensor] | None = None, max_grad_norm: float = 1.0,
                   agg: str = "seq-mean-token-mean", mini_batch_size: int | None = None,
-                  epochs: int = 1, on_micro_batch: Callable[[int], None] | None = None) -> dict:
+                  epochs: int = 1, on_micro_batch: Callable[[int], None] | None = None,
+                  old_logps: str | bool = "recompute") -> dict:
     """One GRPO update on a rollout; returns metrics averaged over its optimizer steps.
 
     samples carry .advantage already (assign_advantages). By default the whole rollout is one
@@ -335,11 +366,23 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
     Reference for beta > 0: `ref_fn(batch) -> (B, T)` (e.g. a frozen copy), or, for a peft model,
     the same weights with the LoRA adapter disabled. beta == 0 computes no reference at all.
     `on_micro_batch(n)` is called after each micro-batch's backward with its n samples (a progress bar).
+    old_logps: "recompute" (default; departure 5 in the module docstring) scores the rollout with
+    the trainer's own forward pass; "sampler" (or True) uses the log-probs the samples carry
+    (Sample.old_logps), e.g. to measure the sampler/trainer mismatch. Those are log-probs of the
+    distribution actually sampled from, so they equal the policy's only at temperature 1, top_p 1.
     """
     model, pad_id = _unwrap(policy_or_model)
     samples = list(samples)
     if not samples:
         return {}
+    if old_logps is True or old_logps is False:
+        old_logps = "sampler" if old_logps else "recompute"
+    if old_logps not in ("recompute", "sampler"):
+        raise ValueError(f"unknown old_logps {old_logps!r}; use 'recompute' or 'sampler'.")
+    from_sampler = old_logps == "sampler"
+    if from_sampler and any(s.old_logps is None for s in samples):
+        raise ValueError("old_logps='sampler' needs every sample to carry its log-probs "
+                         "(step_sample(..., old_logps=gen.logprobs)); or use old_logps='recompute'.")
     if beta != 0.0 and ref_fn is None and not hasattr(model, "disable_adapter"):
         raise ValueError("beta > 0 needs a reference policy: pass ref_fn, or train with LoRA (--lora-rank) "
                          "so the adapter can be switched off.")
@@ -354,10 +397,13 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
             batches.append(collate(mb, pad_id))
     # On-policy shortcut: with one step in total, the weights that score the tokens are the
     # weights old_logps would come from, so old = current logps, detached (a second forward
-    # would return the same numbers at a third more compute).
-    single = len(steps) == 1 and epochs == 1
+    # would return the same numbers at a third more compute). Not so with the sampler's numbers.
+    single = len(steps) == 1 and epochs == 1 and not from_sampler
     with torch.no_grad():
-        old = [None if single else per_token_logps(model, b) for b in batches]  # [(B, T)]
+        if from_sampler:
+            old = [b["old_logps"] for b in batches]  # [(B, T)], carried from the sampler
+        else:
+            old = [None if single else per_token_logps(model, b) for b in batches]  # [(B, T)]
         ref = [None] * len(batches)
         if beta != 0.0:
             for i, b in enumerate(batches):

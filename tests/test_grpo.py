@@ -7,6 +7,7 @@ import io
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,19 @@ def test_advantages_several_groups_zero_variance_and_single():
     adv = group_advantages(rewards, groups)
     want = torch.tensor([-0.707107, -0.577350, 0.0, 0.707107, -0.577350, 0.0, 0.0, 1.154701])
     assert torch.allclose(adv, want, atol=1e-5)
+
+
+def test_advantages_with_tensor_or_numpy_group_ids():
+    # Ids given as a tensor iterate as 0-d tensors that hash by identity: each member would be its
+    # own group and get 0. They must group by value, exactly like the list.
+    # groups [1, 2] and [3, 4]: means 1.5 and 3.5, std sqrt(0.25 + 0.25) = 0.707107 each
+    #   -> (1 - 1.5) / 0.707107 = -0.707107, then +0.707107, -0.707107, +0.707107
+    want = torch.tensor([-0.707107, 0.707107, -0.707107, 0.707107])
+    assert torch.allclose(group_advantages([1, 2, 3, 4], [0, 0, 1, 1]), want, atol=1e-5)
+    assert torch.allclose(group_advantages([1, 2, 3, 4], torch.tensor([0, 0, 1, 1])), want, atol=1e-5)
+    assert torch.allclose(group_advantages([1, 2, 3, 4], np.array([0, 0, 1, 1])), want, atol=1e-5)
+    assert torch.allclose(group_advantages(torch.tensor([1.0, 2, 3, 4]), [torch.tensor(0)] * 2 + [torch.tensor(1)] * 2),
+                          want, atol=1e-5)
 
 
 def test_advantages_equal_floats_are_exactly_zero():
@@ -137,9 +151,68 @@ def test_grpo_gradient_step_moves_logps_with_the_advantage_sign():
     assert (after[0] > before[0]).all() and (after[1] < before[1]).all()
 
 
+# Per-token advantages (B, T) (DESIGN allows them), same ratios, mask and eps as above:
+# row 0: A = [1, -1, 2], ratios [1.0, 1.5, 0.5]
+#   token 0: min(1, 1) = 1                                   -> loss -1
+#   token 1: min(1.5 * -1, 1.28 * -1) = -1.5 (A < 0, high ratio: not clipped) -> loss +1.5
+#   token 2: min(0.5 * 2, 0.8 * 2) = 1.0 (A > 0, low ratio: not clipped)     -> loss -1.0
+#   row sum -0.5, row mean -0.5 / 3 = -0.1666667
+# row 1: A = [0.5, -1, 3], ratios [1.0, 0.5, 1.5], mask [1, 1, 0]
+#   token 0: min(0.5, 0.5) = 0.5                             -> loss -0.5
+#   token 1: min(-0.5, 0.8 * -1 = -0.8) = -0.8 (clip LOW)     -> loss +0.8
+#   token 2: masked (its A = 3 must not count anywhere)
+#   row sum 0.3, row mean 0.15
+# seq-mean-token-mean: (-0.1666667 + 0.15) / 2 = -0.0083333;  token-mean: (-0.5 + 0.3) / 5 = -0.04
+# clip_low 1/5 = 0.2, clip_high 0 (row 0 token 1 has ratio 1.5 but A < 0)
+# adv over the 5 target tokens [1, -1, 2, 0.5, -1]: mean 1.5 / 5 = 0.3; squared deviations
+#   0.49 + 1.69 + 2.89 + 0.04 + 1.69 = 6.8, unbiased var 6.8 / 4 = 1.7, std 1.303840
+# gradient (seq weights 1/6 row 0, 1/4 row 1; unclipped: -ratio * A * weight):
+#   row 0: [-1 * 1 / 6, -1.5 * -1 / 6, -0.5 * 2 / 6] = [-0.1666667, 0.25, -0.1666667]
+#   row 1: [-1 * 0.5 / 4, 0 (clipped), 0 (masked)]   = [-0.125, 0, 0]
+ADV_TOK = torch.tensor([[1.0, -1.0, 2.0], [0.5, -1.0, 3.0]])
+
+
+@pytest.mark.parametrize("agg,want", [("seq-mean-token-mean", -0.0083333), ("token-mean", -0.04)])
+def test_grpo_loss_per_token_advantages_by_hand(agg, want):
+    logps = _logps()
+    loss, m = grpo_loss(logps, OLD, ADV_TOK, MASK, agg=agg)
+    assert loss.item() == pytest.approx(want, abs=1e-6)
+    assert m["clip_low"] == pytest.approx(0.2) and m["clip_high"] == 0.0
+    assert m["adv_mean"] == pytest.approx(0.3, abs=1e-6) and m["adv_std"] == pytest.approx(1.303840, abs=1e-5)
+    assert m["tokens"] == 5 and m["ratio_mean"] == pytest.approx(0.9, abs=1e-6)
+    if agg == "seq-mean-token-mean":
+        loss.backward()
+        want_grad = torch.tensor([[-1 / 6, 0.25, -1 / 6], [-0.125, 0.0, 0.0]])
+        assert torch.allclose(logps.grad, want_grad, atol=1e-6)
+
+
 def test_grpo_loss_rejects_unknown_aggregation():
     with pytest.raises(ValueError, match="seq-mean-token-mean"):
         grpo_loss(_logps(), OLD, ADV, MASK, agg="sum")
+
+
+# ----------------------------------------------------------------------------------------------
+# Collation: rewards and the sampler's old log-probs travel with the micro-batch
+
+
+def test_collate_aligns_carried_old_logps_with_the_target_tokens():
+    a = Sample([5, 6, 7, 8], [0, 1, 0, 1], None, None, reward=2.0, old_logps=[-0.5, -1.5])
+    b = Sample([5, 6, 7], [0, 1, 1], None, None, reward=-1.0, old_logps=[-2.0, -3.0])
+    batch = collate([a, b])
+    # each value lands on its target token, in order; prompt, gap and padding stay 0
+    want = torch.tensor([[0.0, -0.5, 0.0, -1.5], [0.0, -2.0, -3.0, 0.0]])
+    assert torch.equal(batch["old_logps"], want)
+    assert torch.equal(batch["rewards"], torch.tensor([2.0, -1.0]))
+    # step_sample: the completion's log-probs follow the prompt
+    prompt = type("Enc", (), dict(input_ids=[1, 2], pixel_values=None, image_grid_thw=None))
+    s = grpo.step_sample(prompt, [3, 4], reward=0.5, old_logps=[-0.1, -0.2])
+    assert torch.allclose(collate([s])["old_logps"], torch.tensor([[0.0, 0.0, -0.1, -0.2]]))
+    # one sample without them: no (B, T) tensor at all (rewards always)
+    c = Sample([5, 6], [0, 1], None, None, reward=1.0)
+    assert collate([a, c])["old_logps"] is None and collate([a, c])["rewards"].tolist() == [2.0, 1.0]
+    # a count that does not match the target tokens is a clear error, not a silent shift
+    with pytest.raises(ValueError, match="one log-prob per completion token"):
+        collate([Sample([5, 6, 7], [0, 1, 1], None, None, old_logps=[-1.0])])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,7 +319,6 @@ def test_replay_state_dict_round_trip_including_rng():
 
 import copy
 
-import numpy as np
 from PIL import Image
 
 import model as M
@@ -408,6 +480,62 @@ def test_update_policy_several_steps_clip_and_lora_kl(policy):
     met = grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, beta=0.04,
                              ref_fn=lambda b: grpo.per_token_logps(frozen, b))
     assert met["kl"] == pytest.approx(0.0, abs=1e-6) and met["grad_norm"] > 0
+
+
+def _with_recomputed_old_logps(model, samples, shift=0.0):
+    """Give each sample the trainer's own log-probs of its target tokens (+ shift) as old_logps."""
+    with torch.no_grad():
+        for s in samples:
+            lp = grpo.per_token_logps(model, collate([s]))[0]  # (T,)
+            s.old_logps = (lp[torch.tensor(s.target_mask).bool()] + shift).tolist()
+    return samples
+
+
+def test_update_policy_with_sampler_old_logps(policy):
+    samples = [_explore_step(policy, 60 + 10 * i, 60, i, 3 + 4 * i) for i in range(3)]  # 4, 8, 12 targets
+    for s, a in zip(samples, [1.0, -0.5, -0.5]):
+        s.advantage = a
+    # Carried values equal to the recomputed ones: same loss, same step as "recompute".
+    _with_recomputed_old_logps(policy.model, samples)
+    ends, losses = [], []
+    for mode in ("recompute", "sampler"):
+        net = copy.deepcopy(policy.model)
+        met = grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, micro_batch_size=3,
+                                 old_logps=mode)
+        losses.append(met["loss"])
+        ends.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
+        assert met["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+    assert (ends[0] - ends[1]).abs().max() < 1e-5
+    # Carried values 0.5 above the trainer's: every ratio is exp(-0.5) = 0.606531, so they are used.
+    # row 0 (A = +1): min(0.606531, 0.8) -> loss -0.606531 per token
+    # rows 1, 2 (A = -0.5): min(-0.303265, 0.8 * -0.5 = -0.4) = -0.4 (clip LOW) -> loss +0.4
+    # seq-mean-token-mean: (-0.606531 + 0.4 + 0.4) / 3 = 0.064490; clip_low = (8 + 12) / 24 = 0.833333
+    _with_recomputed_old_logps(policy.model, samples, shift=0.5)
+    net = copy.deepcopy(policy.model)
+    met = grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, micro_batch_size=1,
+                             old_logps=True)
+    assert met["loss"] == pytest.approx(0.064490, abs=1e-5)
+    assert met["ratio_mean"] == pytest.approx(0.606531, abs=1e-5)
+    assert met["clip_low"] == pytest.approx(0.833333, abs=1e-5) and met["clip_high"] == 0.0
+    samples[1].old_logps = None
+    with pytest.raises(ValueError, match="recompute"):
+        grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, old_logps="sampler")
+    with pytest.raises(ValueError, match="'recompute' or 'sampler'"):
+        grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, old_logps="vllm")
+
+
+def test_distill_step_reports_the_mean_nll_of_the_target_tokens(policy):
+    # The reported nll is the mean over target tokens (position 0 excluded: nothing predicts it)
+    # of -log softmax(logits)[token], from the weights BEFORE the step; micro-batches of 1.
+    net = copy.deepcopy(policy.model)
+    samples = [_explore_step(policy, 60, 60, i, 3 + 2 * i) for i in range(2)]  # 4 and 6 targets
+    with torch.no_grad():
+        naive = _naive_logps(net, collate(samples))  # (B, T), 0 off target
+    want = float(-naive.sum() / 10)
+    m = grpo.distill_step(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, micro_batch_size=1)
+    assert m["tokens"] == 10 and m["nll"] == pytest.approx(want, abs=1e-5)
+    assert want > 0 and m["grad_norm"] > 0
 
 
 def test_distill_step_lowers_nll(policy):

@@ -353,7 +353,7 @@ def _parse_uitars(text, screen, image, rel1000) -> Parsed | None:
         else:
             action = _make("scroll", point=p, direction=direction, **geo) if p else _make("scroll", direction=direction)
     elif name == "wait":
-        action = Action("wait")
+        action = Action("wait", amount=5)  # UI-TARS's wait(): "sleep for 5s" (the prompt says so too)
     elif name == "finished":
         action = Action("done")
     elif name == "call_user":

@@ -99,7 +99,7 @@ UITARS = [
     ("Thought: down\nAction: scroll(start_box='(640,360)', direction='down')", A("scroll", x=640, y=360, direction="down")),
     ("Thought: up\nAction: scroll(direction='up')", A("scroll", direction="up")),
     ("Thought: up\nAction: scroll(point='<point>5 6</point>', direction='UP')", A("scroll", x=5, y=6, direction="up")),
-    ("Thought: loading\nAction: wait()", A("wait")),
+    ("Thought: loading\nAction: wait()", A("wait", amount=5)),  # UI-TARS: sleep 5 s (the server's cap)
     ("Thought: The file is saved.\nAction: finished(content='Task done.')", A("done")),
     ("Thought: all done\nAction: finished()", A("done")),
     ("Thought: I cannot do this.\nAction: call_user()", A("fail")),

@@ -5,6 +5,11 @@
     policy = load_policy("Qwen/Qwen2.5-VL-3B-Instruct", lora_rank=64)   # a real checkpoint (GPU)
     gens = generate(policy, [explore_messages(img)] * 8, max_new_tokens=128)
 
+Tests: `python -m pytest -q tests/test_model.py`. Benchmarks: `python bench/generate.py` (one
+batched generate vs N sequential calls), `python bench/logprobs.py` (per_token_logps vs the full
+log_softmax), `python bench/gpu_update.py` (one GRPO update of a random Qwen2.5-VL-3B on a GPU;
+`--dry-run` tests it on CPU).
+
 Top to bottom: load_policy/save_policy (transformers + peft LoRA, or "tiny": a random-weight
 Qwen2.5-VL of the REAL class from a small config, with a byte-level BPE tokenizer trained in
 milliseconds on an embedded corpus; every test and CPU run uses it); the two prompts; encode_chat
@@ -513,8 +518,8 @@ def _left_pad(policy: Policy, encs: list[Encoded]):
     input_ids = torch.full((len(encs), T), pad, dtype=torch.long)    # (B, T)
     attention_mask = torch.zeros((len(encs), T), dtype=torch.long)    # (B, T)
     for b, e in enumerate(encs):
-        input_ids[b, T - len(e.input_ids):] = torch.tensor(e.input_ids)
-        attention_mask[b, T - len(e.input_ids):] = 1
+        input_ids[b, T - len(e.input_ids):] = torch.tensor(e.input_ids)  # (n,) into the row's right end
+        attention_mask[b, T - len(e.input_ids):] = 1  # (n,)
     pix = [e.pixel_values for e in encs if e.pixel_values is not None]
     grids = [e.image_grid_thw for e in encs if e.image_grid_thw is not None]
     batch = {"input_ids": input_ids, "attention_mask": attention_mask}
@@ -542,7 +547,7 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
     encs = [encode_chat(policy, m) for m in batch_messages]
     batch = {k: v.to(policy.device) for k, v in _left_pad(policy, encs).items()}
     if "pixel_values" in batch:
-        batch["pixel_values"] = batch["pixel_values"].to(policy.dtype)
+        batch["pixel_values"] = batch["pixel_values"].to(policy.dtype)  # (sum N_patches, 1176)
     stop = list(policy.model.generation_config.eos_token_id)
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
         else dict(do_sample=False)  # top_k=0: no top-k cut (HF's default is 50)

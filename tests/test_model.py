@@ -69,22 +69,26 @@ def test_tiny_is_real_class_small_and_reproducible(policy):
 
 
 def test_generate_and_backward_are_fast(policy, images):
+    # The issue asks for "well under a second". Quiet, this machine takes ~0.03 s for each; the
+    # best of 3 keeps another helper's test run on the same 2 cores from failing this one.
     msgs = M.explore_messages(images[0])
     M.generate(policy, [msgs], max_new_tokens=4)  # warm-up (first-call overheads)
-    t = time.perf_counter()
-    gen = M.generate(policy, [msgs], max_new_tokens=16)[0]
-    t_gen = time.perf_counter() - t
-    enc = M.encode_chat(policy, msgs + [{"role": "assistant", "content": gen.completion_ids}],
-                        add_generation_prompt=False)
-    t = time.perf_counter()
-    ids = torch.tensor([enc.input_ids])  # (1, T)
-    logits = policy.model(input_ids=ids, pixel_values=enc.pixel_values,
-                          image_grid_thw=enc.image_grid_thw).logits  # (1, T, V)
-    logits[0, :-1][torch.tensor(enc.target_mask[1:]).bool()].logsumexp(-1).sum().backward()
-    t_bwd = time.perf_counter() - t
-    policy.model.zero_grad(set_to_none=True)
+    t_gen = t_bwd = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        gen = M.generate(policy, [msgs], max_new_tokens=16)[0]
+        t_gen = min(t_gen, time.perf_counter() - t)
+        enc = M.encode_chat(policy, msgs + [{"role": "assistant", "content": gen.completion_ids}],
+                            add_generation_prompt=False)
+        t = time.perf_counter()
+        ids = torch.tensor([enc.input_ids])  # (1, T)
+        logits = policy.model(input_ids=ids, pixel_values=enc.pixel_values,
+                              image_grid_thw=enc.image_grid_thw).logits  # (1, T, V)
+        logits[0, :-1][torch.tensor(enc.target_mask[1:]).bool()].logsumexp(-1).sum().backward()
+        t_bwd = min(t_bwd, time.perf_counter() - t)
+        policy.model.zero_grad(set_to_none=True)
     print(f"tiny model: generate 16 tokens {t_gen:.3f}s, forward+backward {t_bwd:.3f}s ({len(ids[0])} tokens)")
-    assert t_gen < 5 and t_bwd < 5  # well under a second when the machine is quiet
+    assert t_gen < 1.0 and t_bwd < 1.0, (t_gen, t_bwd)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,8 +25,8 @@ i.e. 2N forward + 4N backward per token. Gradient checkpointing's recomputed for
 attention's T^2 term are not counted (the usual convention, so MFU is a lower bound on hardware
 use). With LoRA the frozen weights get no weight gradients and the vision tower no backward, so
 the same 6N formula overstates the work there; it is still printed, for comparison.
-If grpo.update_policy is missing or fails, a local copy of the on-policy clipped-loss step is
-timed instead (it says so in a NOTE line).
+It times the project's own grpo.update_policy and nothing else: if that fails, the run fails with
+its traceback (a number from some other code would measure nothing we ship).
 """
 from __future__ import annotations
 
@@ -34,13 +34,13 @@ import argparse
 import os
 import sys
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo  # noqa: E402
 import model as M  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100 / H200 SXM dense bf16
@@ -88,56 +88,14 @@ def make_samples(policy, n: int, completion: int):
         shot = Image.fromarray((rng.rand(720, 1280, 3) * 255).astype("uint8"))
         prompt = M.encode_chat(policy, M.explore_messages(shot))
         done = rng.randint(0, vocab, size=completion - 1).tolist() + [policy.tokenizer.convert_tokens_to_ids("<|im_end|>")]
-        s = SimpleNamespace(input_ids=prompt.input_ids + done,                      # grpo.Sample's fields
-                            target_mask=[0] * len(prompt.input_ids) + [1] * len(done),
-                            pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw,
-                            reward=float(i % 2), advantage=1.0 if i % 2 else -1.0, group=0)
-        try:
-            import grpo
-            s = grpo.Sample(**vars(s))
-        except ImportError:
-            pass
+        s = grpo.step_sample(prompt, done, reward=float(i % 2))
+        s.advantage = 1.0 if i % 2 else -1.0
         samples.append(s)
     return samples
 
 
 def grpo_update(policy, optimizer, samples, micro_batch: int) -> dict:
-    import grpo
     return grpo.update_policy(policy, optimizer, samples, micro_batch_size=micro_batch)
-
-
-def _fallback_update(policy, optimizer, samples, micro_batch: int) -> dict:
-    # Only if grpo.py's update is missing or fails here: the same on-policy step written out,
-    # with full (B, T, V) logits (fine on an H200; more memory than grpo's per_token_logps).
-    model, pad = policy.model, policy.tokenizer.pad_token_id
-    model.train()
-    for i in range(0, len(samples), micro_batch):
-        mb = samples[i:i + micro_batch]
-        T = max(len(s.input_ids) for s in mb)
-        ids = torch.full((len(mb), T), pad, dtype=torch.long)        # (B, T)
-        att = torch.zeros((len(mb), T), dtype=torch.long)             # (B, T)
-        mask = torch.zeros((len(mb), T))                              # (B, T)
-        for b, s in enumerate(mb):
-            ids[b, :len(s.input_ids)] = torch.tensor(s.input_ids)
-            att[b, :len(s.input_ids)] = 1
-            mask[b, :len(s.input_ids)] = torch.tensor(s.target_mask, dtype=torch.float)
-        dev = policy.device
-        ids, att, mask = ids.to(dev), att.to(dev), mask.to(dev)
-        pix = torch.cat([s.pixel_values for s in mb]).to(dev, policy.dtype)  # (sum N_patches, 1176)
-        thw = torch.cat([s.image_grid_thw for s in mb]).to(dev)              # (N_img, 3)
-        logits = model(input_ids=ids, attention_mask=att, pixel_values=pix, image_grid_thw=thw).logits  # (B, T, V)
-        logits = logits[:, :-1]                                                                      # (B, T-1, V)
-        logps = logits.gather(-1, ids[:, 1:, None])[..., 0].float() - logits.float().logsumexp(-1)   # (B, T-1)
-        adv = torch.tensor([s.advantage for s in mb], device=dev)[:, None]  # (B, 1)
-        ratio = torch.exp(logps - logps.detach())                            # (B, T-1), = 1 on-policy
-        per_tok = -torch.min(ratio * adv, ratio.clamp(0.8, 1.28) * adv)     # ALGO: clipped surrogate
-        m = mask[:, 1:]                                                     # (B, T-1)
-        loss = ((per_tok * m).sum(1) / m.sum(1).clamp(min=1)).sum() / len(samples)
-        loss.backward()
-    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss.item()}
 
 
 def main():
@@ -175,14 +133,7 @@ def main():
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t = time.perf_counter()
     update = grpo_update
-    try:
-        metrics = update(policy, optimizer, samples, args.micro_batch)  # warm-up: allocator, kernels
-    except Exception as e:  # noqa: BLE001 - one GPU run must still give a number; say why
-        print(f"NOTE: grpo.update_policy failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
-              "timing the local fallback update instead")
-        optimizer.zero_grad(set_to_none=True)
-        update = _fallback_update
-        metrics = update(policy, optimizer, samples, args.micro_batch)
+    metrics = update(policy, optimizer, samples, args.micro_batch)  # warm-up: allocator, kernels
     sync()
     warm = time.perf_counter() - t
     if cuda:
@@ -205,7 +156,7 @@ def main():
     print(f"warm-up {warm:.2f}s; timed updates (s): {' '.join(f'{x:.3f}' for x in times)}")
     print(f"{'seconds/update':>16} {'tokens/s':>10} {'peak GB':>8} {'TFLOP/update':>13} {'MFU':>6}")
     print(f"{sec:16.3f} {tokens / sec:10.0f} {peak_gb:8.1f} {flops / 1e12:13.1f} {mfu:6.1%}")
-    print(f"update: {update.__name__}; MFU = (6*N_lm*tokens + 6*N_vision*patches) / seconds / {PEAK_BF16_FLOPS:.3g}; loss {metrics.get('loss', float('nan')):.4f}")
+    print(f"update: grpo.update_policy; MFU = (6*N_lm*tokens + 6*N_vision*patches) / seconds / {PEAK_BF16_FLOPS:.3g}; loss {metrics.get('loss', float('nan')):.4f}")
     print(f"gpu_update_tokens_per_s: {tokens / sec:.0f}")
 
 

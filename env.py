@@ -382,8 +382,9 @@ def launch_local_vms(n: int, screen: tuple[int, int] = (1280, 720), token: str |
         log = tempfile.NamedTemporaryFile(prefix=f"vm_server-{port}-", suffix=".log", delete=False)
         cmd = [sys.executable, str(server), "--xvfb", "--host", "127.0.0.1", "--port", str(port),
                "--screen", f"{screen[0]}x{screen[1]}"]
-        # The token travels in the environment, not argv, so `ps` does not show it.
-        env = dict(os.environ, VM_TOKEN=token or "")
+        # The token travels in the environment, not argv, so `ps` does not show it. VM_SERVER_PARENT:
+        # the server exits when we do, even when we are SIGKILLed and atexit never runs.
+        env = dict(os.environ, VM_TOKEN=token or "", VM_SERVER_PARENT=str(os.getpid()))
         # start_new_session: the server leads its own process group, so stop() reaches its Xvfb,
         # window manager and apps too, and a Ctrl-C in our terminal does not hit them first.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

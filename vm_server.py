@@ -783,6 +783,14 @@ class Handler(BaseHTTPRequestHandler):
             raise BadRequest("the body is not valid JSON.")
 
 
+def exit_with_parent(pid: int) -> None:
+    """SIGTERM ourselves (a clean exit: apps, Xvfb and the temp HOME go too) once `pid` is no longer
+    our parent, i.e. it died and we were re-parented."""
+    while os.getppid() == pid:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Serve one desktop over HTTP (see the README's VM protocol).")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
@@ -810,6 +818,12 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM/SIGHUP unwind like Ctrl-C, so the `finally` below stops every process we started.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: sys.exit(0))
+    # env.launch_local_vms names its own pid here: a desktop it started then goes away with the
+    # trainer, even a trainer killed with SIGKILL (its atexit cleanup never runs). Not set for a
+    # server you start yourself, which outlives its shell as before.
+    parent = os.environ.pop("VM_SERVER_PARENT", "")
+    if parent.isdigit():
+        threading.Thread(target=exit_with_parent, args=(int(parent),), daemon=True).start()
     desk = None
     try:
         try:  # bind first: a taken port fails at once, not after the desktop has started

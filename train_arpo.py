@@ -45,6 +45,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -606,6 +607,9 @@ def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
 
 def save_episodes(run: str, it: int, eps: list) -> None:
     """Each VM's episode: every step's screenshot, thought, action, then a final line with the score."""
+    # An iteration redone after a kill (its trajectories were saved, its checkpoint was not) must not
+    # leave the killed attempt's files beside the new ones (a VM that dropped out this time, say).
+    shutil.rmtree(os.path.join(run, "trajectories", f"it{it:06d}"), ignore_errors=True)
     for e in eps:
         if e is None or not e.screenshots:
             continue

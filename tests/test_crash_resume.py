@@ -1,0 +1,367 @@
+"""Crash and resume: SIGKILL at every step of a checkpoint save, and at random moments of real runs.
+
+Run: python -m pytest -q tests/test_crash_resume.py        (~2.5 min on 2 cores)
+
+1. rundir.save_checkpoint killed (a real SIGKILL, in a forked child) before each of its file system
+   operations in turn (every rename, rmtree, unlink, rmdir, fsync, open, torch.save), from a normal
+   run folder and from one an earlier kill left with only `ckpt.old` and a half-written
+   `ckpt.tmp-*`: a complete checkpoint (old or new) is always found, never a folder without
+   COMPLETE, and the next save leaves exactly one `ckpt` behind.
+2. The kill between an iteration's checkpoint and its metrics line: the line comes back on resume.
+3. train_explore.py and train_arpo.py killed with SIGKILL at three seeded random moments each, then
+   resumed to the end: after every kill the run folder holds only complete checkpoints; at the
+   end the metrics file has every iteration exactly once, the iteration counter and the
+   optimizers' step counters continue (they equal what an unbroken run would count, so the
+   optimizer states and the world model came back), and ARPO's replay buffer after a resume still
+   holds what the last checkpoint held.
+4. A trainer killed with SIGKILL takes its local desktops (vm_server.py + Xvfb + apps) with it.
+
+The long version (more kills, local desktops, figures) is `python bench/crash_resume.py`.
+"""
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import rundir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. save_checkpoint, killed before each file system operation
+
+_OPS = [(os, "rename"), (os, "makedirs"), (os, "fsync"), (os, "unlink"), (os, "rmdir"), (os, "open"),
+        (builtins, "open"), (torch, "save")]
+
+
+def save_killed_at(run: str, state: dict, kill_at: int | None, metrics=None) -> tuple[bool, int]:
+    """save_checkpoint in a forked child that SIGKILLs itself right before its kill_at-th file
+    system operation (None: never). -> (was it killed, operations counted)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: count, die at kill_at, report the count if it lives
+        os.close(r)
+        count = [0]
+
+        def wrap(fn):
+            def op(*a, **k):
+                count[0] += 1
+                if count[0] == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return fn(*a, **k)
+            return op
+        for mod, name in _OPS:
+            setattr(mod, name, wrap(getattr(mod, name)))
+        try:
+            rundir.save_checkpoint(run, state, **({} if metrics is None else {"metrics": metrics}))
+            os.write(w, str(count[0]).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    out = os.read(r, 64)
+    os.close(r)
+    return os.WIFSIGNALED(status), int(out or 0)
+
+
+def check_folder(run: str, allowed: set[int]) -> int:
+    """The checkpoint a resume would load is complete and one of `allowed`; returns its iteration."""
+    path = rundir.latest_checkpoint(run)
+    assert path is not None, f"no complete checkpoint left: {sorted(os.listdir(run))}"
+    assert os.path.exists(os.path.join(path, "COMPLETE"))
+    state, _ = rundir.load_checkpoint(run)
+    assert state["iteration"] in allowed and open(os.path.join(path, "COMPLETE")).read() == str(state["iteration"])
+    assert state["blob"].shape == (64, 64) and float(state["blob"][0, 0]) == state["iteration"]
+    return state["iteration"]
+
+
+def make_state(it: int) -> dict:
+    return {"iteration": it, "blob": torch.full((64, 64), float(it))}
+
+
+def prepare(run: str, start: str) -> str:
+    """A run folder with checkpoint 1, as a normal run has it or as a kill between the two renames
+    of a save leaves it (only ckpt.old, and the killed save's half-written ckpt.tmp-*)."""
+    os.makedirs(run)
+    rundir.save_checkpoint(run, make_state(1))
+    if start != "normal":
+        os.rename(os.path.join(run, "ckpt"), os.path.join(run, "ckpt.old"))
+        os.makedirs(os.path.join(run, "ckpt.tmp-99999"))
+        open(os.path.join(run, "ckpt.tmp-99999", "state.pt"), "wb").write(b"half")
+    return run
+
+
+@pytest.mark.parametrize("start", ["normal", "after_a_kill_between_the_renames"])
+def test_save_checkpoint_killed_at_every_operation(tmp_path, start):
+    _, total = save_killed_at(prepare(str(tmp_path / "probe"), start), make_state(2), None)
+    assert total >= 8
+    outcomes = {}
+    for k in range(1, total + 2):
+        run = prepare(str(tmp_path / f"run{k}"), start)
+        killed, _ = save_killed_at(run, make_state(2), k)
+        assert killed == (k <= total)
+        outcomes[k] = check_folder(run, {1, 2})
+        # the resume: the next save in place, then exactly one complete checkpoint and no leftovers
+        rundir.save_checkpoint(run, make_state(3))
+        assert check_folder(run, {3}) == 3
+        assert sorted(n for n in os.listdir(run) if n.startswith("ckpt")) == ["ckpt"], os.listdir(run)
+    assert outcomes[1] == 1 and outcomes[total + 1] == 2  # both ends reached: the windows were all visited
+    print(f"{start}: killed before each of {total} operations, a complete checkpoint found every time")
+
+
+def test_a_kill_between_checkpoint_and_metrics_line_loses_no_line(tmp_path):
+    run = str(tmp_path)
+    for it in range(4):
+        rundir.save_checkpoint(run, make_state(it), metrics={"iteration": it, "x": it})
+        rundir.log_metrics(run, {"iteration": it, "x": it})
+    with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+        f.write('{"iteration": 4, "x"')  # and a torn line from a kill in the middle of a write
+    # iteration 4: its checkpoint lands, then the kill, before log_metrics
+    killed, _ = save_killed_at(run, make_state(4), None, metrics={"iteration": 4, "x": 4})
+    assert not killed
+    rundir.trim_metrics(run, 5)  # what the resume does
+    lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    assert [m["iteration"] for m in lines] == [0, 1, 2, 3, 4] and lines[4]["x"] == 4
+    rundir.trim_metrics(run, 5)  # twice is once
+    assert [json.loads(x)["iteration"] for x in open(os.path.join(run, "metrics.jsonl"))] == [0, 1, 2, 3, 4]
+    rundir.trim_metrics(run, 3)  # an older checkpoint's resume drops what it does not cover
+    assert [json.loads(x)["iteration"] for x in open(os.path.join(run, "metrics.jsonl"))] == [0, 1, 2]
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. The train scripts, killed at random moments and resumed (2 shared desktops, remote mode)
+
+TOKEN = "crash-resume-token"
+
+
+@pytest.fixture(scope="module")
+def desktops():
+    from conftest import start_vm_server
+    vms = [start_vm_server(token=TOKEN) for _ in range(2)]
+    yield [v.url for v in vms]
+    for v in vms:
+        v.stop()
+
+
+@pytest.fixture(scope="module")
+def speaker(tmp_path_factory):
+    from test_train_explore import speaking_tiny  # the tiny model, SFT'd to answer in the format
+    return speaking_tiny(str(tmp_path_factory.mktemp("speaker") / "model"))
+
+
+def start(script: str, argv: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, VM_TOKEN=TOKEN)  # not --token: a resume must find the VMs the same way
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, script), *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def snapshot(run: str, live: bool = False) -> dict | None:
+    """The checkpoint a resume would load (asserted complete), or None before the first one.
+    live=True: the trainer is running and may swap checkpoints while we read; retry until one
+    read sees the same checkpoint from start to end."""
+    for _ in range(50 if live else 1):
+        try:
+            path = rundir.latest_checkpoint(run)
+            if path is None:
+                assert live or not os.path.isdir(os.path.join(run, "ckpt"))
+                return None
+            if not live and os.path.isdir(os.path.join(run, "ckpt")):  # `ckpt` is always complete
+                assert os.path.exists(os.path.join(run, "ckpt", "COMPLETE")), os.listdir(os.path.join(run, "ckpt"))
+            stamp = open(os.path.join(path, "COMPLETE")).read()
+            state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+            if stamp == str(state["iteration"]) == open(os.path.join(path, "COMPLETE")).read():
+                return state
+            assert live, (stamp, state["iteration"])
+        except (OSError, RuntimeError, EOFError):
+            if not live:
+                raise
+        time.sleep(0.05)
+    raise AssertionError("no stable checkpoint to read")
+
+
+def opt_steps(sd: dict) -> int:
+    return int(max(float(v["step"]) for v in sd["state"].values())) if sd["state"] else 0
+
+
+def crash_and_resume(script: str, fresh: list[str], run: str, seed: int, kills: int, between=None) -> dict:
+    """Run `script` to its end through `kills` SIGKILLs at seeded random moments, then a last run to
+    the end. Each kill: after 0, 1 or 2 new checkpoints (0: anywhere in the first 8 s, startup
+    included), then a uniform 0-1.2 s more, i.e. anywhere inside an iteration -- whatever the load
+    on the machine. After each kill the run folder is checked; the resumed process's first new
+    checkpoint is kept next to the one before the kill. -> figures and (before, after) pairs."""
+    rng, pairs, tried, survived, outputs = random.Random(seed), [], 0, 0, []
+    for attempt in range(kills + 1):
+        argv = ["--resume", run] if os.path.exists(os.path.join(run, "args.json")) else fresh
+        before = snapshot(run)
+        if between is not None and attempt:
+            between(run, before)
+        wait_its, delay = rng.choice([0, 1, 2]), rng.uniform(0, 1.2)
+        delay = rng.uniform(0, 8) if wait_its == 0 else delay
+        p = start(script, argv)
+        t0, kill_at, first_new, deadline = time.time(), None, None, time.time() + 300
+        while p.poll() is None and time.time() < deadline:
+            done = rundir.latest_checkpoint(run)
+            stamp = open(os.path.join(done, "COMPLETE")).read() if done else None
+            if stamp is not None and stamp != str(before and before["iteration"]) and first_new is None:
+                first_new = snapshot(run, live=True)
+            if attempt < kills and kill_at is None:
+                base = (-1 if before is None else before["iteration"]) + (1 if script == "train_arpo.py" else 0)
+                if wait_its == 0 or (stamp is not None and int(stamp) - base >= wait_its):
+                    kill_at = time.time() + delay
+            if kill_at is not None and time.time() >= kill_at:
+                p.kill()
+                tried += 1
+                break
+            time.sleep(0.02)
+        out = p.communicate(timeout=60)[0]
+        outputs.append(out[-1500:])
+        after = snapshot(run)  # the folder a resume would read: complete, or no checkpoint at all
+        survived += attempt < kills and p.returncode == -signal.SIGKILL
+        if before is not None and first_new is not None and first_new["iteration"] != before["iteration"]:
+            pairs.append((before, first_new))
+        assert p.returncode in (0, -signal.SIGKILL), out[-3000:]
+        if attempt == kills:
+            assert p.returncode == 0, out[-3000:]
+        print(f"{script}: start {attempt}: {'killed' if p.returncode == -signal.SIGKILL else 'exit ' + str(p.returncode)} "
+              f"after {time.time() - t0:.1f} s, checkpoint at {after['iteration'] if after else None}")
+    lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
+    return {"tried": tried, "survived": survived, "pairs": pairs, "metrics": lines, "final": snapshot(run),
+            "outputs": outputs}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def test_explore_survives_three_random_kills(desktops, speaker, tmp_path):
+    n = 8
+    run = str(tmp_path / "explore")
+    fresh = ["--vms", desktops[0], "--model", speaker, "--iterations", n, "--steps", 2, "--max-pixels", 12544,
+             "--max-new-tokens", 40, "--settle", 0.2, "--threads", 1, "--update-actor-delay", 0, "--reset-every", 0,
+             "--rewards", "none,image,immediate,world_model", "--wm-epochs", 1, "--run-name", run]
+    r = crash_and_resume("train_explore.py", [str(a) for a in fresh], run, seed=3, kills=3)
+    print(f"train_explore.py: kills survived {r['survived']}/{r['tried']}")
+    assert r["tried"] == 3 and r["survived"] == 3
+    its = [m["iteration"] for m in r["metrics"]]
+    assert its == list(range(n)), its  # every iteration exactly once, in order
+    wm_trained = [m["wm/loss"] is not None for m in r["metrics"]]
+    final = r["final"]
+    assert final["iteration"] == n - 1
+    # One optimizer step per iteration (2 samples <= --mini-batch 16, actor from iteration 0) and one
+    # world-model step per iteration with a valid step: the counters continue across every kill.
+    assert opt_steps(final["optimizer"]) == n
+    assert opt_steps(final["wm_opt"]) == sum(wm_trained)
+    assert r["pairs"], "no kill fell after a checkpoint"
+    for old, new in r["pairs"]:
+        k, j = old["iteration"], new["iteration"]
+        assert opt_steps(new["optimizer"]) - opt_steps(old["optimizer"]) == j - k
+        dwm = opt_steps(new["wm_opt"]) - opt_steps(old["wm_opt"])
+        assert dwm == sum(wm_trained[k + 1:j + 1])
+        # The world model and the adapter went on from the checkpoint: Adam moves each weight by at
+        # most ~lr per step (5 lr leaves room for its bias correction), a fresh start would move
+        # them by their whole initial scale.
+        assert max_diff(old["wm"], new["wm"]) <= 5 * 1e-3 * dwm + 1e-6
+        assert max_diff(old["adapter"], new["adapter"]) <= 5 * 4e-5 * (j - k) + 1e-7
+
+
+def test_arpo_survives_three_random_kills(desktops, tmp_path):
+    n = 7
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    # A task the random tiny model always "solves": every episode is a success, so the replay
+    # buffer fills (2 per iteration, 8 kept) and has something to lose in a crash.
+    (tasks / "notes.json").write_text(json.dumps({
+        "id": "notes-there", "instruction": "Look at the notes.", "setup": [], "max_steps": 2,
+        "evaluator": {"conj": "and", "checks": [{"type": "file_exists", "path": "notes.txt"}]}}))
+    run = str(tmp_path / "arpo")
+    fresh = ["--vms", ",".join(desktops), "--group-size", 2, "--model", "tiny", "--iterations", n, "--max-steps", 2,
+             "--max-pixels", 12544, "--max-new-tokens", 8, "--tasks", tasks, "--settle", 0.1, "--run-name", run]
+
+    def plant(run, before):  # a killed attempt's trajectory file of the iteration about to be redone
+        nxt = before["iteration"] if before else 0
+        os.makedirs(os.path.join(run, "trajectories", f"it{nxt:06d}"), exist_ok=True)
+        open(os.path.join(run, "trajectories", f"it{nxt:06d}", "vm07.jsonl"), "w").write("{}\n")
+
+    r = crash_and_resume("train_arpo.py", [str(a) for a in fresh], run, seed=4, kills=3, between=plant)
+    print(f"train_arpo.py: kills survived {r['survived']}/{r['tried']}")
+    assert r["tried"] == 3 and r["survived"] == 3
+    assert [m["iteration"] for m in r["metrics"]] == list(range(n))
+    final = r["final"]
+    assert final["iteration"] == n and opt_steps(final["optimizer"]) == n
+    assert not any(os.path.exists(os.path.join(run, "trajectories", d, "vm07.jsonl"))
+                   for d in os.listdir(os.path.join(run, "trajectories")))
+    assert r["pairs"], "no kill fell after a checkpoint"
+
+    def ids(state):
+        return [(t["iteration"], t["vm"]) for t, _ in state["replay"]["data"].get("notes-there", [])]
+    for old, new in r["pairs"]:
+        assert opt_steps(new["optimizer"]) - opt_steps(old["optimizer"]) == new["iteration"] - old["iteration"]
+        # the replay buffer went on from the checkpoint: what it held is still there, oldest first,
+        # with only this run's new successes after it (and the oldest dropped past 8)
+        added = [x for x in ids(new) if x[0] >= old["iteration"]]
+        kept = ids(new)[:len(ids(new)) - len(added)]
+        assert added and len(kept) == min(len(ids(old)), 8 - len(added))
+        assert kept == ids(old)[len(ids(old)) - len(kept):], (ids(old), ids(new))
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. A trainer killed with SIGKILL leaves no desktop behind
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()[1] == str(pid):
+                out.append(int(name))
+        except (OSError, IndexError):
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_trainer_takes_its_local_desktops_along(tmp_path):
+    run = str(tmp_path / "orphans")
+    p = start("train_explore.py", ["--vms", "1", "--model", "tiny", "--iterations", "10000", "--steps", "1",
+                                   "--max-pixels", "12544", "--max-new-tokens", "8", "--threads", "1",
+                                   "--settle", "0.1", "--reset-every", "0", "--run-name", run])
+    try:
+        deadline = time.time() + 120
+        while not os.path.exists(os.path.join(run, "metrics.jsonl")) and time.time() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        assert p.poll() is None, p.communicate()[0][-2000:]
+        servers = [c for c in _children(p.pid) if b"vm_server.py" in open(f"/proc/{c}/cmdline", "rb").read()]
+        assert len(servers) == 1
+        desktop = servers + [d for s in servers for d in _children(s)]  # the server, Xvfb, the session
+        assert len(desktop) >= 4
+        homes = {v[5:] for d in desktop for v in open(f"/proc/{d}/environ", "rb").read().decode(errors="replace").split("\0")
+                 if v.startswith("HOME=") and "/vm_server-" in v}  # the desktop's own temp HOME
+    finally:
+        p.kill()
+        p.communicate()
+    deadline = time.time() + 15
+    while any(map(_alive, desktop)) and time.time() < deadline:
+        time.sleep(0.2)
+    left = [d for d in desktop if _alive(d)]
+    for d in left:  # do not leak them into the rest of the test run, whatever happened
+        os.kill(d, signal.SIGKILL)
+    assert not left, f"{len(left)} desktop processes outlived their trainer"
+    assert len(homes) == 1 and not os.path.exists(os.path.dirname(homes.pop()))  # a clean exit: its temp HOME went too

@@ -1,0 +1,127 @@
+"""VM faults in the middle of a real training iteration: one desktop killed, one frozen.
+
+Run: python -m pytest -q -s tests/test_faults.py        (~1 min; 4 local Xvfb desktops)
+
+train_arpo.py's own `run_iteration` (reset, setup, rollout, evaluate, replay, GRPO update) runs with
+the tiny real Qwen2.5-VL on 4 local desktops in 2 groups of 2. In the middle of the rollout (while
+the model answers step 1) desktop 1 is killed (SIGKILL to its vm_server's process group) and
+desktop 2 is frozen (SIGSTOP to its process group: it accepts connections and never answers). Must
+hold: the iteration ends within the clean iteration time plus about one --vm-timeout; both drop out
+of their groups and nothing of theirs is trained on; the update still runs on the other two; the
+next iteration restarts both desktops (the frozen one is woken and stopped, no process left
+behind) and plays on all 4. The figures (clean / faulty / restarted iteration times against the
+timeout) are printed; `python bench/vm_faults.py` also runs train_explore.py as a subprocess with a
+desktop killed and one frozen from outside.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import train_arpo as T
+from env import VMPool, load_tasks
+from grpo import ReplayBuffer
+from model import load_policy
+
+SMALL = 64 * 28 * 28
+VM_TIMEOUT = 8.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _group(pid: int) -> list[int]:
+    """Every live process in process group `pid` (a vm_server and its Xvfb)."""
+    out = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pid and fields[0] != "Z":
+                out.append(int(name))
+        except (OSError, IndexError):
+            pass
+    return out
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "t.json").write_text(json.dumps({
+        "id": "notes-there", "instruction": "Look at the notes.", "setup": [{"type": "sleep", "seconds": 0}],
+        "max_steps": 3, "evaluator": {"conj": "and", "checks": [{"type": "file_exists", "path": "notes.txt"}]}}))
+    args = T.Args(vms="4", group_size=2, model="tiny", max_steps=3, max_pixels=SMALL, max_new_tokens=8,
+                  vm_timeout=VM_TIMEOUT, lr=1e-3, settle=0.1, stop_on_format_error=False, tasks=str(tasks))
+    pool = VMPool(4, timeout=VM_TIMEOUT)
+    policy = load_policy("tiny", seed=0, max_pixels=SMALL)
+    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=args.lr)
+    tr = T.Trainer(args, pool, policy, opt, ReplayBuffer(), T.model_policy(policy, args, 1.0), None,
+                   load_tasks(tasks))
+    yield tr
+    pool.close()
+
+
+def test_a_killed_and_a_frozen_vm_mid_iteration(trainer):
+    tr, pick = trainer, (lambda n: ["notes-there"] * n)
+    pool, model_fn, faults = tr.pool, tr.policy_fn, {}
+
+    def steps(opt):
+        return int(max(float(s["step"]) for s in opt.state_dict()["state"].values())) if opt.state_dict()["state"] else 0
+
+    # 0. a clean iteration: the yardstick
+    t = time.perf_counter()
+    m0, _ = T.run_iteration(tr, 0, pick)
+    clean = time.perf_counter() - t
+    assert (m0["episodes"], m0["dropped"]) == (4, 0) and steps(tr.optimizer) == 1
+
+    # 1. the faults, while the model answers step 1 (after the step-1 screenshots, before the actions)
+    killed, frozen = pool.local[1].proc.pid, pool.local[2].proc.pid  # one in each group: [0, 1], [2, 3]
+
+    def faulty(observations):
+        if not faults and any(o.step == 1 for o in observations):
+            faults["killed"], faults["frozen"] = _group(killed), _group(frozen)
+            os.killpg(killed, signal.SIGKILL)
+            os.killpg(frozen, signal.SIGSTOP)
+            faults["at"] = time.perf_counter()
+        return model_fn(observations)
+    tr.policy_fn = faulty
+    t = time.perf_counter()
+    m1, eps = T.run_iteration(tr, 1, pick)
+    faulty_s = time.perf_counter() - t
+    tr.policy_fn = model_fn
+    assert faults, "the faults never fired: the rollout did not reach step 1"
+    assert eps[1].end == "dropped" and eps[2].end == "dropped", [(e.vm, e.end, e.error) for e in eps]
+    assert "frozen" in eps[2].error or "within" in eps[2].error, eps[2].error  # dropped by the deadline
+    assert [e.end for e in (eps[0], eps[3])] == ["max_steps", "max_steps"] and eps[0].score == eps[3].score == 1.0
+    assert (m1["episodes"], m1["dropped"]) == (2, 2)
+    # both groups go on with their one survivor; only survivors are trained on, and the update ran
+    assert [(g["group"], g["n"]) for g in m1["groups"]] == [(0, 1), (1, 1)]
+    assert sorted(b["vm"] for b in m1["batch"]) == [0, 3] and m1["tokens"] > 0
+    assert steps(tr.optimizer) == 2
+    # within the clean time plus about one timeout (the frozen VM's one call that had to expire)
+    assert faulty_s < clean + VM_TIMEOUT + 10, (clean, faulty_s)
+    assert not pool.alive[1] and not pool.alive[2]
+
+    # 2. the next iteration restarts both desktops and plays on all 4
+    t = time.perf_counter()
+    m2, eps = T.run_iteration(tr, 2, pick)
+    restarted = time.perf_counter() - t
+    assert (m2["episodes"], m2["dropped"]) == (4, 0) and all(pool.alive)
+    assert pool.local[1].proc.pid != killed and pool.local[2].proc.pid != frozen
+    assert steps(tr.optimizer) == 3
+    deadline = time.time() + 10  # the old desktops are gone: nothing killed or frozen is left behind
+    while any(map(_alive, faults["killed"] + faults["frozen"])) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in faults["killed"] + faults["frozen"] if _alive(p)]
+    print(f"\nvm faults (4 desktops, --vm-timeout {VM_TIMEOUT:g} s): clean iteration {clean:.1f} s, "
+          f"iteration with 1 killed + 1 frozen VM {faulty_s:.1f} s (+{faulty_s - clean:.1f} s), "
+          f"next iteration with both restarted {restarted:.1f} s; iterations completed 3/3")

@@ -85,6 +85,7 @@ class Args:
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (paper: 16)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "trade compute for memory in the policy update"})
     max_pixels: int = field(default=1280 * 28 * 28, metadata={"help": "screenshot size cap for the model, in pixels of the resized image"})
+    min_pixels: int = field(default=4 * 28 * 28, metadata={"help": "screenshot size floor for the model, in pixels of the resized image"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = half the cores (the desktops and OCR need the rest)"})
     # rollout
     steps: int = field(default=10, metadata={"help": "steps per episode (one episode per desktop per iteration)"})
@@ -93,6 +94,7 @@ class Args:
     settle: float = field(default=1.0, metadata={"help": "seconds to wait after the actions before the after-screenshots"})
     vm_timeout: float = field(default=30.0, metadata={"help": "seconds a VM call may take before that VM drops out"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (paper: 1.0)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling: keep the smallest token set with this much probability (1 = off)"})
     max_new_tokens: int = field(default=128, metadata={"help": "answer length cap (paper: 128)"})
     # actor (GRPO)
     lr: float = field(default=4e-5, metadata={"help": "actor learning rate (paper: 4e-5 with LoRA)"})
@@ -156,6 +158,8 @@ def check_args(a: Args) -> None:
         (a.iterations_per_generation < 0, "--iterations-per-generation must be 0 (= --iterations) or more"),
         (a.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
         (a.temperature < 0 or a.max_new_tokens < 1, "--temperature must be >= 0 and --max-new-tokens >= 1"),
+        (not 0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
+        (not 0 < a.min_pixels <= a.max_pixels, "--min-pixels must be positive and at most --max-pixels"),
         (not 0 < a.distill_top <= 1, "--distill-top must be in (0, 1]"),
         (a.micro_batch < 1 or a.mini_batch < 1 or a.wm_batch_size < 1 or a.distill_batch < 1, "batch sizes must be at least 1"),
         (a.eval_episodes < 1, "--eval-episodes must be at least 1"),
@@ -236,7 +240,8 @@ class Step:
 def policy_chooser(policy, a: Args):
     """images -> [(text, Parsed | None, Generation)] with ONE batched generate for all desktops."""
     def choose(images):
-        gens = M.generate(policy, [M.explore_messages(im) for im in images], a.max_new_tokens, a.temperature)
+        gens = M.generate(policy, [M.explore_messages(im) for im in images], a.max_new_tokens, a.temperature,
+                          a.top_p)
         # Coordinates are in the resized image the model saw; parse_action maps them to the screen.
         return [(g.text, parse_action(g.text, "explore", im.size, g.prompt.image_sizes[0]), g)
                 for g, im in zip(gens, images)]
@@ -346,7 +351,7 @@ def score(buffer: list[Step], flags: dict, tools, wm, wm_opt, a: Args, times: di
 def load(name: str, a: Args, lora: bool = True):
     return M.load_policy(name, lora_rank=a.lora_rank if lora else 0, lora_alpha=a.lora_alpha,
                          gradient_checkpointing=a.gradient_checkpointing, device=a.device or None,
-                         max_pixels=a.max_pixels, seed=a.seed)
+                         min_pixels=a.min_pixels, max_pixels=a.max_pixels, seed=a.seed)
 
 
 def trainable(policy):

@@ -37,7 +37,8 @@ Where this departs from ARPO (paper + its released code), on purpose:
    tasks pass by timing out), "hard" does not (ARPO's OSWorld-Hard). Training rewards use the hard rule,
    as ARPO's training environment did. A feasible task is scored by its checks under both.
 8. Left out: KL to a reference model (beta 0, as ARPO; `--beta` works with LoRA only), multi-GPU
-   training (ARPO: FSDP over 8 GPUs; this script trains on one device), wandb.
+   training (ARPO: FSDP over 8 GPUs; this script trains on one device). Logging: metrics.jsonl
+   always, plus Weights & Biases (--wandb) and TensorBoard (--tensorboard) when asked for (progress.py).
 """
 from __future__ import annotations
 
@@ -128,6 +129,10 @@ class Args:
     tensorboard: bool = arg(False, "also log every metric to TensorBoard in runs/<name>/tb (pip install tensorboard)")
 
 
+def one_sentence(msg: str):
+    raise SystemExit(f"train_arpo.py: {msg}; see --help for the flags.")
+
+
 def parse_args(argv=None) -> tuple[Args, dict]:
     """Args from the command line, plus the dict of flags actually given (they win over a resumed
     run's saved args). Booleans that default to True are switched off with --no-<name>."""
@@ -143,6 +148,7 @@ def parse_args(argv=None) -> tuple[Args, dict]:
                 p.add_argument(f"--{name}", action="store_true", **kw)
             else:
                 p.add_argument(f"--{name}", type={"int": int, "float": float}.get(f.type, str), **kw)
+        p.error = one_sentence  # argparse's own error is a usage block and exit code 2
         return p
     args = Args(**vars(build(False).parse_args(argv)))
     return args, vars(build(True).parse_args(argv))
@@ -340,6 +346,18 @@ def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
         pb.update(1)
 
 
+def outcome_scores(infeasible: bool, actions: list, end: str | None, evaluator_score: float | None = None):
+    """ALGO: (hard, standard) score of one finished episode. Feasible: the evaluator's score under
+    both. Infeasible (OSWorld's rule, decided client side): 1 iff the last action is `fail`
+    (call_user()); the standard protocol also counts an episode that ran out of steps
+    (end == "max_steps") as ending in FAIL. actions: Action dicts per step (None: unparseable)."""
+    if not infeasible:
+        return float(evaluator_score), float(evaluator_score)
+    last = actions[-1]["type"] if actions and actions[-1] else None
+    hard = 1.0 if last == "fail" else 0.0
+    return hard, 1.0 if last == "fail" or end == "max_steps" else 0.0
+
+
 def score_episodes(pool: VMPool, eps: list, args: Args, timeout: float) -> None:
     """Fill score (hard), score_standard and reward of every finished episode, in place.
 
@@ -356,11 +374,10 @@ def score_episodes(pool: VMPool, eps: list, args: Args, timeout: float) -> None:
         if e is None or e.end == "dropped":
             continue
         if e.task.infeasible:
-            last = e.actions[-1]["type"] if e.actions and e.actions[-1] else None
-            e.score = 1.0 if last == "fail" else 0.0  # ALGO: OSWorld's infeasible rule
-            e.score_standard = 1.0 if last == "fail" or e.end == "max_steps" else 0.0
+            e.score, e.score_standard = outcome_scores(True, e.actions, e.end)  # ALGO: OSWorld's infeasible rule
         elif res[i].ok and isinstance(res[i].value, dict) and "score" in res[i].value:
-            e.score = e.score_standard = float(res[i].value["score"])  # ALGO: execution-based score
+            # ALGO: execution-based score
+            e.score, e.score_standard = outcome_scores(False, e.actions, e.end, res[i].value["score"])
         else:
             # No score is not a score of 0: training on it would punish the policy for a VM fault.
             _drop(e, res[i].error or "the VM's /evaluate answered without a score")
@@ -711,6 +728,10 @@ def resolve_args(argv=None) -> tuple[Args, tuple | None, dict]:
         if saved is None and os.path.exists(os.path.join(args.resume, "args.json")):
             with open(os.path.join(args.resume, "args.json")) as f:  # killed before its first checkpoint
                 saved = json.load(f)
+        # A train_explore.py run has args (vms, model, ...) too, but no tasks, picker or replay buffer.
+        if (saved is not None and "group_size" not in saved) or (ckpt is not None and "picker" not in ckpt[0]):
+            raise SystemExit(f"--resume {args.resume}: that is not a train_arpo.py run (train_explore.py's?); "
+                             "resume it with the script that wrote it.")
         if saved is not None:
             args = Args(**{**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__}, **given})
     check_args(args)
@@ -718,12 +739,19 @@ def resolve_args(argv=None) -> tuple[Args, tuple | None, dict]:
 
 
 def start_vms(args: Args) -> VMPool:
+    """The VMs, of which at least one answers /health (else one sentence, before any work is done)."""
     try:
         w, h = (int(v) for v in args.screen.lower().split("x"))
-        return VMPool(args.vms, token=args.token or os.environ.get("VM_TOKEN") or None,
+        pool = VMPool(args.vms, token=args.token or os.environ.get("VM_TOKEN") or None,
                       timeout=args.vm_timeout, screen=(w, h))
     except (ValueError, VMError) as e:
         raise SystemExit(f"cannot start the VMs ({e}); check --vms and --screen.")
+    health = pool.map("health", timeout=min(10.0, args.vm_timeout))
+    if not any(r.ok for r in health):
+        pool.close()
+        raise SystemExit(f"None of the {pool.size} VM(s) answered /health ({str(health[0].error).rstrip('.')}); "
+                         "check --vms and --token.")
+    return pool
 
 
 def eval_only(pool: VMPool, tasks: list, policy, args: Args, run: str, iteration: int) -> None:
@@ -749,16 +777,26 @@ def main(argv=None) -> None:
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    # The run folder first: a name clash should fail before minutes of loading, not after.
+    # A resumed run trains on the task list it trained on (after --select-tasks), unless told otherwise.
+    # The tasks before the run folder: a bad --tasks or --task-ids leaves nothing behind.
+    resumed_ids = ckpt[0]["tasks"] if ckpt is not None and not args.eval_only and "task_ids" not in given else None
+    tasks = load_task_list(args, resumed_ids)
+    # Then the run folder: a name clash should fail before minutes of loading, not after.
+    new_run = None  # a folder made just now: removed again if the policy or the VMs fail to start
     if args.eval_only and args.resume:
         run = args.resume  # evaluating a run: its args.json stays the training args
     else:
-        run = rundir.make_run_dir(args.runs_dir, args.run_name, args, resume=args.resume or None)
-    # A resumed run trains on the task list it trained on (after --select-tasks), unless told otherwise.
-    resumed_ids = ckpt[0]["tasks"] if ckpt is not None and not args.eval_only and "task_ids" not in given else None
-    tasks = load_task_list(args, resumed_ids)
-    policy = make_policy(args, ckpt)
-    pool = start_vms(args)
+        name = args.run_name or time.strftime("%Y%m%d-%H%M%S")
+        if not args.resume and not os.path.exists(os.path.join(args.runs_dir, name)):
+            new_run = os.path.join(args.runs_dir, name)
+        run = rundir.make_run_dir(args.runs_dir, name, args, resume=args.resume or None)
+    try:
+        policy = make_policy(args, ckpt)
+        pool = start_vms(args)
+    except BaseException:  # a bad --model or --vms: one sentence, and no half-made run folder
+        if new_run:
+            shutil.rmtree(new_run, ignore_errors=True)
+        raise
     try:
         if args.eval_only:
             return eval_only(pool, tasks, policy, args, run, ckpt[0]["iteration"] if ckpt else 0)

@@ -5,7 +5,7 @@
     python train_explore.py --vms 2 --model tiny --iterations 2 --steps 2      # CPU smoke run (*)
     python train_explore.py --vms 8 --generations 3 --iterations-per-generation 100   # E1, E2, E3
     python train_explore.py --resume runs/<name>                     # continue a run
-    python train_explore.py --eval-only --model runs/<name>/models/E1 --eval-episodes 20
+    python train_explore.py --eval-only --model runs/<name>/models/E1 --episodes 20   # vs random actions
 (*) the random-weight tiny model almost never writes a well-formed answer: it tests the plumbing only.
 
 A run folder: args.json; metrics.jsonl (one line per iteration: every reward component, world-model
@@ -41,9 +41,14 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
 5. Distillation: the paper does not publish its SFT recipe; ours is --distill-epochs passes of
    token-mean NLL on the sampled answers, at --distill-lr, with LoRA merged into the weights after
    SFT, so the next generation's adapter (and its KL reference) start from the fine-tuned model.
-6. Exploration eval: distinct screens are counted by clustering screen features (cosine >=
-   --eval-same-screen), not by a perceptual hash; the paper's own numbers are its reward terms.
-7. Left out: multi-GPU (torchrun), mixed-precision autocast (bf16 weights on GPU instead), wandb.
+6. Exploration eval (the paper's own numbers are its reward terms; these are ours): distinct screens
+   by a 64-bit perceptual hash (dHash; <= --eval-same-hash bits apart = one screen; also counted by
+   feature clusters), mean pairwise diversity (1 - cos of the screen features) of an episode's
+   distinct screens, and windows opened (distinct window titles seen after any step, from the VM's
+   window_exists check: a window that changes its title counts once per title), vs random actions.
+7. Logging: metrics.jsonl always; Weights & Biases (--wandb) and TensorBoard (--tensorboard) when
+   asked for and installed (progress.py). Left out: multi-GPU (torchrun), mixed-precision autocast
+   (bf16 weights on GPU instead).
 """
 import argparse
 import json
@@ -122,7 +127,8 @@ class Args:
     eval_only: bool = field(default=False, metadata={"help": "run the policy without training and report exploration diversity"})
     eval_episodes: int = field(default=20, metadata={"help": "episodes for --eval-only (spread over the desktops)"})
     eval_random: bool = field(default=True, metadata={"help": "also run a random-action baseline on the same desktops"})
-    eval_same_screen: float = field(default=0.95, metadata={"help": "screens with feature cosine >= this count as the same screen"})
+    eval_same_hash: int = field(default=2, metadata={"help": "screens whose 64-bit perceptual hashes (dHash) differ in at most this many bits count as one"})
+    eval_same_screen: float = field(default=0.95, metadata={"help": "the feature count of distinct screens: cosine >= this = the same screen"})
     # run
     run_name: str = field(default="", metadata={"help": "folder under --runs-dir; empty = a timestamp"})
     runs_dir: str = field(default="runs", metadata={"help": "where run folders go"})
@@ -131,6 +137,9 @@ class Args:
     wandb: bool = field(default=False, metadata={"help": "also log every metric to Weights & Biases (pip install wandb; WANDB_PROJECT names the project)"})
     tensorboard: bool = field(default=False, metadata={"help": "also log every metric to TensorBoard in runs/<name>/tb (pip install tensorboard)"})
     seed: int = field(default=0, metadata={"help": "random seed"})
+
+
+ALIASES = {"eval_episodes": ["--episodes"]}  # issue 4 spells it `--eval-only --episodes 20`
 
 
 def parse_args(argv=None) -> tuple[Args, set]:
@@ -142,7 +151,7 @@ def parse_args(argv=None) -> tuple[Args, set]:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=f.metadata["help"])
         else:
             kind = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            p.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=f.name.upper(),
+            p.add_argument(flag, *ALIASES.get(f.name, ()), type=kind, default=argparse.SUPPRESS, metavar=f.name.upper(),
                            help=f"{f.metadata['help']} (default: {f.default})")
     # argparse's own error is a usage block and exit code 2; we want one sentence.
     p.error = lambda msg: sys.exit(f"train_explore.py: {msg}; see --help for the flags.")
@@ -162,7 +171,9 @@ def check_args(a: Args) -> None:
         (not 0 < a.min_pixels <= a.max_pixels, "--min-pixels must be positive and at most --max-pixels"),
         (not 0 < a.distill_top <= 1, "--distill-top must be in (0, 1]"),
         (a.micro_batch < 1 or a.mini_batch < 1 or a.wm_batch_size < 1 or a.distill_batch < 1, "batch sizes must be at least 1"),
-        (a.eval_episodes < 1, "--eval-episodes must be at least 1"),
+        (a.distill_epochs < 0, "--distill-epochs must be 0 or more"),
+        (a.eval_episodes < 1, "--eval-episodes (--episodes) must be at least 1"),
+        (not 0 <= a.eval_same_hash < 64, "--eval-same-hash must be in 0..63 (bits of a 64-bit hash)"),
         (a.lora_rank < 0 or a.beta < 0, "--lora-rank and --beta must be >= 0"),
         (a.eval_only and bool(a.resume), "--eval-only evaluates --model; pass --model runs/<name>/models/E<g> (or .../ckpt/policy) instead of --resume"),
         (a.engine == "vllm" and a.beta > 0 and a.lora_rank == 0, "--engine vllm with full fine-tuning and --beta > 0 would hold three model copies; use LoRA or --beta 0"),
@@ -186,6 +197,9 @@ def resolve_args(argv=None) -> Args:
                 saved = json.load(f)
         except (OSError, ValueError):
             sys.exit(f"--resume {args.resume}: no readable args.json there; pass a run folder this script wrote.")
+        if not isinstance(saved, dict) or "wm_epochs" not in saved:  # an ARPO run has no world model
+            sys.exit(f"--resume {args.resume}: that is not a train_explore.py run (train_arpo.py's?); resume it "
+                     "with the script that wrote it.")
         args = Args(**{**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__},
                        **{k: getattr(args, k) for k in given}})
         check_args(args)
@@ -263,9 +277,10 @@ def random_chooser(rng: random.Random):
     return choose
 
 
-def rollout(pool: VMPool, live: set, choose, a: Args, times: dict) -> list[Step]:
+def rollout(pool: VMPool, live: set, choose, a: Args, times: dict, watch=None) -> list[Step]:
     """Steps in time order (t, then vm). A VM that fails a screenshot or dies mid-action leaves the
-    rest of this iteration (and `live`); a VM that only rejects an action stays in."""
+    rest of this iteration (and `live`); a VM that only rejects an action stays in.
+    watch(vms), if given, is called after every step with the VMs still in (the eval's window check)."""
     with timed(times, "screenshot"):
         shots = pool.map("screenshot", ["png" if i in live else None for i in range(pool.size)])
     current = {i: r.value for i, r in enumerate(shots) if i in live and r.ok and r.value is not None}
@@ -303,6 +318,8 @@ def rollout(pool: VMPool, live: set, choose, a: Args, times: dict) -> list[Step]
             # that is a negative advantage, which is how GRPO teaches the format.
             buffer.append(Step(i, t, current[i], after[i].value, text, None if error else parsed, gen, error))
             current[i] = after[i].value  # the after-screen is the next step's before-screen
+        if watch is not None and current:
+            watch(sorted(current))
     return buffer
 
 
@@ -398,9 +415,11 @@ def start_generation(g: int, run: str, a: Args) -> tuple:
     if a.lora_rank > 0:
         policy = load(path, a)
     per_epoch = max(1, len(nll) // max(1, a.distill_epochs))
-    metrics = {"distill/samples": len(samples), "distill/steps": len(nll), "distill/nll_first": nll[0],
-               "distill/nll_last_epoch": float(np.mean(nll[-per_epoch:]))}
-    print(f"E{g}: SFT on {len(samples)} distilled steps, nll {nll[0]:.3f} -> {metrics['distill/nll_last_epoch']:.3f}", flush=True)
+    # --distill-epochs 0 is allowed (the next generation is the base model again, an ablation).
+    metrics = {"distill/samples": len(samples), "distill/steps": len(nll), "distill/nll_first": nll[0] if nll else None,
+               "distill/nll_last_epoch": float(np.mean(nll[-per_epoch:])) if nll else None}
+    print(f"E{g}: SFT on {len(samples)} distilled steps ({len(nll)} optimizer steps), nll "
+          f"{metrics['distill/nll_first'] or 0:.3f} -> {metrics['distill/nll_last_epoch'] or 0:.3f}", flush=True)
     return policy, path, metrics
 
 
@@ -492,6 +511,25 @@ def finish_generation(run: str, g: int, first_iteration: int, last_iteration: in
 # Exploration eval (--eval-only): diversity of what the policy reaches, next to random actions
 
 
+def dhash(img: Image.Image) -> int:
+    """ALGO: the screen's 64-bit perceptual hash (dHash): grayscale, box-averaged down to 9 x 8
+    pixels; bit k (row by row, the first bit highest) = pixel k+1 of its row is brighter than pixel k.
+    It sees layout (a window, a menu), not detail: typing in a terminal keeps the hash."""
+    a = np.asarray(img.convert("L").resize((9, 8), Image.BOX), dtype=np.int16)  # (8, 9)
+    bits = (a[:, 1:] > a[:, :-1]).ravel()  # (64,)
+    return sum(1 << (63 - k) for k, b in enumerate(bits) if b)
+
+
+def hash_leaders(hashes: list[int], max_bits: int) -> list[int]:
+    """ALGO: greedy leader clustering by Hamming distance: a screen is new when its hash differs
+    from every earlier leader's in more than `max_bits` bits. Returns the leaders' indices."""
+    leaders = []
+    for k, h in enumerate(hashes):
+        if all((h ^ hashes[j]).bit_count() > max_bits for j in leaders):
+            leaders.append(k)
+    return leaders
+
+
 def distinct_screens(feats: torch.Tensor, same: float) -> int:
     """ALGO: greedy leader clustering of unit feature rows (N, D): a screen is new when its cosine
     to every earlier cluster leader is below `same`. Returns the number of clusters."""
@@ -502,25 +540,41 @@ def distinct_screens(feats: torch.Tensor, same: float) -> int:
     return len(leaders)
 
 
+def pairwise_diversity(feats: torch.Tensor) -> float:
+    """ALGO: mean of 1 - cos over all pairs p < q of unit feature rows (N, D); 0 with fewer than 2."""
+    n = len(feats)
+    if n < 2:
+        return 0.0
+    sim = feats @ feats.T  # (N, N) cosines (unit rows)
+    iu = torch.triu_indices(n, n, offset=1)  # (2, N(N-1)/2) every pair once
+    return float((1 - sim[iu[0], iu[1]]).mean())
+
+
 def window_titles(pool: VMPool, vms: list[int]) -> dict:
-    """Titles of the open windows of each VM, via /evaluate's window_exists check (its `info`
-    lists them). A lower bound: the server truncates the list at 500 characters."""
+    """{vm: (set of open window titles, truncated?)} via /evaluate's window_exists check, whose
+    `info` lists them. The server cuts that info at 500 characters (about 25 titles): a cut list
+    is flagged, and the titles past the cut are missed (a lower bound)."""
     res = pool.evaluate([{"conj": "or", "checks": [{"type": "window_exists", "title": ".*"}]} if i in vms else None
                          for i in range(pool.size)])
     out = {}
     for i in vms:
-        out[i] = parse_window_titles(res[i].value["details"][0]["info"] if res[i].ok and res[i].value else "")
+        info = res[i].value["details"][0]["info"] if res[i].ok and res[i].value else ""
+        out[i] = (set(parse_window_titles(info)), len(info) >= 500 and not info.endswith("]"))
     return out
 
 
 def parse_window_titles(info: str) -> list[str]:
-    """vm_server's window_exists info, "windows: ['xterm', "it's"]" (a Python list repr) -> titles."""
-    return [x or y for x, y in re.findall(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"", info)]
+    """vm_server's window_exists info, "windows: ['xterm', "it's"]" (a Python list repr) -> titles.
+    A leading '*' (an editor's unsaved-changes mark) is dropped: typing must not "open" a window."""
+    return [(x or y).lstrip("*") for x, y in re.findall(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"", info)]
 
 
-def episode_metrics(buffer: list[Step], titles: dict, same: float) -> list[dict]:
+def episode_metrics(buffer: list[Step], windows: dict, a: Args) -> list[dict]:
     """Per desktop trajectory: format rate, immediate visual change and sequence diversity per step
-    (rewards.py's image terms, 0 on format failures), distinct screens, windows open at the end."""
+    (rewards.py's image terms, 0 on format failures); over its screens [s_0, s'_1, ..., s'_T]:
+    distinct screens (perceptual hash, and feature clusters), the mean pairwise diversity of the
+    distinct ones; windows = distinct titles that appeared after some step and were not open at
+    the start. windows: {vm: {"titles": set, "truncated": bool}}."""
     if not buffer:
         return []
     flags = R.parse_reward_flags("none,image,immediate,sequence")
@@ -531,44 +585,60 @@ def episode_metrics(buffer: list[Step], titles: dict, same: float) -> list[dict]
     for vm in sorted({s.vm for s in buffer}):
         rows = [k for k, s in enumerate(buffer) if s.vm == vm]
         screens = torch.cat([sb[rows[:1]], sa[rows]])  # (T + 1, D): s_0, s'_1 .. s'_T
+        hashes = [dhash(im) for im in [buffer[rows[0]].before] + [buffer[k].after for k in rows]]
+        lead = hash_leaders(hashes, a.eval_same_hash)
+        win = windows.get(vm, {"titles": set(), "truncated": False})
         out.append({"vm": vm, "steps": len(rows), "format": float(r.format[rows].mean()),
                     "immediate": float(r.image_immediate[rows].mean()), "sequence": float(r.image_sequence[rows].mean()),
-                    "distinct_screens": distinct_screens(screens, same), "windows": len(titles.get(vm, []))})
+                    "distinct_screens": len(lead), "distinct_screens_feat": distinct_screens(screens, a.eval_same_screen),
+                    "diversity": pairwise_diversity(screens[lead]), "windows": len(win["titles"]),
+                    "windows_truncated": bool(win["truncated"]), "window_titles": sorted(win["titles"]),
+                    "hashes": [f"{h:016x}" for h in hashes]})
     return out
 
 
-def run_eval(pool: VMPool, live: set, policy, a: Args, run: str) -> dict:
+def eval_episodes(pool: VMPool, vms: list[int], choose, a: Args) -> list[dict]:
+    """One episode of --steps on each of `vms` (just reset), with the window titles after every step."""
+    start = window_titles(pool, vms)  # open before the first action: not "opened" by the agent
+    seen = {i: {"titles": set(), "truncated": start[i][1]} for i in vms}
+
+    def watch(now: list[int]):
+        for i, (titles, cut) in window_titles(pool, now).items():
+            seen[i]["titles"] |= titles - start[i][0]
+            seen[i]["truncated"] |= cut
+    return episode_metrics(rollout(pool, set(vms), choose, a, {}, watch=watch), seen, a)
+
+
+def run_eval(pool: VMPool, live: set, choosers: dict, a: Args, run: str) -> dict:
     """--eval-episodes episodes of --steps steps (one per desktop per round, reset before each
-    round), for the policy and the random baseline; writes runs/<name>/eval.json, prints a table."""
+    round) for each chooser (policy, random baseline); writes runs/<name>/eval.json, prints a table."""
     rounds = math.ceil(a.eval_episodes / pool.size)
-    who = {"policy": policy_chooser(policy, a)}
-    if a.eval_random:
-        who["random"] = random_chooser(random.Random(a.seed))
-    report = {"args": asdict(a), "same_screen_cosine": a.eval_same_screen}
-    for name, choose in who.items():
-        episodes, screens = [], []
+    report = {"args": asdict(a), "same_screen_hash_bits": a.eval_same_hash, "same_screen_cosine": a.eval_same_screen}
+    for name, choose in choosers.items():
+        episodes = []
         for _ in progress.track(range(rounds), f"eval {name}"):
             live.intersection_update({i for i, res in enumerate(pool.reset()) if res.ok})
-            buf = rollout(pool, set(sorted(live)[:a.eval_episodes - len(episodes)]), choose, a, {})
-            titles = window_titles(pool, sorted({s.vm for s in buf}))
-            episodes += episode_metrics(buf, titles, a.eval_same_screen)
-            if buf:  # features, not images: 20 episodes of 1280x720 screenshots would be ~1 GB
-                screens.append(R.screen_features([s.before for s in buf if s.t == 0] + [s.after for s in buf]))  # (n, D)
-        keys = ("format", "immediate", "sequence", "distinct_screens", "windows")
+            episodes += eval_episodes(pool, sorted(live)[:a.eval_episodes - len(episodes)], choose, a)
+        keys = ("format", "immediate", "sequence", "distinct_screens", "distinct_screens_feat", "diversity", "windows")
         summary = {k: float(np.mean([e[k] for e in episodes])) if episodes else None for k in keys}
-        summary["distinct_screens_all"] = distinct_screens(torch.cat(screens), a.eval_same_screen) if screens else 0
+        # Across episodes too: does the agent reach different screens in different episodes?
+        summary["distinct_screens_all"] = len(hash_leaders([int(h, 16) for e in episodes for h in e["hashes"]],
+                                                           a.eval_same_hash))
+        summary["windows_truncated"] = sum(e["windows_truncated"] for e in episodes)
         summary["episodes"] = len(episodes)
         report[name] = {"summary": summary, "episodes": episodes}
     path = os.path.join(run, "eval.json")
     with open(path, "w") as fh:
         json.dump(report, fh, indent=2)
-    cols = ("format", "immediate", "sequence", "distinct_screens", "distinct_screens_all", "windows", "episodes")
-    heads = ("format", "immediate", "sequence", "screens/ep", "screens all", "windows", "episodes")
+    cols = ("format", "immediate", "sequence", "distinct_screens", "distinct_screens_feat", "distinct_screens_all",
+            "diversity", "windows", "episodes")
+    heads = ("format", "immediate", "sequence", "screens/ep", "feat scr/ep", "screens all", "diversity", "windows/ep",
+             "episodes")
     print(f"{'':8s}" + "".join(f"{h:>12s}" for h in heads))
-    for name in who:
+    for name in choosers:
         s = report[name]["summary"]
         print(f"{name:8s}" + "".join(f"{'-' if s[c] is None else format(s[c], '.3f'):>12s}" for c in cols))
-    print(f"eval report: {path}", flush=True)
+    print(f"eval report: {path} (screens: 64-bit dHash, <= {a.eval_same_hash} bits apart = one screen)", flush=True)
     return report
 
 
@@ -638,12 +708,16 @@ if __name__ == "__main__":
         # the default (every core) ran our tiny-model steps 10x slower than one thread did.
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
     pool, live, screen = open_desktops(args)  # first: an unreachable VM should leave no run folder behind
+    new_run = None  # a run folder made just now: removed again if the setup below fails (bad --model, ...)
     try:
+        name = args.run_name or time.strftime(("eval-" if args.eval_only else "") + "%Y%m%d-%H%M%S")
+        if not args.resume and not os.path.exists(os.path.join(args.runs_dir, name)):
+            new_run = os.path.join(args.runs_dir, name)
         if args.eval_only:
-            run = rundir.make_run_dir(args.runs_dir, args.run_name or time.strftime("eval-%Y%m%d-%H%M%S"), args)
+            run = rundir.make_run_dir(args.runs_dir, name, args)
             ckpt = None
         else:
-            run = rundir.make_run_dir(args.runs_dir, args.run_name or None, args, resume=args.resume or None)
+            run = rundir.make_run_dir(args.runs_dir, name, args, resume=args.resume or None)
             ckpt = rundir.load_checkpoint(run)
         print(f"run folder: {run}", flush=True)
         random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
@@ -651,7 +725,11 @@ if __name__ == "__main__":
             policy = load(args.model, args, lora=False)
             if args.engine == "vllm":
                 policy.engine = M.VLLMEngine(policy, os.path.join(run, "vllm_init"))
-            run_eval(pool, live, policy, args, run)
+            choosers = {"policy": policy_chooser(policy, args)}
+            if args.eval_random:
+                choosers["random"] = random_chooser(random.Random(args.seed))
+            new_run = None  # set up: from here on the folder holds results
+            run_eval(pool, live, choosers, args, run)
             sys.exit(0)
 
         # Text tools (OCR + embedder) only when a text/intent term is on; without them those terms
@@ -678,6 +756,7 @@ if __name__ == "__main__":
         if args.engine == "vllm":
             policy.engine = M.VLLMEngine(policy, os.path.join(run, "vllm_init"))
 
+        new_run = None  # set up: from here on the folder holds results
         trackers = progress.open_trackers(run, asdict(args), wandb=args.wandb, tensorboard=args.tensorboard)
         for it in progress.track(range(start_it, total_iterations), "iterations"):
             t_iter = time.perf_counter()
@@ -757,5 +836,9 @@ if __name__ == "__main__":
         finish_generation(run, generation, (generation - 1) * ipg, total_iterations - 1, policy, args)
         progress.close(trackers)
         print(f"done: {run}", flush=True)
+    except BaseException:
+        if new_run:  # it holds only args.json: a failed start leaves nothing behind
+            shutil.rmtree(new_run, ignore_errors=True)
+        raise
     finally:
         pool.close()

@@ -138,6 +138,18 @@ def test_rewards_and_protocols_by_hand():
     assert (formatted.score, formatted.score_standard, formatted.reward) == (0.0, 0.0, -0.5)
 
 
+def test_outcome_scores_by_hand():
+    # The pure rule score_episodes (and tests/test_tasks.py) use: (hard, standard).
+    fail, wait, done = {"type": "fail"}, {"type": "wait"}, {"type": "done"}
+    assert T.outcome_scores(True, [wait, fail], "fail") == (1.0, 1.0)        # declared infeasible
+    assert T.outcome_scores(True, [wait, wait], "max_steps") == (0.0, 1.0)   # timed out: standard only
+    assert T.outcome_scores(True, [wait, done], "done") == (0.0, 0.0)        # claimed success
+    assert T.outcome_scores(True, [wait, None], "format") == (0.0, 0.0)      # ended unparseable
+    assert T.outcome_scores(True, [], None) == (0.0, 0.0)                    # did nothing
+    assert T.outcome_scores(False, [fail], "fail", 0.5) == (0.5, 0.5)        # feasible: the evaluator's
+    assert T.outcome_scores(False, [wait], "max_steps", 1) == (1.0, 1.0)
+
+
 def test_task_order_and_groups():
     state = {"epoch": 0, "pos": 0}
     ids = ["a", "b", "c"]
@@ -211,6 +223,53 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     assert m["n_injections"] == 0 and not any(b["replayed"] for b in m["batch"])
     assert [b["advantage"] for b in m["batch"]] == [0.0, 0.0] and m["grad_norm"] == 0.0
     assert len(buffer) == 1
+
+
+def test_a_success_is_not_replayed_into_a_group_of_the_same_iteration(pool, tiny, tmp_path):
+    """Two one-VM groups of the SAME task: group A solves it, group B fails (all-failed). B must not
+    get A's success (stored only after this iteration's injections); the next iteration it may."""
+    task = TASKS["calc-open"]
+    args = small_args(group_size=1, max_steps=len(SOLUTIONS["calc-open"]) + 1)
+    # attempt 0 (VM 0, iteration 1) solves; every later attempt says finished() at once and fails
+    fn = scripted(lambda tid, n: SOLUTIONS[tid] if n == 0 else [])
+    buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
+    opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
+    tr = T.Trainer(args, pool, tiny, opt, buffer, fn, str(tmp_path), [task])
+    m, _ = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    assert [(g["task"], g["scores"]) for g in m["groups"]] == [("calc-open", [1.0]), ("calc-open", [0.0])]
+    assert m["n_injections"] == 0 and not any(b["replayed"] for b in m["batch"])
+    assert len(buffer) == 1  # A's success is stored, after the injections
+    # Iteration 2: both groups fail; each now gets the success of iteration 1.
+    m, _ = T.run_iteration(tr, 2, lambda n: [task.id] * n)
+    assert m["n_injections"] == 2
+    assert [(i["group"], i["from_iteration"], i["from_vm"]) for i in m["replay_injections"]] == [(0, 1, 0), (1, 1, 0)]
+
+
+def test_replay_buffer_survives_a_real_resume(pool, tiny, tmp_path):
+    """A checkpoint holding one stored success (written by T.checkpoint, as the loop does), then
+    `train_arpo.py --resume` as a subprocess: the resumed run injects that success into its
+    all-failed group, and its own checkpoint holds the very same buffer."""
+    task = TASKS["calc-open"]
+    args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1, iterations=2)
+    eps, _ = T.run_jobs(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args, {})
+    assert eps[0].score == 1.0
+    buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
+    buffer.add(task.id, T.to_record(eps[0]), eps[0].score)
+    run = rundir.make_run_dir(str(tmp_path), "run", args)
+    opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
+    T.checkpoint(T.Trainer(args, pool, tiny, opt, buffer, None, run, [task]), 1, {"epoch": 0, "pos": 1}, [task.id])
+    saved = buffer.state_dict()["data"]
+
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train_arpo.py"), "--resume", run, "--max-steps", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "(1 stored successes)" in p.stdout
+    (m,) = _metrics(run)
+    assert m["iteration"] == 1 and m["tasks"] == ["calc-open"]
+    # the random tiny policy failed both rollouts: the restored success was injected
+    assert [(i["task"], i["from_iteration"], i["score"]) for i in m["replay_injections"]] == [("calc-open", 0, 1.0)]
+    state, _ = rundir.load_checkpoint(run)
+    assert state["iteration"] == 2 and state["replay"]["data"] == saved  # byte for byte, screenshots too
 
 
 # ------------------------------------------------------------------------------------------------
@@ -287,6 +346,30 @@ def _metrics(run):
         return [json.loads(line) for line in f]
 
 
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
+    (["--model", "/no/such/model"], "No model folder at '/no/such/model'"),
+    (["--task-ids", "nope"], "unknown task id(s) ['nope']"),
+    (["--tasks", "/no/such/tasks"], "/no/such/tasks: no such task file"),
+    (["--model", "tiny", "--vms", "http://127.0.0.1:{port}"], "None of the 1 VM(s) answered /health"),
+])
+def test_user_errors_end_in_one_sentence(flags, says, tmp_path):
+    flags = [f.format(port=_free_port()) for f in flags]
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train_arpo.py"), "--vms", "1", *flags,
+                        "--runs-dir", str(tmp_path), "--run-name", "x"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode != 0 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "x").exists()  # no half-made run folder left behind
+
+
 def test_smoke_train_resume_eval(tmp_path):
     runs = str(tmp_path)
     run = os.path.join(runs, "smoke")
@@ -321,3 +404,10 @@ def test_smoke_train_resume_eval(tmp_path):
     assert res["standard"]["per_task"]["infeasible-email"] == 1.0
     assert res["hard"]["per_task"]["infeasible-email"] == 0.0
     assert "overall" in out and "standard" in out
+
+    # This run handed to train_explore.py's --resume: one sentence (not a KeyError), the run untouched.
+    saved = open(os.path.join(run, "args.json")).read()
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train_explore.py"), "--resume", run], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "not a train_explore.py run" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and open(os.path.join(run, "args.json")).read() == saved

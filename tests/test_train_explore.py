@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -118,13 +119,20 @@ def test_smoke_then_resume(speaker, tmp_path):
     assert [m["iteration"] for m in metrics(rd)] == [0, 1, 2]  # continues, nothing logged twice
     assert (rd / "trajectories" / "it000002" / "vm00.jsonl").exists()
 
+    # This run handed to train_arpo.py's --resume: one sentence (not a KeyError), the run untouched.
+    saved = (rd / "args.json").read_text()
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train_arpo.py"), "--resume", str(rd)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "not a train_arpo.py run" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and (rd / "args.json").read_text() == saved
+
 
 def test_distillation_across_a_generation_boundary_and_no_world_model(speaker, tmp_path):
     rd = tmp_path / "distill"
     # Generation 1 alone, full fine-tuning (KL against a frozen copy), world model OFF: the
     # release silently stopped training the actor here; ours must still update it.
     common = ["--rewards", "all,no_world_model,no_text,no_intent,no_intent_click", "--lora-rank", 0, "--lr", 1e-3]
-    ok(run("--vms", 2, "--model", speaker, "--generations", 1, "--iterations-per-generation", 1, "--steps", 3,
+    ok(run("--vms", 2, "--model", speaker, "--generations", 1, "--iterations-per-generation", 1, "--steps", 2,
            "--run-name", rd, *common, *FAST))
     m0 = metrics(rd)[0]
     assert m0["actor/updated"] == 1 and m0["actor/tokens"] > 0 and m0["actor/grad_norm"] > 0
@@ -143,20 +151,74 @@ def test_distillation_across_a_generation_boundary_and_no_world_model(speaker, t
     assert [(m["iteration"], m["generation"]) for m in lines] == [(0, 1), (1, 2)]
     assert lines[1]["distill/samples"] == len(data) and lines[1]["distill/nll_first"] > 0
     assert "E2: SFT on" in p.stdout
-    assert weights_differ(speaker, rd / "models" / "E2_sft") > 0
+    assert weights_differ(speaker, rd / "models" / "E2_sft") > 0  # the SFT moved the weights
     assert (rd / "models" / "E2" / "config.json").exists() and (rd / "distill" / "gen2.jsonl").exists()
+
+    # A third generation with --distill-epochs 0 tells the starting point apart: a generation that
+    # started from the previous one (E2, which RL moved away from the base) would differ; from the
+    # BASE model with no SFT step, E3_sft is the base, bit for bit. And its SFT set is ALL distilled
+    # data so far: gen1 + gen2, not gen2 alone.
+    assert weights_differ(speaker, rd / "models" / "E2") > 0
+    p = ok(run("--resume", rd, "--generations", 3, "--distill-epochs", 0))
+    lines = metrics(rd)
+    assert [(m["iteration"], m["generation"]) for m in lines] == [(0, 1), (1, 2), (2, 3)]
+    n1, n2 = (len((rd / "distill" / f"gen{g}.jsonl").read_text().splitlines()) for g in (1, 2))
+    assert n1 > 0 and n2 > 0, "each generation must distill something for this check to mean anything"
+    assert lines[2]["distill/samples"] == n1 + n2 and lines[2]["distill/steps"] == 0
+    assert weights_differ(speaker, rd / "models" / "E3_sft") == 0.0
+    assert (rd / "models" / "E3" / "config.json").exists() and (rd / "distill" / "gen3.jsonl").exists()
 
 
 def test_eval_only_reports_diversity(tmp_path):
     rd = tmp_path / "eval"
-    p = ok(run("--eval-only", "--vms", 2, "--model", "tiny", "--eval-episodes", 3, "--steps", 2, "--run-name", rd, *FAST))
+    # `--episodes` as issue 4 writes it (an alias of --eval-episodes)
+    p = ok(run("--eval-only", "--vms", 2, "--model", "tiny", "--episodes", 3, "--steps", 2, "--run-name", rd, *FAST))
     report = json.loads((rd / "eval.json").read_text())
+    assert report["same_screen_hash_bits"] == 2
     for who in ("policy", "random"):
         s = report[who]["summary"]
         assert s["episodes"] == 3 and len(report[who]["episodes"]) == 3
-        assert 1 <= s["distinct_screens"] <= 3 and s["distinct_screens_all"] >= 1  # s_0 + 2 after-screens
+        # s_0 + 2 after-screens per episode: 1..3 distinct, by hash and by features
+        assert 1 <= s["distinct_screens"] <= 3 and 1 <= s["distinct_screens_feat"] <= 3
+        assert s["distinct_screens_all"] >= 1 and 0.0 <= s["diversity"] <= 2.0
+        assert s["windows"] >= 0 and s["windows_truncated"] == 0
+        for e in report[who]["episodes"]:
+            assert len(e["hashes"]) == 3 and e["windows"] == len(e["window_titles"])
+            assert (e["diversity"] == 0.0) == (e["distinct_screens"] == 1)  # no pair, no diversity
     assert report["random"]["summary"]["format"] == 1.0  # random actions are always well formed
-    assert "policy" in p.stdout and "random" in p.stdout and "screens/ep" in p.stdout
+    for head in ("screens/ep", "feat scr/ep", "screens all", "diversity", "windows/ep"):
+        assert head in p.stdout
+    assert "policy" in p.stdout and "random" in p.stdout
+
+
+def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
+    """In process, on the session's real desktop: a scripted chooser that opens the terminal (a
+    double-click on its icon) and a still one that only moves the mouse, through run_eval."""
+    from env import Action, Parsed
+    from task_solutions import ICONS
+
+    def chooser(first: Action):
+        def choose(images):
+            calls.append(len(images))
+            act = first if len(calls) % 3 == 1 else Action("move", x=700, y=400)  # 3 steps per episode
+            return [(json.dumps(act.to_dict()), Parsed(act, ""), None) for _ in images]
+        return choose
+    calls = []
+    x, y = ICONS["Terminal"]
+    choosers = {"opener": chooser(Action("double_click", x=x, y=y)), "still": chooser(Action("move", x=600, y=300))}
+    pool = VMPool([vm_desktop.url], token=vm_desktop.token, timeout=30)
+    try:
+        args = T.Args(steps=3, settle=1.0, eval_episodes=1)
+        report = T.run_eval(pool, {0}, choosers, args, str(tmp_path))
+    finally:
+        pool.reset()
+        pool.close()
+    opener, still = report["opener"]["episodes"][0], report["still"]["episodes"][0]
+    assert opener["windows"] >= 1 and any("xterm" in t for t in opener["window_titles"]), opener
+    assert opener["distinct_screens"] >= 2 and opener["diversity"] > 0.1
+    # Nothing opened, the screen never changed: one screen, no diversity, no window.
+    assert (still["windows"], still["distinct_screens"], still["diversity"]) == (0, 1, 0.0), still
+    assert json.loads((tmp_path / "eval.json").read_text())["opener"]["summary"]["windows"] >= 1
 
 
 def _free_port():
@@ -170,6 +232,7 @@ def _free_port():
     (["--steps", "0"], "--steps must be at least 1"),
     (["--rewards", "all,no_such_term"], "Unknown reward component"),
     (["--vms", "http://127.0.0.1:{port}", "--model", "tiny"], "None of the 1 VM(s) answered"),
+    (["--vms", "1", "--model", "/no/such/model"], "No model folder at '/no/such/model'"),  # found after the run folder
 ])
 def test_user_errors_end_in_one_sentence(argv, says, tmp_path):
     argv = [a.format(port=_free_port()) for a in argv] + ["--run-name", str(tmp_path / "x")]
@@ -221,6 +284,37 @@ def test_distinct_screens_greedy_clustering():
     assert T.distinct_screens(f[:1], 0.95) == 1
 
 
+def test_dhash_and_hash_clustering():
+    # A 9 x 8 image whose every row gets brighter to the right: all 64 bits are 1. Reverse the top
+    # row: its 8 bits (the highest) become 0 -> 0x00ffffffffffffff.
+    ramp = np.tile(np.arange(9, dtype=np.uint8) * 20, (8, 1))  # (8, 9)
+    assert T.dhash(Image.fromarray(ramp)) == 2 ** 64 - 1
+    flipped = ramp.copy()
+    flipped[0] = flipped[0][::-1]
+    assert T.dhash(Image.fromarray(flipped)) == 0x00FFFFFFFFFFFFFF
+    # A flat screen has no brighter neighbour anywhere: 0. Any size is box-averaged to 9 x 8 first.
+    assert T.dhash(Image.new("RGB", (1280, 720), (40, 80, 120))) == 0
+    # Hashes 0b0000, 0b0011 (2 bits from the first), 0b0111 (3 from the first), 0b1111 (4 from the
+    # first, 1 from the third). max_bits 2: 0 leads, 0b0011 joins it, 0b0111 is new (3 > 2), 0b1111
+    # joins 0b0111 (1 bit) -> leaders [0, 2]. max_bits 0: every hash is its own screen.
+    assert T.hash_leaders([0b0000, 0b0011, 0b0111, 0b1111], 2) == [0, 2]
+    assert T.hash_leaders([0b0000, 0b0011, 0b0111, 0b1111], 0) == [0, 1, 2, 3]
+    assert T.hash_leaders([5, 5, 5], 0) == [0] and T.hash_leaders([], 2) == []
+
+
+def test_pairwise_diversity():
+    # Rows (1, 0), (0, 1), (0.6, 0.8): cosines 0, 0.6, 0.8 -> 1 - cos = 1, 0.4, 0.2 -> mean 1.6 / 3
+    f = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]])  # (3, 2)
+    assert abs(T.pairwise_diversity(f) - 1.6 / 3) < 1e-6
+    assert T.pairwise_diversity(f[:1]) == 0.0 and T.pairwise_diversity(f[:0]) == 0.0  # no pair
+    assert abs(T.pairwise_diversity(f[:2]) - 1.0) < 1e-6
+
+
+def test_episodes_flag_is_an_alias():
+    assert T.parse_args(["--episodes", "7"])[0].eval_episodes == 7
+    assert T.parse_args(["--eval-episodes", "5"])[0].eval_episodes == 5
+
+
 def test_top_steps_keeps_the_best_fraction():
     steps = [{"reward": r, "id": i} for i, r in enumerate([0.5, 2.0, 1.0, 2.0, 0.1, 0.7, 0.9])]
     # 7 valid steps, top 0.3 -> ceil(2.1) = 3: rewards 2.0 (id 1), 2.0 (id 3, the tie keeps time
@@ -234,3 +328,5 @@ def test_parse_window_titles():
     assert T.parse_window_titles("windows: ['xterm', 'galculator']") == ["xterm", "galculator"]
     assert T.parse_window_titles('windows: ["it\'s a file", \'Mousepad\']') == ["it's a file", "Mousepad"]
     assert T.parse_window_titles("windows: []") == [] and T.parse_window_titles("") == []
+    # an editor's unsaved mark is not a new window; a list cut mid-title keeps the whole ones
+    assert T.parse_window_titles("windows: ['*Untitled 1 - Mousepad', 'xter") == ["Untitled 1 - Mousepad"]

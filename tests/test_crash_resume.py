@@ -195,12 +195,14 @@ def opt_steps(sd: dict) -> int:
     return int(max(float(v["step"]) for v in sd["state"].values())) if sd["state"] else 0
 
 
-def crash_and_resume(script: str, fresh: list[str], run: str, seed: int, kills: int, between=None) -> dict:
+def crash_and_resume(script: str, fresh: list[str], run: str, seed: int, kills: int, between=None,
+                     before_kill=None) -> dict:
     """Run `script` to its end through `kills` SIGKILLs at seeded random moments, then a last run to
     the end. Each kill: after 0, 1 or 2 new checkpoints (0: anywhere in the first 8 s, startup
     included), then a uniform 0-1.2 s more, i.e. anywhere inside an iteration -- whatever the load
     on the machine. After each kill the run folder is checked; the resumed process's first new
-    checkpoint is kept next to the one before the kill. -> figures and (before, after) pairs."""
+    checkpoint is kept next to the one before the kill. between(run, checkpoint state) runs before
+    each resume, before_kill(process) right before each kill. -> figures and (before, after) pairs."""
     rng, pairs, tried, survived, outputs = random.Random(seed), [], 0, 0, []
     for attempt in range(kills + 1):
         argv = ["--resume", run] if os.path.exists(os.path.join(run, "args.json")) else fresh
@@ -221,6 +223,8 @@ def crash_and_resume(script: str, fresh: list[str], run: str, seed: int, kills: 
                 if wait_its == 0 or (stamp is not None and int(stamp) - base >= wait_its):
                     kill_at = time.time() + delay
             if kill_at is not None and time.time() >= kill_at:
+                if before_kill is not None:
+                    before_kill(p)
                 p.kill()
                 tried += 1
                 break

@@ -2,7 +2,8 @@
 screen features, the world model (learns; every parameter gets a gradient), and real OCR
 (tesseract) + the real offline sentence embedder on rendered screens.
 
-Run: python -m pytest -q tests/test_rewards.py        (about 30 s on 2 CPU cores)
+Run: python -m pytest -q tests/test_rewards.py        (about 30 s on 2 CPU cores, plus a desktop's start)
+The world model is also trained on 12 real transitions of a real desktop (vm_server.py --xvfb).
 """
 import logging
 import shutil
@@ -315,6 +316,68 @@ def test_world_model_learns_and_curiosity_decays():
     wm2 = R.WorldModel(**wm.config)
     wm2.load_state_dict(wm.state_dict())
     assert torch.equal(R.predict_next(wm2, s, actions, e)[0], R.predict_next(wm, s, actions, e)[0])
+
+
+@pytest.fixture(scope="module")
+def real_transitions(vm_desktop):
+    """(befores, actions, afters): 12 real transitions of the session's real desktop (conftest.py),
+    screenshot -> action -> screenshot, the kinds an explorer takes: open apps from their icons,
+    click elsewhere, a context menu, type, keys. The desktop is reset before and after."""
+    import time
+
+    from env import VMClient
+    from task_solutions import ICONS
+    vm = VMClient(vm_desktop.url, vm_desktop.token, timeout=60)
+    (tx, ty), (cx, cy) = ICONS["Terminal"], ICONS["Calculator"]
+    plan = [({"type": "click", "x": 700, "y": 400}, 0.3),           # empty desktop: nothing happens
+            ({"type": "right_click", "x": 700, "y": 400}, 0.5),     # the desktop's context menu
+            ({"type": "key", "keys": ["escape"]}, 0.3),             # ... closed again
+            ({"type": "double_click", "x": tx, "y": ty}, 1.5),      # a terminal window opens
+            ({"type": "type", "text": "ls"}, 0.3),                  # a little text in it
+            ({"type": "key", "keys": ["enter"]}, 0.5),              # the listing
+            ({"type": "click", "x": 1000, "y": 650}, 0.3),          # elsewhere
+            ({"type": "double_click", "x": cx, "y": cy}, 1.5),      # a calculator opens
+            ({"type": "type", "text": "12"}, 0.3),
+            ({"type": "key", "keys": ["escape"]}, 0.3),
+            ({"type": "right_click", "x": 1100, "y": 200}, 0.5),
+            ({"type": "key", "keys": ["escape"]}, 0.3)]
+    vm.reset()
+    try:
+        befores, actions, afters = [], [], []
+        shot = vm.screenshot()
+        for action, settle in plan:
+            vm.act(action)
+            time.sleep(settle)
+            befores.append(shot)
+            actions.append(action)
+            shot = vm.screenshot()
+            afters.append(shot)
+    finally:
+        vm.reset()
+    return befores, actions, afters
+
+
+def test_world_model_learns_on_real_desktop_transitions(real_transitions):
+    befores, actions, afters = real_transitions
+    s, s2 = R.screen_features(befores), R.screen_features(afters)  # (12, D) each
+    change = 1 - R.cosine(s, s2)  # (12,) how much each action changed the screen
+    assert change.max() > 0.2, "no action changed the screen: the desktop did not react"
+    torch.manual_seed(0)
+    wm = R.WorldModel(hidden=64)
+    opt = torch.optim.AdamW(wm.parameters(), lr=3e-3)
+    cur = lambda: 1 - R.cosine(s2, R.predict_next(wm, s, actions)[0])  # (12,) image curiosity
+    cur0 = cur()
+    # Untrained, the model predicts "no change" (small heads on a residual): its curiosity is about
+    # how much the screen changed.
+    assert torch.allclose(cur0, change, atol=0.05)
+    first = R.train_world_model(wm, opt, s, actions, s2, epochs=3, batch_size=4)
+    for _ in range(20):  # the same real transitions again and again
+        m = R.train_world_model(wm, opt, s, actions, s2, epochs=3, batch_size=4)
+    assert m["wm/loss"] < 0.3 * first["wm/loss_first_epoch"]
+    # The transition that surprised it most (an app window opening) is no longer a surprise.
+    k = int(cur0.argmax())
+    assert cur()[k] < 0.3 * cur0[k], (actions[k], float(cur0[k]), float(cur()[k]))
+    assert cur().mean() < 0.3 * cur0.mean()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,9 +4,10 @@ Run: python -m pytest -q tests/test_tasks.py   (needs Xvfb & co from setup.sh; ~
 
 For every task, on a real `vm_server.py --xvfb` desktop over real HTTP: /reset, the task's /setup,
 then (a) doing nothing must score 0.0 and (b) replaying its scripted solution
-(tests/task_solutions.py) must score 1.0. Infeasible tasks are scored the way ARPO/OSWorld score
-them, client side: 1.0 iff the agent's last action is `fail` (no /evaluate call), so a solution
-ending in `fail` scores 1 and doing nothing or `done` scores 0.
+(tests/task_solutions.py) must score 1.0. Every episode is scored by train_arpo.outcome_scores, the
+rule training uses; infeasible tasks the way ARPO/OSWorld score them, client side: 1.0 iff the
+agent's last action is `fail` (no /evaluate call), so a solution ending in `fail` scores 1 and doing
+nothing or `done` scores 0.
 
 Speed: the tasks are spread over DESKTOPS desktops (the session's shared one from conftest.py plus
 extra ones), one thread per desktop pulling from a common queue; a desktop is reused across tasks
@@ -29,6 +30,7 @@ import pytest
 from conftest import start_vm_server
 from env import Action, Task, VMClient, load_tasks
 from task_solutions import SCREEN, SOLUTIONS
+from train_arpo import outcome_scores
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tasks")
 TASKS = load_tasks(TASKS_DIR)
@@ -36,11 +38,17 @@ DESKTOPS = 3  # 2 would do on 2 cores, but the desktops mostly wait on `wait` ac
 
 
 def episode_score(task: Task, actions: list[dict], vm: VMClient) -> float:
-    """The score of an episode that played `actions`: ARPO's rule. An infeasible task scores 1 iff
-    the last action is `fail` (decided here, never sent to /evaluate); otherwise the evaluator's."""
-    if task.infeasible:
-        return float(bool(actions) and actions[-1]["type"] == "fail")
-    return vm.evaluate(task.evaluator)["score"]
+    """The score of an episode that played `actions`, by the rule train_arpo.py trains and evaluates
+    with (train_arpo.outcome_scores): an infeasible task scores 1 iff the last action is `fail`
+    (decided client side, never sent to /evaluate); otherwise the evaluator's. These episodes end
+    with done/fail or are stopped by the test, never by the step limit, so the standard protocol
+    must agree with the hard one."""
+    last = actions[-1]["type"] if actions else None
+    end = last if last in ("done", "fail") else None
+    score = None if task.infeasible else vm.evaluate(task.evaluator)["score"]
+    hard, standard = outcome_scores(task.infeasible, actions, end, score)
+    assert hard == standard, (task.id, actions, hard, standard)
+    return hard
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,8 +43,18 @@ def make_run_dir(root: str, name: str | None, args, resume: str | None = None) -
             raise SystemExit(f"{path} already holds a run; use --resume {path} or another --run-name.")
     os.makedirs(os.path.join(path, "trajectories"), exist_ok=True)
     with open(os.path.join(path, "args.json"), "w") as f:
-        json.dump(asdict(args) if is_dataclass(args) else dict(args), f, indent=2)
+        json.dump(public_args(args), f, indent=2)
     return path
+
+
+def public_args(args) -> dict:
+    """The run's args for disk (args.json, every checkpoint): --token blanked. Run folders get
+    copied and shared (view.py puts args.json into its HTML report), and the token gives control
+    of the VMs; on resume, pass --token again or set VM_TOKEN."""
+    d = dict(asdict(args) if is_dataclass(args) else args)
+    if d.get("token"):
+        d["token"] = ""
+    return d
 
 
 def _fsync_dir(path: str) -> None:
@@ -63,6 +73,8 @@ def save_checkpoint(run: str, state: dict, write_extra=None, metrics: dict | Non
     `metrics`: the iteration's metrics line, kept in the checkpoint (metrics.json) so that a kill
     between this call and log_metrics loses no line: trim_metrics writes it back on resume.
     """
+    if isinstance(state.get("args"), dict):
+        state = {**state, "args": public_args(state["args"])}  # no secret in a checkpoint either
     tmp = os.path.join(run, f"ckpt.tmp-{os.getpid()}")
     for name in os.listdir(run):  # ours from before, or a killed save's: never picked, only disk
         if name.startswith("ckpt.tmp-"):

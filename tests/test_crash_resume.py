@@ -369,3 +369,16 @@ def test_a_killed_trainer_takes_its_local_desktops_along(tmp_path):
         os.kill(d, signal.SIGKILL)
     assert not left, f"{len(left)} desktop processes outlived their trainer"
     assert len(homes) == 1 and not os.path.exists(os.path.dirname(homes.pop()))  # a clean exit: its temp HOME went too
+
+
+def test_the_vm_token_never_reaches_the_run_folder(tmp_path):
+    """args.json and checkpoints get copied and shared (view.py renders args.json into HTML): the
+    --token that controls the VMs must not be in them. A resume takes it again from --token/VM_TOKEN."""
+    from train_arpo import Args
+    run = rundir.make_run_dir(str(tmp_path), "r", Args(token="s3cret-token"))
+    rundir.save_checkpoint(run, {"iteration": 0, "args": {"token": "s3cret-token", "lr": 1.0}})
+    for root, _, files in os.walk(run):
+        for f in files:
+            assert b"s3cret-token" not in open(os.path.join(root, f), "rb").read(), f
+    assert json.load(open(os.path.join(run, "args.json")))["token"] == ""
+    assert rundir.load_checkpoint(run)[0]["args"] == {"token": "", "lr": 1.0}

@@ -708,6 +708,12 @@ class Handler(BaseHTTPRequestHandler):
     lock = threading.Lock()         # one mouse, one keyboard: one request at a time
     verbose = False
 
+    def handle(self):
+        try:
+            super().handle()
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # the client hung up (it timed out, or died): nobody to answer, nothing to log
+
     def do_GET(self):
         self._serve("GET")
 

@@ -518,3 +518,27 @@ def test_a_non_loopback_bind_needs_a_token(host):
         r = subprocess.run([sys.executable, SERVER, "--host", host, "--port", "0", *token], env=env,
                            capture_output=True, text=True, timeout=30)
         assert r.returncode != 0 and "without a token" in r.stderr, (host, r.stderr)
+
+
+def test_a_client_that_hangs_up_leaves_no_traceback(vm_desktop, tmp_path):
+    """A trainer that times out (or dies) closes its connection before the answer: the server must
+    shrug, not print a BrokenPipeError traceback into its log for every such request."""
+    err = tmp_path / "stderr.txt"
+    env = {**os.environ, "DISPLAY": vm_desktop.display, "HOME": str(tmp_path)}
+    with open(err, "w") as f:
+        p = subprocess.Popen([sys.executable, SERVER, "--port", "0", "--token", "t0k"], env=env, stdout=subprocess.PIPE,
+                             stderr=f, text=True, start_new_session=True)
+    try:
+        url = p.stdout.readline().split()[2]
+        host, port = url.split("//")[1].split(":")
+        for _ in range(10):
+            s = socket.create_connection((host, int(port)))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # close = RST
+            s.sendall(http_bytes("GET", "/screenshot", token="t0k"))
+            s.close()
+        time.sleep(1.0)
+        assert requests.get(url + "/health", headers={"Authorization": "Bearer t0k"}, timeout=10).status_code == 200
+    finally:
+        p.terminate()
+        p.wait(10)
+    assert "Traceback" not in err.read_text(), err.read_text()[-1500:]

@@ -81,6 +81,8 @@ TEXT_EXTS = (".txt", ".md", ".csv", ".json", ".log", ".py", ".sh", ".conf", ".in
 #           value too) must be a path inside HOME -- on the safe side, a grep pattern like '/usr' is
 #           refused as well.
 # No path may name a hidden file or folder (.bashrc, .config/...): shells and GTK run code from them.
+# Left out on purpose: sha256sum/md5sum -c (reads the files its list names, anywhere), diff -r
+# (follows symlinks), find -L, grep -R, cp -s.
 # xdotool runs only window commands: no input (key, type, click), no exec, no behave. xterm takes
 # -T/-title/-geometry/-hold and `-e PROG ARGS` with PROG allow-listed and ARGS under PROG's rule.
 # A program added with --allow-exec is the operator's choice and takes any arguments.
@@ -91,10 +93,10 @@ ARGV_RULES = {
     "ls": "-l -a -A -1 -R -h -t -r -S -d -F", "cat": "-n -b -s -A -E -T", "wc": "-l -w -c -m -L",
     "grep": "-q -c -i -v -n -l -L -w -x -E -F -o -s -h -H -r -e -m", "head": "-n -c -q", "tail": "-n -c -q",
     "test": "-e -f -d -s -r -w -x -L -h -n -z -nt -ot -eq -ne -lt -le -gt -ge -a -o", "stat": "-c -t",
-    "sha256sum": "-b -t -c", "md5sum": "-b -t -c", "mkdir": "-p -v", "touch": "-c -a -m", "bc": "-l -q",
+    "sha256sum": "-b -t", "md5sum": "-b -t", "mkdir": "-p -v", "touch": "-c -a -m", "bc": "-l -q",
     "cp": "-r -R -a -f -n -p -v -T -u", "mv": "-f -n -v -T -u", "date": "-u -R -I -d", "uniq": "-c -d -u -i",
     "find": "-name -iname -type -maxdepth -mindepth -path -ipath -size -empty -print -newer -mtime -mmin -not -a -o",
-    "sort": "-r -n -u -f -b -h -V -s -k -t -o", "diff": "-u -q -r -N -i -w -b -B -s", "cmp": "-s -l -b",
+    "sort": "-r -n -u -f -b -h -V -s -k -t -o", "diff": "-u -q -N -i -w -b -B -s", "cmp": "-s -l -b",
     "xdotool": "xdotool",
 }
 XDOTOOL_OK = frozenset("search getactivewindow getwindowfocus getwindowname getwindowpid getwindowgeometry "
@@ -319,7 +321,8 @@ def check_args(desk: Desktop, argv: list[str]) -> list[str]:
     """argv as it will run, per ARGV_RULES (GUI paths made absolute); BadRequest if refused. Applied
     to the request's argv when it is checked AND right before the program starts: an earlier step
     may have put a symlink where a path pointed."""
-    rule, name, out = ARGV_RULES.get(argv[0], "free"), argv[0], argv[:1]
+    # --allow-exec extras are free; a default program without a rule would take no arguments
+    rule, name, out = ARGV_RULES.get(argv[0], "none" if argv[0] in DEFAULT_ALLOW else "free"), argv[0], argv[:1]
     if rule == "free":
         return list(argv)
     if rule == "none" and len(argv) > 1:

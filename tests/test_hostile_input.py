@@ -265,7 +265,8 @@ def hostile_requests(rng: random.Random, token: str, outside: str) -> list[tuple
         ["touch", pwn], ["mkdir", pwn], ["mkdir", ".config/x"], ["touch", ".bashrc"], ["/usr/bin/cat", "notes.txt"],
         ["./cat"], ["../bin/cat"], ["rm", "-rf", "/"], ["sh", "-c", "touch " + pwn], ["python3", "-c", "1"], ["bash"],
         ["env", "touch", pwn], ["nice", "cat"], ["timeout", "1", "sh"], ["xargs"], ["perl", "-e", "1"], ["ln", "-s", "/", "x"],
-        ["chmod", "777", "/"], ["cat", "--", "/etc/passwd"], ["head", "-n", "1", "/etc/passwd"], ["ls", "-la", "/root"],
+        ["chmod", "777", "/"], ["cat", "--", "/etc/passwd"], ["sha256sum", "-c", "notes.txt"], ["md5sum", "--check", "x"],
+        ["diff", "-r", "Documents", "out_link"], ["diff", "-r", "Documents", "Pictures"], ["head", "-n", "1", "/etc/passwd"], ["ls", "-la", "/root"],
     ]
     for argv in argvs:
         post(f"argv command {argv}", "/setup", {"steps": [{"type": "command", "argv": argv, "timeout": 5}]})
@@ -542,3 +543,9 @@ def test_a_client_that_hangs_up_leaves_no_traceback(vm_desktop, tmp_path):
         p.terminate()
         p.wait(10)
     assert "Traceback" not in err.read_text(), err.read_text()[-1500:]
+
+
+def test_every_default_program_has_an_argument_rule():
+    sys.path.insert(0, os.path.dirname(SERVER))
+    import vm_server
+    assert set(vm_server.ARGV_RULES) == set(vm_server.DEFAULT_ALLOW)

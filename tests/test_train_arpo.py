@@ -5,7 +5,10 @@
 - smoke: `python train_arpo.py --vms 4 --group-size 2 --model tiny --iterations 2 --max-steps 3` end to
   end as a subprocess, then `--resume` for one more iteration, then `--eval-only` (both protocols);
 - replay in a real iteration: a stored success of the forced task is injected into the tiny random
-  policy's all-failed group and trained on; `--no-replay` leaves the group alone;
+  policy's all-failed group and trained on; `--no-replay` leaves the group alone; a success is never
+  injected into another group of the SAME iteration; the buffer survives a real `--resume`;
+- user errors (bad flag values, --model, --tasks, --task-ids, unreachable VMs, the other script's
+  run) end in one sentence and leave no run folder;
 - task selection with a scripted stand-in policy (the task suite's solutions, as UI-TARS text) keeps
   exactly the tasks it solved at least once;
 - standard vs hard evaluation: an infeasible task that times out passes standard and fails hard;

@@ -9,7 +9,7 @@
    Columns: T, clean s, faulty s, extra = faulty - clean (ideally about T: the frozen VM's one
    call that has to expire), restarted s, dropped, trained-on VMs.
 2. train_explore.py as a subprocess on 4 local desktops: once iteration 1 is logged, its vm_server
-   children are found by their command lines; 0.5 s into iteration 2's rollout (after its reset)
+   children are found by their command lines; 1 s into iteration 2's rollout (after its reset; 8 steps)
    one is SIGKILLed (its whole
    process group) and one SIGSTOPped. The run must finish every iteration; printed: each
    iteration's time and live desktops, and that no desktop process is left (the frozen one is
@@ -115,9 +115,11 @@ def children(pid: int) -> list[int]:
 
 def explore_faults(iterations: int, run: str) -> dict:
     cmd = [sys.executable, os.path.join(ROOT, "train_explore.py"), "--vms", "4", "--model", "tiny",
-           "--iterations", str(iterations), "--steps", "3", "--max-pixels", "12544", "--max-new-tokens", "8",
-           "--threads", "1", "--settle", "0.2", "--vm-timeout", "8", "--update-actor-delay", "0", "--run-name", run]
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "--iterations", str(iterations), "--steps", "8", "--max-pixels", "12544", "--max-new-tokens", "8",
+           "--threads", "1", "--settle", "0.3", "--vm-timeout", "8", "--update-actor-delay", "0", "--run-name", run]
+    # Output to a file, not a pipe we only read at the end: a full pipe would stall the trainer.
+    log = tempfile.TemporaryFile("w+")
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     metrics = os.path.join(run, "metrics.jsonl")
     victims = []
     try:
@@ -127,13 +129,13 @@ def explore_faults(iterations: int, run: str) -> dict:
             if n >= 2:
                 break
             time.sleep(0.05)
-        # into iteration 2's rollout: past its reset (as long as the earlier ones took), plus 0.5 s
-        time.sleep(max(json.loads(x).get("time/reset", 0) for x in open(metrics)) + 0.5)
+        # into iteration 2's rollout (8 steps, ~4 s): past its reset (as long as the earlier ones took) + 1 s
+        time.sleep(max(json.loads(x).get("time/reset", 0) for x in open(metrics)) + 1.0)
         servers = [c for c in children(p.pid) if b"vm_server.py" in open(f"/proc/{c}/cmdline", "rb").read()]
         victims = [(servers[1], group_pids(servers[1])), (servers[2], group_pids(servers[2]))]
         os.killpg(servers[1], signal.SIGKILL)
         os.killpg(servers[2], signal.SIGSTOP)
-        out = p.communicate(timeout=600)[0]
+        p.wait(timeout=600)
     finally:
         if p.poll() is None:
             p.kill()
@@ -143,6 +145,8 @@ def explore_faults(iterations: int, run: str) -> dict:
             except ProcessLookupError:
                 pass
     time.sleep(2)
+    log.seek(0)
+    out = log.read()
     lines = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
     return {"rc": p.returncode, "lines": lines, "left": [x for _, g in victims for x in g if alive(x)],
             "tail": out[-1500:]}
@@ -157,7 +161,7 @@ def main():
     os.makedirs(os.path.join(tmp, "tasks"))
     with open(os.path.join(tmp, "tasks", "t.json"), "w") as f:
         json.dump(TASK, f)
-    rows = [arpo_faults(float(t), os.path.join(tmp, "tasks")) for t in a.timeouts.split(",")]
+    rows = [arpo_faults(float(t), os.path.join(tmp, "tasks")) for t in a.timeouts.split(",") if t]
     print("train_arpo.run_iteration, 4 desktops (groups [0,1], [2,3]); VM 1 SIGKILLed + VM 2 SIGSTOPped at step 1")
     print(f"{'timeout s':>9} {'clean s':>8} {'faulty s':>9} {'extra s':>8} {'extra/T':>8} {'restarted s':>12} "
           f"{'dropped':>8} {'trained on':>11} {'next it (eps, dropped)':>23} {'procs left':>10}")
@@ -173,8 +177,9 @@ def main():
               f"(reset {m.get('time/reset', 0):.1f} s)")
     if e["rc"] != 0:
         print(e["tail"])
-    r = rows[-1]
-    print(f"vm_fault_extra_per_timeout_s: {(r['faulty'] - r['clean']) / r['timeout']:.2f}")
+    if rows:
+        r = rows[-1]
+        print(f"vm_fault_extra_per_timeout_s: {(r['faulty'] - r['clean']) / r['timeout']:.2f}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -163,8 +164,18 @@ def speaker(tmp_path_factory):
 
 def start(script: str, argv: list[str]) -> subprocess.Popen:
     env = dict(os.environ, VM_TOKEN=TOKEN)  # not --token: a resume must find the VMs the same way
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, script), *argv], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Output to a file (p.log), not a pipe read only at the end: a full pipe would stall the trainer.
+    log = tempfile.TemporaryFile("w+")
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, script), *argv], cwd=ROOT, env=env,
+                         stdout=log, stderr=subprocess.STDOUT, text=True)
+    p.log = log
+    return p
+
+
+def output(p: subprocess.Popen) -> str:
+    p.wait(timeout=60)
+    p.log.seek(0)
+    return p.log.read()
 
 
 def snapshot(run: str, live: bool = False) -> dict | None:
@@ -229,7 +240,7 @@ def crash_and_resume(script: str, fresh: list[str], run: str, seed: int, kills: 
                 tried += 1
                 break
             time.sleep(0.02)
-        out = p.communicate(timeout=60)[0]
+        out = output(p)
         outputs.append(out[-1500:])
         after = snapshot(run)  # the folder a resume would read: complete, or no checkpoint at all
         survived += attempt < kills and p.returncode == -signal.SIGKILL
@@ -351,7 +362,7 @@ def test_a_killed_trainer_takes_its_local_desktops_along(tmp_path):
         deadline = time.time() + 120
         while not os.path.exists(os.path.join(run, "metrics.jsonl")) and time.time() < deadline and p.poll() is None:
             time.sleep(0.2)
-        assert p.poll() is None, p.communicate()[0][-2000:]
+        assert p.poll() is None, output(p)[-2000:]
         servers = [c for c in _children(p.pid) if b"vm_server.py" in open(f"/proc/{c}/cmdline", "rb").read()]
         assert len(servers) == 1
         desktop = servers + [d for s in servers for d in _children(s)]  # the server, Xvfb, the session
@@ -360,7 +371,7 @@ def test_a_killed_trainer_takes_its_local_desktops_along(tmp_path):
                  if v.startswith("HOME=") and "/vm_server-" in v}  # the desktop's own temp HOME
     finally:
         p.kill()
-        p.communicate()
+        p.wait()
     deadline = time.time() + 15
     while any(map(_alive, desktop)) and time.time() < deadline:
         time.sleep(0.2)

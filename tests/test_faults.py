@@ -7,10 +7,9 @@ the tiny real Qwen2.5-VL on 4 local desktops in 2 groups of 2. In the middle of 
 the model answers step 1) desktop 1 is killed (SIGKILL to its vm_server's process group) and
 desktop 2 is frozen (SIGSTOP to its process group: it accepts connections and never answers). Must
 hold: the iteration ends within a clean iteration's time (after a warm-up one) plus about one
---vm-timeout; both drop out
-of their groups and nothing of theirs is trained on; the update still runs on the other two; the
-next iteration restarts both desktops (the frozen one is woken and stopped, no process left
-behind) and plays on all 4. The figures (clean / faulty / restarted iteration times against the
+--vm-timeout; both drop out of their groups and nothing of theirs is trained on; the update still
+runs on the other two; the next iteration restarts both desktops (the frozen one is woken and
+stopped, no process left behind) and plays on all 4. The figures (clean / faulty / restarted iteration times against the
 timeout) are printed; `python bench/vm_faults.py` also runs train_explore.py as a subprocess with a
 desktop killed and one frozen from outside.
 """

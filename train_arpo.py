@@ -819,7 +819,7 @@ def main(argv=None) -> None:
         ids = [t.id for t in tasks]
 
         # -- the loop: one iteration, then trajectories, checkpoint, metrics line, console line
-        trackers = progress.open_trackers(run, asdict(args), wandb=args.wandb, tensorboard=args.tensorboard)
+        trackers = progress.open_trackers(run, rundir.public_args(args), wandb=args.wandb, tensorboard=args.tensorboard)
         for it in progress.track(range(start, args.iterations), "iterations"):
             m, eps = run_iteration(tr, it, lambda n: pick_tasks(ids, picker, n, args.seed))
             t0 = time.perf_counter()

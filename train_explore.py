@@ -757,7 +757,7 @@ if __name__ == "__main__":
             policy.engine = M.VLLMEngine(policy, os.path.join(run, "vllm_init"))
 
         new_run = None  # set up: from here on the folder holds results
-        trackers = progress.open_trackers(run, asdict(args), wandb=args.wandb, tensorboard=args.tensorboard)
+        trackers = progress.open_trackers(run, rundir.public_args(args), wandb=args.wandb, tensorboard=args.tensorboard)
         for it in progress.track(range(start_it, total_iterations), "iterations"):
             t_iter = time.perf_counter()
             times = {}

@@ -31,6 +31,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch  # noqa: E402
 
@@ -38,6 +39,7 @@ import train_arpo as T  # noqa: E402
 from env import VMPool, load_tasks  # noqa: E402
 from grpo import ReplayBuffer  # noqa: E402
 from model import load_policy  # noqa: E402
+from test_crash_resume import _children as children  # noqa: E402  (one copy of the /proc walk)
 
 SMALL = 64 * 28 * 28
 TASK = {"id": "notes-there", "instruction": "Look at the notes.", "setup": [], "max_steps": 3,
@@ -100,17 +102,6 @@ def arpo_faults(timeout: float, tasks_dir: str) -> dict:
                 "after": (m2["episodes"], m2["dropped"]), "left": left}
     finally:
         pool.close()
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()[1] == str(pid):
-                out.append(int(name))
-        except (OSError, IndexError):
-            pass
-    return out
 
 
 def explore_faults(iterations: int, run: str) -> dict:

@@ -21,6 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vm_server import desktop_icons  # noqa: E402 -- the icon layout every --xvfb desktop uses
 
 SCREEN = (1280, 720)
+# Seconds to wait for a dialog (New Folder, Rename, Save As, a confirmation) to map before typing
+# into it. One was not always enough: on a loaded CI machine the New Folder dialog once took longer
+# and "archive" went to the file view instead. Two, as for an app start (see launch).
+DIALOG = 2
 ICONS = desktop_icons(SCREEN)  # label -> (x, y) centre of the icon, e.g. "Terminal" -> (74, 46)
 
 
@@ -53,7 +57,7 @@ def save_as(path: str) -> list[dict]:
     the current name, with only its stem selected), type a path, press enter. The enter is its own
     action, a second later: GTK completes a '~/' path in the background and swallows an enter that
     arrives before the completion does."""
-    return [wait(), key("ctrl", "a"), type_(path), wait(), key("enter"), wait()]
+    return [wait(DIALOG), key("ctrl", "a"), type_(path), wait(), key("enter"), wait()]
 
 
 def select(name_prefix: str) -> list[dict]:
@@ -105,10 +109,10 @@ SOLUTIONS: dict[str, list[dict]] = {
                            wait()],
 
     # -- file manager (setup opened the folder; the file view has the focus)
-    "files-rename": select("draft") + [key("f2"), wait(), key("ctrl", "a"), type_("final_report.txt"),
+    "files-rename": select("draft") + [key("f2"), wait(DIALOG), key("ctrl", "a"), type_("final_report.txt"),
                                        key("enter"), wait()],
-    "files-new-folder": [key("ctrl", "shift", "n"), wait(), type_("archive"), key("enter"), wait()],
-    "files-trash-file": select("old") + [key("delete"), wait(), key("enter"), wait()],  # confirm: Yes
+    "files-new-folder": [key("ctrl", "shift", "n"), wait(DIALOG), type_("archive"), key("enter"), wait()],
+    "files-trash-file": select("old") + [key("delete"), wait(DIALOG), key("enter"), wait()],  # confirm: Yes
     "files-copy-to-folder": select("holiday") + [key("ctrl", "c")] + goto("~/Backup")
     + [key("ctrl", "v"), wait()],
     "files-move-to-folder": select("report") + [key("ctrl", "x")] + goto("~/Documents")

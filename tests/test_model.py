@@ -178,6 +178,25 @@ def test_assistant_ids_verbatim(policy):
     assert cut.target_mask[len(head):len(head) + 4] == [1, 1, 1, 0]
 
 
+def test_encode_chats_equals_encode_chat_one_by_one(policy, images):
+    # generate() encodes through encode_chats (screenshots processed in threads); it must give
+    # exactly what encode_chat gives alone, for chats with 0, 1 and 3 images and sampled ids.
+    ids = M.encode_chat(policy, M.explore_messages(images[0])).input_ids[:5]
+    chats = [[{"role": "user", "content": "no image here"}],
+             M.explore_messages(images[1]),
+             M.uitars_messages("Do it.", images[:3], ["Thought: a\nAction: wait()", "x"]),
+             [*M.explore_messages(images[2]), {"role": "assistant", "content": ids}]]
+    for one, many in zip([M.encode_chat(policy, c) for c in chats], M.encode_chats(policy, chats)):
+        assert one.input_ids == many.input_ids and one.target_mask == many.target_mask
+        assert one.image_sizes == many.image_sizes
+        if one.pixel_values is None:
+            assert many.pixel_values is None and many.image_grid_thw is None
+        else:
+            assert torch.equal(one.pixel_values, many.pixel_values)
+            assert torch.equal(one.image_grid_thw, many.image_grid_thw)
+    assert [len(e.image_sizes) for e in M.encode_chats(policy, chats)] == [0, 1, 3, 1]
+
+
 def test_uitars_keeps_only_last_k_images(policy):
     shots = [_img(56 + 28 * i, 56, i) for i in range(5)]  # widths 56..168 tell them apart
     answers = [f"Thought: step {i}\nAction: wait()" for i in range(4)]

@@ -1,25 +1,31 @@
 """Benchmark: one batched generate call for N prompts vs N one-prompt calls (model.generate).
 
-    python bench/generate.py                       # 8 prompts, 64 new tokens, both image sizes
-    python bench/generate.py --n 16 --max-new-tokens 128 --max-pixels 1003520
+    python bench/generate.py                       # 8 prompts, 128 new tokens, both image sizes
+    python bench/generate.py --n 16 --max-new-tokens 64 --max-pixels 1003520
     python bench/generate.py --threads 1           # steadier on a machine shared with other jobs
 
 The workload is a ScreenExplorer step: N exploration prompts, each with its own 1280x720
-screenshot (random pixels), resized under --max-pixels. By default two sizes, one table row pair
-each: the library default 1280*28*28 (the full 1288x728 -> 1,196 image tokens, what a run uses
-unless told otherwise) and 256*28*28 (588x336 -> 252 image tokens, a common way to save compute).
-The headline (last line) is the speedup at the FIRST size given, i.e. the library default.
-Tiny random Qwen2.5-VL on CPU. Greedy decoding, so both ways produce the SAME tokens (checked)
-and the token counts are equal; the random model rarely stops early, so nearly every prompt
-runs the full --max-new-tokens.
+screenshot (random pixels), resized under --max-pixels, and train_explore's 128-token answer cap.
+By default two sizes, one table row pair each: the library default 1280*28*28 (the full 1288x728
+-> 1,196 image tokens, what a run uses unless told otherwise) and 256*28*28 (588x336 -> 252 image
+tokens, a common way to save compute). The headline (last line) is the speedup at the FIRST size
+given, i.e. the library default. Tiny random Qwen2.5-VL on CPU. Greedy decoding, so both ways
+produce the SAME tokens (checked) and the token counts are equal; the random model rarely stops
+early, so nearly every prompt runs the full --max-new-tokens. Each way is also timed with ONE new
+token ("prefill": image processing, vision tower, prompt forward); "decode" is the rest.
 
-Why batching wins: a decode step of a small model costs about the same for 1 row as for 8 (it
-is Python + kernel-launch overhead, not arithmetic), so N sequential calls pay N times the steps.
-The prefill (vision tower + prompt) is real arithmetic and does not batch for free, which is why
-the speedup shrinks as images grow: it is smaller at the default size than at 256*28*28.
-Measured on 2 shared CPU cores with --threads 1 (8 prompts, 64 tokens): 1.3x at the default size
-(batched 2.0 s vs sequential 2.6 s: the prefill of 8 x 1,352 tokens and 8 x 4,784 vision patches
-dominates) and 3.0x at 256*28*28. The issue's >= 4x target is met by neither here.
+Why batching wins, and where it cannot: a decode step of a small model costs about the same for
+1 row as for 8 (Python and kernel-launch overhead, not arithmetic), so N sequential calls pay N
+times the steps; the decode column shows that. The prefill is per-image arithmetic that does not
+batch away: the tiny tower's full-attention block over 4,784 patches and the image processor cost
+the same in both ways. So the end-to-end speedup shrinks as images grow, and the script prints its
+ceiling (sequential time / batched prefill time). Two things keep the batched prefill small: the
+screenshots are processed in parallel threads (model.encode_chats) and the vision tower attends
+all windows of one length in one call (vision_windows.py).
+Measured on this 2-core machine (8 prompts, 128 tokens): at the default size 2.19x end to end
+(0.93 s vs 2.04 s), decode alone 4.52x, ceiling 3.11x; at 256*28*28, 4.42x end to end. The
+issue's >= 4x holds for the decode and for the smaller screenshots, not end to end at the default
+size, where the ceiling itself is below 4.
 """
 from __future__ import annotations
 
@@ -42,21 +48,25 @@ def measure(args, max_pixels: int, shots: list) -> dict:
     prompts = [M.explore_messages(s) for s in shots]
     enc = M.encode_chat(policy, prompts[0])
 
-    def batched():
-        return M.generate(policy, prompts, max_new_tokens=args.max_new_tokens, temperature=0)
+    def batched(n=args.max_new_tokens):
+        return M.generate(policy, prompts, max_new_tokens=n, temperature=0)
 
-    def sequential():
-        return [M.generate(policy, [p], max_new_tokens=args.max_new_tokens, temperature=0)[0] for p in prompts]
+    def sequential(n=args.max_new_tokens):
+        return [M.generate(policy, [p], max_new_tokens=n, temperature=0)[0] for p in prompts]
 
     batched(), sequential()  # warm-up: first-call allocations, lazy imports
     # The two ways alternate within each repeat, so a burst of load from elsewhere on a shared
-    # machine hits both alike; the best time of each is kept.
-    times, outs = {"sequential": float("inf"), "batched": float("inf")}, {}
+    # machine hits both alike; the best time of each is kept. "prefill" = the same calls with ONE
+    # new token: image processing, vision tower and prompt forward, which is per-image work.
+    times, outs = {k: float("inf") for k in ("sequential", "batched", "sequential prefill", "batched prefill")}, {}
     for _ in range(args.repeats):
         for name, fn in [("sequential", sequential), ("batched", batched)]:
             t = time.perf_counter()
             outs[name] = fn()
             times[name] = min(times[name], time.perf_counter() - t)
+            t = time.perf_counter()
+            fn(1)
+            times[name + " prefill"] = min(times[name + " prefill"], time.perf_counter() - t)
     return dict(
         times=times, size=enc.image_sizes[0], prompt=len(enc.input_ids),
         n_img=enc.input_ids.count(policy.model.config.image_token_id),
@@ -67,7 +77,7 @@ def measure(args, max_pixels: int, shots: list) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=8, help="prompts (one screenshot each)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="train_explore's default (the paper's 128)")
     ap.add_argument("--max-pixels", type=int, nargs="+", default=[M.DEFAULT_MAX_PIXELS, 256 * 28 * 28],
                     help="image size caps, one table row pair each; the headline is the first")
     ap.add_argument("--threads", type=int, default=0,
@@ -83,18 +93,26 @@ def main():
     print(f"{args.n} prompts, one 1280x720 screenshot each, {args.max_new_tokens} new tokens max, greedy, "
           f"{torch.get_num_threads()} threads")
     print(f"{'max_pixels':>11} {'image':>9} {'img tok':>7} {'prompt':>6} {'way':>10} {'seconds':>8} "
-          f"{'new tok':>7} {'tok/s':>7} {'speedup':>7} {'same':>5}")
+          f"{'prefill':>7} {'decode':>7} {'new tok':>7} {'tok/s':>7} {'speedup':>7} {'decode x':>8} {'same':>5}")
     for mp, r in results:
-        w, h = r["size"]
+        w, h, t = *r["size"], r["times"]
         for name in ("sequential", "batched"):
-            sec = r["times"][name]
-            speed = f"{r['times']['sequential'] / sec:.2f}" if name == "batched" else ""
+            sec, pre = t[name], t[name + " prefill"]
+            speed = f"{t['sequential'] / sec:.2f}" if name == "batched" else ""
+            dec = f"{(t['sequential'] - t['sequential prefill']) / (sec - pre):.2f}" if name == "batched" else ""
             print(f"{mp:11d} {f'{w}x{h}':>9} {r['n_img']:7d} {r['prompt']:6d} {name:>10} {sec:8.3f} "
-                  f"{r['tokens']:7d} {r['tokens'] / sec:7.1f} {speed:>7} {str(r['same']):>5}")
+                  f"{pre:7.3f} {sec - pre:7.3f} {r['tokens']:7d} {r['tokens'] / sec:7.1f} {speed:>7} {dec:>8} "
+                  f"{str(r['same']):>5}")
     speedups = {mp: r["times"]["sequential"] / r["times"]["batched"] for mp, r in results}
-    first = args.max_pixels[0]
+    first, t = args.max_pixels[0], results[0][1]["times"]
+    # Amdahl: the prefill is per-image arithmetic that batching cannot remove. Even a decode that
+    # cost nothing in the batched call would leave it; this is the most any batching could give.
+    bound = t["sequential"] / t["batched prefill"]
     print(f"speedup at each size: {', '.join(f'{mp}: {s:.2f}x' for mp, s in speedups.items())}; "
           f"headline: max_pixels {first}" + (" (the library default)" if first == M.DEFAULT_MAX_PIXELS else ""))
+    print(f"at {first}: the batched prefill alone takes {t['batched prefill']:.3f} s, so no batching can beat "
+          f"{bound:.2f}x end to end there; the decode phase alone is "
+          f"{(t['sequential'] - t['sequential prefill']) / (t['batched'] - t['batched prefill']):.2f}x")
     print(f"generate_batch_speedup: {speedups[first]:.2f}")
 
 

@@ -129,7 +129,11 @@ def rng_state() -> dict:
     import random
 
     import numpy as np
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    # On a GPU, HF generate samples with the CUDA generator: without its state a resumed run would
+    # draw different answers from the same checkpoint.
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": cuda}
 
 
 def set_rng_state(s: dict) -> None:
@@ -139,6 +143,11 @@ def set_rng_state(s: dict) -> None:
     random.setstate(s["python"])
     np.random.set_state(s["numpy"])
     torch.set_rng_state(s["torch"])
+    # Absent in checkpoints written before it was saved; skipped when resuming on a machine with a
+    # different number of GPUs (or none), where the old states cannot be mapped one to one.
+    cuda = s.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def trim_metrics(run: str, next_iteration: int) -> None:

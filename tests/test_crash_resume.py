@@ -104,6 +104,23 @@ def prepare(run: str, start: str) -> str:
     return run
 
 
+def test_rng_state_round_trip_and_old_checkpoints():
+    # What a resume restores: the next draws of every generator equal the ones the run would have
+    # made. On a GPU machine the CUDA generators are in the state too (sampling uses them).
+    import numpy as np
+    state = rundir.rng_state()
+    assert ("cuda" in state) and (state["cuda"] is None) == (not torch.cuda.is_available())
+    draws = (random.random(), np.random.rand(), torch.rand(3).tolist(),
+             torch.rand(3, device="cuda").tolist() if torch.cuda.is_available() else None)
+    random.random(), np.random.rand(), torch.rand(3)  # the run moves on...
+    rundir.set_rng_state(state)                        # ...and is killed and resumed
+    assert draws == (random.random(), np.random.rand(), torch.rand(3).tolist(),
+                     torch.rand(3, device="cuda").tolist() if torch.cuda.is_available() else None)
+    old = {k: v for k, v in state.items() if k != "cuda"}  # a checkpoint from before "cuda" was saved
+    rundir.set_rng_state(old)
+    assert random.random() == draws[0]
+
+
 @pytest.mark.parametrize("start", ["normal", "after_a_kill_between_the_renames"])
 def test_save_checkpoint_killed_at_every_operation(tmp_path, start):
     _, total = save_killed_at(prepare(str(tmp_path / "probe"), start), make_state(2), None)

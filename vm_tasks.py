@@ -24,7 +24,9 @@ from __future__ import annotations
 import mimetypes
 import os
 import re
+import select
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -41,6 +43,7 @@ MAX_TEXT = 2000          # longest `type` text (env.py turns longer model output
 MAX_ITEMS = 64           # setup steps / evaluator checks per request
 MAX_READ = 10 << 20      # file_contains reads at most this much of a file
 MAX_OUTPUT = 64 << 10    # command stdout kept (it goes to a temp file, never into our memory)
+REGEX_SECONDS = 2.0      # an evaluator regex that runs longer than this fails its check (see _search)
 DEFAULT_ALLOW = frozenset(
     "xterm mousepad galculator pcmanfm xclock xeyes xcalc ls cat grep wc head tail test stat "
     "sha256sum md5sum mkdir touch cp mv echo sleep true false xdotool wmctrl bc date basename "
@@ -339,6 +342,40 @@ def check_check(desk: Desktop, c) -> dict:
     return c
 
 
+def _search(pattern: re.Pattern, texts: list[str]) -> bool | None:
+    """Does `pattern` occur in any of `texts`? None if it ran out of REGEX_SECONDS.
+
+    Python's re can take exponential time on patterns like `(a+)+$`, and a running match cannot be
+    interrupted: one such regex in a task file would freeze this server (and its desktop) for good.
+    So the match runs in a forked child that we kill when time is up. Forking shares the text
+    without copying it and costs about 2 ms; the child touches nothing but the pattern
+    and the texts, and leaves with os._exit (no cleanup of the parent's X connection or sockets).
+    """
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            os.close(r)
+            os.write(w, b"1" if any(pattern.search(t) for t in texts) else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    answer = b""
+    try:
+        if select.select([r], [], [], REGEX_SECONDS)[0]:
+            answer = os.read(r, 1)
+    finally:
+        os.close(r)
+        if not answer:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    return None if not answer else answer == b"1"
+
+
+def _regex_info(found: bool | None) -> str:
+    return f"the regex ran over {REGEX_SECONDS:g} s and was stopped" if found is None else ""
+
+
 def run_check(desk: Desktop, c: dict) -> tuple[bool, str]:
     """-> (passed, a short human-readable reason)."""
     t, exists = c["type"], c.get("exists", True)
@@ -352,19 +389,20 @@ def run_check(desk: Desktop, c: dict) -> tuple[bool, str]:
             return False, "the file does not exist"
         with open(c["path"], "rb") as f:
             text = f.read(MAX_READ).decode("utf-8", "replace")
-        ok = c["text"] in text if "text" in c else c["regex"].search(text) is not None
-        return ok, f"{'found' if ok else 'not found'} in {len(text)} characters"
+        found = c["text"] in text if "text" in c else _search(c["regex"], [text])
+        return bool(found), _regex_info(found) or f"{'found' if found else 'not found'} in {len(text)} characters"
     if t == "window_exists":
         titles = [title for ws, title in _server().list_windows(desk) if ws != -1]  # not the desktop/taskbar
-        return any(c["title"].search(x) for x in titles) == exists, f"windows: {titles}"[:500]
+        found = _search(c["title"], titles)
+        return found is not None and found == exists, (_regex_info(found) or f"windows: {titles}")[:500]
     code, out = run_command(desk, c["argv"], c["timeout"])
     if code is None:
         return False, "timed out"
     # The exit code must be `exit_code`; when not given, 0 -- unless the check is about stdout.
     want = c.get("exit_code", None if ("stdout" in c or "regex" in c) else 0)
     ok = want in (None, code) and c.get("stdout", "") in out
-    ok = ok and ("regex" not in c or c["regex"].search(out) is not None)
-    return ok, f"exit {code}, stdout {out[:200]!r}"
+    found = _search(c["regex"], [out]) if "regex" in c else True
+    return ok and bool(found), _regex_info(found) or f"exit {code}, stdout {out[:200]!r}"
 
 
 def evaluate(desk: Desktop, body) -> dict:

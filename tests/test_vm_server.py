@@ -352,6 +352,28 @@ def test_evaluate_every_check_type(vm):
     assert vm_call(vm, "POST", "/evaluate", {"checks": passing}).json()["score"] == 1.0  # "and" by default
 
 
+def test_a_pathological_regex_fails_its_check_instead_of_freezing_the_server(vm):
+    # (a+)+$ against "aaaa...b" backtracks 2^n ways in Python's re: at n=40 that is days. Window
+    # titles are short ("xclock"), so for them a pattern with many nested .* does the same.
+    vm_call(vm, "POST", "/setup", {"steps": [{"type": "write_file", "path": "evil.txt", "content": "a" * 40 + "b"},
+                                             {"type": "launch", "argv": ["xclock"]}]})
+    wait_window(vm, "xclock")
+    evil = r"(a+)+$"
+    for check in [{"type": "file_contains", "path": "evil.txt", "regex": evil},
+                  {"type": "window_exists", "title": "(" + ".*" * 13 + ")*z"},
+                  {"type": "command", "argv": ["cat", "evil.txt"], "regex": evil}]:
+        t = time.time()
+        d = vm_call(vm, "POST", "/evaluate", {"checks": [check]}).json()
+        assert time.time() - t < 5, check  # REGEX_SECONDS is 2
+        assert d["score"] == 0.0 and "regex ran over 2 s" in d["details"][0]["info"], d
+    # ...and the server goes on: the same checks with a sane regex pass, and /health answers
+    sane = [{"type": "file_contains", "path": "evil.txt", "regex": r"a{40}b"},
+            {"type": "window_exists", "title": "^xclock$"},
+            {"type": "command", "argv": ["cat", "evil.txt"], "regex": r"b$"}]
+    assert vm_call(vm, "POST", "/evaluate", {"checks": sane}).json()["score"] == 1.0
+    assert vm_call(vm, "GET", "/health").json()["ok"] is True
+
+
 # ------------------------------------------------------------------------------------------------
 # auth and validation
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -524,13 +525,21 @@ def encode_chats(policy: Policy, batch_messages: list[list[dict]]) -> list[Encod
 
     The image processor (Pillow resize, numpy normalise/patchify) costs ~45 ms per 1280x720
     screenshot and mostly runs outside the GIL, so threads overlap it: 8 screenshots took 0.26 s
-    on 2 threads against 0.7 s in one call on this 2-core machine. The tokenizer part stays
+    on 2 threads against 0.7 s in one call on this 2-core machine. An image object that several
+    chats share (one screenshot, a group of prompts) is processed once. The tokenizer part stays
     serial: a Rust tokenizer shared across threads can fail with "Already borrowed".
     """
-    images = [[p["image"] for m in msgs if not isinstance(m["content"], str) for p in m["content"]
-               if isinstance(p, dict) and p.get("type") == "image"] for msgs in batch_messages]
-    with ThreadPoolExecutor(max(1, min(len(images), os.cpu_count() or 1))) as pool:
-        processed = list(pool.map(lambda ims: _process_images(policy, ims) if ims else None, images))
+    chats = [[p["image"] for m in msgs if not isinstance(m["content"], str) for p in m["content"]
+              if isinstance(p, Mapping) and p.get("type") == "image"] for msgs in batch_messages]
+    unique = list({id(im): im for ims in chats for im in ims}.values())
+    for im in unique:
+        im.load()  # decode lazily opened files here: Pillow's lazy loading is not thread-safe
+    done = {}
+    if unique:
+        with ThreadPoolExecutor(min(len(unique), os.cpu_count() or 1)) as pool:
+            done = dict(zip(map(id, unique), pool.map(lambda im: _process_images(policy, [im]), unique)))
+    processed = [(torch.cat([done[id(im)][0] for im in ims]), torch.cat([done[id(im)][1] for im in ims]))
+                 if ims else None for ims in chats]  # per chat: (N_patches, 1176), (N_img, 3)
     return [encode_chat(policy, m, processed=p) for m, p in zip(batch_messages, processed)]
 
 

@@ -131,7 +131,8 @@ def rng_state() -> dict:
     import numpy as np
     # On a GPU, HF generate samples with the CUDA generator: without its state a resumed run would
     # draw different answers from the same checkpoint.
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    # Only if CUDA is in use: asking would otherwise start it for a CPU run on a GPU machine.
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": cuda}
 

@@ -343,16 +343,23 @@ def check_check(desk: Desktop, c) -> dict:
 
 
 def _search(pattern: re.Pattern, texts: list[str]) -> bool | None:
-    """Does `pattern` occur in any of `texts`? None if it ran out of REGEX_SECONDS.
+    """Does `pattern` occur in any of `texts`? None if it did not finish within REGEX_SECONDS.
 
     Python's re can take exponential time on patterns like `(a+)+$`, and a running match cannot be
     interrupted: one such regex in a task file would freeze this server (and its desktop) for good.
     So the match runs in a forked child that we kill when time is up. Forking shares the text
-    without copying it and costs about 2 ms; the child touches nothing but the pattern
-    and the texts, and leaves with os._exit (no cleanup of the parent's X connection or sockets).
+    without copying it and costs about 2 ms; the child touches nothing but the pattern and the
+    texts, and leaves with os._exit (no cleanup of the parent's X connection or sockets). Forking
+    from this threaded server is safe because every request but /health holds the server's lock,
+    and /health forks nothing.
     """
     r, w = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:  # out of processes or memory: the check cannot be run, so it fails
+        os.close(r)
+        os.close(w)
+        return None
     if pid == 0:  # the child
         try:
             os.close(r)
@@ -362,8 +369,10 @@ def _search(pattern: re.Pattern, texts: list[str]) -> bool | None:
     os.close(w)
     answer = b""
     try:
-        if select.select([r], [], [], REGEX_SECONDS)[0]:
-            answer = os.read(r, 1)
+        poll = select.poll()  # not select(): it breaks on descriptors >= 1024
+        poll.register(r, select.POLLIN)
+        if poll.poll(REGEX_SECONDS * 1000):
+            answer = os.read(r, 1)  # b"" if the child died without answering
     finally:
         os.close(r)
         if not answer:
@@ -373,7 +382,7 @@ def _search(pattern: re.Pattern, texts: list[str]) -> bool | None:
 
 
 def _regex_info(found: bool | None) -> str:
-    return f"the regex ran over {REGEX_SECONDS:g} s and was stopped" if found is None else ""
+    return f"the regex did not finish within {REGEX_SECONDS:g} s and was stopped" if found is None else ""
 
 
 def run_check(desk: Desktop, c: dict) -> tuple[bool, str]:
@@ -401,7 +410,7 @@ def run_check(desk: Desktop, c: dict) -> tuple[bool, str]:
     # The exit code must be `exit_code`; when not given, 0 -- unless the check is about stdout.
     want = c.get("exit_code", None if ("stdout" in c or "regex" in c) else 0)
     ok = want in (None, code) and c.get("stdout", "") in out
-    found = _search(c["regex"], [out]) if "regex" in c else True
+    found = _search(c["regex"], [out]) if ("regex" in c and ok) else True
     return ok and bool(found), _regex_info(found) or f"exit {code}, stdout {out[:200]!r}"
 
 

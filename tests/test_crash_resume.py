@@ -108,8 +108,10 @@ def test_rng_state_round_trip_and_old_checkpoints():
     # What a resume restores: the next draws of every generator equal the ones the run would have
     # made. On a GPU machine the CUDA generators are in the state too (sampling uses them).
     import numpy as np
+    if torch.cuda.is_available():
+        torch.cuda.init()  # a GPU run has CUDA in use by the time it checkpoints
     state = rundir.rng_state()
-    assert ("cuda" in state) and (state["cuda"] is None) == (not torch.cuda.is_available())
+    assert ("cuda" in state) and (state["cuda"] is None) == (not torch.cuda.is_initialized())
     draws = (random.random(), np.random.rand(), torch.rand(3).tolist(),
              torch.rand(3, device="cuda").tolist() if torch.cuda.is_available() else None)
     random.random(), np.random.rand(), torch.rand(3)  # the run moves on...

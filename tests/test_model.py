@@ -9,6 +9,7 @@ generation equals one-prompt-at-a-time; the returned log-probs are the sampling 
 save/load keeps the logits (full and LoRA); LoRA and full fine-tuning both learn; bad names
 give one clear sentence.
 """
+import io
 import time
 
 import numpy as np
@@ -195,6 +196,14 @@ def test_encode_chats_equals_encode_chat_one_by_one(policy, images):
             assert torch.equal(one.pixel_values, many.pixel_values)
             assert torch.equal(one.image_grid_thw, many.image_grid_thw)
     assert [len(e.image_sizes) for e in M.encode_chats(policy, chats)] == [0, 1, 3, 1]
+    # One lazily opened file shared by a group of prompts (Image.open decodes on first use, and
+    # that decoding is not thread-safe): processed once, the same for all.
+    buf = io.BytesIO()
+    images[0].save(buf, format="PNG")
+    lazy = Image.open(io.BytesIO(buf.getvalue()))
+    ref = M.encode_chat(policy, M.explore_messages(images[0]))
+    for e in M.encode_chats(policy, [M.explore_messages(lazy)] * 8):
+        assert e.input_ids == ref.input_ids and torch.equal(e.pixel_values, ref.pixel_values)
 
 
 def test_uitars_keeps_only_last_k_images(policy):

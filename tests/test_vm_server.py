@@ -365,7 +365,7 @@ def test_a_pathological_regex_fails_its_check_instead_of_freezing_the_server(vm)
         t = time.time()
         d = vm_call(vm, "POST", "/evaluate", {"checks": [check]}).json()
         assert time.time() - t < 5, check  # REGEX_SECONDS is 2
-        assert d["score"] == 0.0 and "regex ran over 2 s" in d["details"][0]["info"], d
+        assert d["score"] == 0.0 and "regex did not finish within 2 s" in d["details"][0]["info"], d
     # ...and the server goes on: the same checks with a sane regex pass, and /health answers
     sane = [{"type": "file_contains", "path": "evil.txt", "regex": r"a{40}b"},
             {"type": "window_exists", "title": "^xclock$"},

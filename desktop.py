@@ -143,7 +143,7 @@ def start_session(desk: Desktop) -> None:
     x, y = desktop_icons(desk.screen)["Terminal"]
 
     def drawn():  # both sticky windows are up and the first icon's pixel is no longer background
-        titles = [t for ws, t in list_windows(desk) if ws == -1]
+        titles = [t for _, ws, t in list_windows(desk) if ws == -1]
         px = ImageGrab.grab(bbox=(x, y, x + 1, y + 1)).getpixel((0, 0))
         return {"pcmanfm", "tint2"} <= set(titles) and "#%02x%02x%02x" % px[:3] != BG_COLOUR
     _wait(drawn, "the desktop icons")

@@ -112,6 +112,10 @@ class VMClient:
                 err = VMError(f"{self.url}/screenshot returned an image that does not decode ({e}).")
         raise err
 
+    def windows(self, timeout: float | None = None) -> list[dict]:
+        """The desktop's application windows, [{"id": X window id, "title": str}], oldest first."""
+        return self._call("GET", "/windows", retries=2, timeout=timeout).json()["windows"]
+
     def act(self, action: Action | dict, timeout: float | None = None) -> dict:
         body = action.to_dict() if isinstance(action, Action) else action
         return self._call("POST", "/action", body, timeout=timeout).json()
@@ -135,7 +139,7 @@ class VMResult:
     error: str | None = None
 
 
-_CALLS = ("health", "screenshot", "act", "reset", "setup", "evaluate")
+_CALLS = ("health", "screenshot", "windows", "act", "reset", "setup", "evaluate")
 
 
 class VMPool:
@@ -231,6 +235,9 @@ class VMPool:
 
     def screenshots(self) -> list[VMResult]:
         return self.map("screenshot")
+
+    def windows(self) -> list[VMResult]:
+        return self.map("windows")
 
     def act(self, actions: list[Action | dict | None]) -> list[VMResult]:
         return self.map("act", actions)

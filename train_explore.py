@@ -44,8 +44,9 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
 6. Exploration eval (the paper's own numbers are its reward terms; these are ours): distinct screens
    by a 64-bit perceptual hash (dHash; <= --eval-same-hash bits apart = one screen; also counted by
    feature clusters), mean pairwise diversity (1 - cos of the screen features) of an episode's
-   distinct screens, and windows opened (distinct window titles seen after any step, from the VM's
-   window_exists check: a window that changes its title counts once per title), vs random actions.
+   distinct screens, and windows opened (X windows seen after any step that were not open at the
+   start, from the VM's GET /windows: one window counts once, whatever its title does), vs random
+   actions.
 7. Logging: metrics.jsonl always; Weights & Biases (--wandb) and TensorBoard (--tensorboard) when
    asked for and installed (progress.py). Left out: multi-GPU (torchrun), mixed-precision autocast
    (bf16 weights on GPU instead).
@@ -55,7 +56,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import sys
 import time
@@ -550,31 +550,18 @@ def pairwise_diversity(feats: torch.Tensor) -> float:
     return float((1 - sim[iu[0], iu[1]]).mean())
 
 
-def window_titles(pool: VMPool, vms: list[int]) -> dict:
-    """{vm: (set of open window titles, truncated?)} via /evaluate's window_exists check, whose
-    `info` lists them. The server cuts that info at 500 characters (about 25 titles): a cut list
-    is flagged, and the titles past the cut are missed (a lower bound)."""
-    res = pool.evaluate([{"conj": "or", "checks": [{"type": "window_exists", "title": ".*"}]} if i in vms else None
-                         for i in range(pool.size)])
-    out = {}
-    for i in vms:
-        info = res[i].value["details"][0]["info"] if res[i].ok and res[i].value else ""
-        out[i] = (set(parse_window_titles(info)), len(info) >= 500 and not info.endswith("]"))
-    return out
-
-
-def parse_window_titles(info: str) -> list[str]:
-    """vm_server's window_exists info, "windows: ['xterm', "it's"]" (a Python list repr) -> titles.
-    A leading '*' (an editor's unsaved-changes mark) is dropped: typing must not "open" a window."""
-    return [(x or y).lstrip("*") for x, y in re.findall(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"", info)]
+def open_windows(pool: VMPool, vms: list[int]) -> dict:
+    """{vm: {X window id: title}} of the application windows open now (GET /windows)."""
+    res = pool.windows()
+    return {i: {w["id"]: w["title"] for w in res[i].value} if res[i].ok else {} for i in vms}
 
 
 def episode_metrics(buffer: list[Step], windows: dict, a: Args) -> list[dict]:
     """Per desktop trajectory: format rate, immediate visual change and sequence diversity per step
     (rewards.py's image terms, 0 on format failures); over its screens [s_0, s'_1, ..., s'_T]:
     distinct screens (perceptual hash, and feature clusters), the mean pairwise diversity of the
-    distinct ones; windows = distinct titles that appeared after some step and were not open at
-    the start. windows: {vm: {"titles": set, "truncated": bool}}."""
+    distinct ones; windows = windows (X ids) that appeared after some step and were not open at
+    the start. windows: {vm: {id: title}} of those."""
     if not buffer:
         return []
     flags = R.parse_reward_flags("none,image,immediate,sequence")
@@ -587,25 +574,24 @@ def episode_metrics(buffer: list[Step], windows: dict, a: Args) -> list[dict]:
         screens = torch.cat([sb[rows[:1]], sa[rows]])  # (T + 1, D): s_0, s'_1 .. s'_T
         hashes = [dhash(im) for im in [buffer[rows[0]].before] + [buffer[k].after for k in rows]]
         lead = hash_leaders(hashes, a.eval_same_hash)
-        win = windows.get(vm, {"titles": set(), "truncated": False})
+        win = windows.get(vm, {})
         out.append({"vm": vm, "steps": len(rows), "format": float(r.format[rows].mean()),
                     "immediate": float(r.image_immediate[rows].mean()), "sequence": float(r.image_sequence[rows].mean()),
                     "distinct_screens": len(lead), "distinct_screens_feat": distinct_screens(screens, a.eval_same_screen),
-                    "diversity": pairwise_diversity(screens[lead]), "windows": len(win["titles"]),
-                    "windows_truncated": bool(win["truncated"]), "window_titles": sorted(win["titles"]),
+                    "diversity": pairwise_diversity(screens[lead]), "windows": len(win),
+                    "window_titles": [win[k] for k in sorted(win)],
                     "hashes": [f"{h:016x}" for h in hashes]})
     return out
 
 
 def eval_episodes(pool: VMPool, vms: list[int], choose, a: Args) -> list[dict]:
-    """One episode of --steps on each of `vms` (just reset), with the window titles after every step."""
-    start = window_titles(pool, vms)  # open before the first action: not "opened" by the agent
-    seen = {i: {"titles": set(), "truncated": start[i][1]} for i in vms}
+    """One episode of --steps on each of `vms` (just reset), with the open windows after every step."""
+    start = open_windows(pool, vms)  # open before the first action: not "opened" by the agent
+    seen = {i: {} for i in vms}  # vm -> {window id: its title when first seen}
 
     def watch(now: list[int]):
-        for i, (titles, cut) in window_titles(pool, now).items():
-            seen[i]["titles"] |= titles - start[i][0]
-            seen[i]["truncated"] |= cut
+        for i, wins in open_windows(pool, now).items():
+            seen[i].update({k: t for k, t in wins.items() if k not in start[i] and k not in seen[i]})
     return episode_metrics(rollout(pool, set(vms), choose, a, {}, watch=watch), seen, a)
 
 
@@ -624,7 +610,6 @@ def run_eval(pool: VMPool, live: set, choosers: dict, a: Args, run: str) -> dict
         # Across episodes too: does the agent reach different screens in different episodes?
         summary["distinct_screens_all"] = len(hash_leaders([int(h, 16) for e in episodes for h in e["hashes"]],
                                                            a.eval_same_hash))
-        summary["windows_truncated"] = sum(e["windows_truncated"] for e in episodes)
         summary["episodes"] = len(episodes)
         report[name] = {"summary": summary, "episodes": episodes}
     path = os.path.join(run, "eval.json")

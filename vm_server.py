@@ -6,7 +6,7 @@ It runs INSIDE each VM, or as a local desktop of its own on this machine:
     python vm_server.py --host 0.0.0.0 --token SECRET              # inside your VM, on its DISPLAY
 
 Endpoints (JSON; errors are 4xx/5xx {"error": "<one sentence>"}; see README "VM protocol"):
-    GET /health, GET /screenshot[?format=png|jpeg&quality=Q], POST /action, POST /reset,
+    GET /health, GET /screenshot[?format=png|jpeg&quality=Q], GET /windows, POST /action, POST /reset,
     POST /setup {"steps": [...]}, POST /evaluate {"conj": "and"|"or", "checks": [...]}.
 With a token every endpoint needs `Authorization: Bearer <token>`; binding to anything but loopback
 without one is refused. Requests execute one at a time (there is one mouse and one keyboard).
@@ -95,12 +95,14 @@ def _prctl(option: int, arg: int) -> None:
     ctypes.CDLL(None).prctl(option, arg)
 
 
-def list_windows(desk: Desktop) -> list[tuple[int, str]]:
-    """(workspace, title) of every managed window; workspace -1 = sticky (desktop icons, taskbar)."""
+def list_windows(desk: Desktop) -> list[tuple[int, int, str]]:
+    """(X window id, workspace, title) of every managed window; workspace -1 = sticky (the desktop
+    icons and the taskbar, which are part of the desktop, not windows an agent opened)."""
     out = subprocess.run(["wmctrl", "-l"], env=desk.env, capture_output=True, text=True,
                          errors="replace", timeout=10).stdout
     rows = [line.split(None, 3) + [""] for line in out.splitlines()]  # id, workspace, host, title
-    return [(int(r[1]), r[3]) for r in rows if len(r) >= 4 and r[1].lstrip("-").isdigit()]
+    return [(int(r[0], 16), int(r[1]), r[3]) for r in rows
+            if len(r) >= 4 and r[1].lstrip("-").isdigit() and re.fullmatch(r"0x[0-9a-fA-F]{1,8}", r[0])]
 
 
 def spawn(desk: Desktop, argv: list[str]) -> subprocess.Popen:
@@ -350,7 +352,7 @@ def screenshot(query: dict) -> tuple[bytes, str]:
 
 def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[int, object, str]:
     """Route one authenticated request -> (status, JSON object or bytes, content type)."""
-    routes = {"/health": "GET", "/screenshot": "GET", "/action": "POST", "/reset": "POST",
+    routes = {"/health": "GET", "/screenshot": "GET", "/windows": "GET", "/action": "POST", "/reset": "POST",
               "/setup": "POST", "/evaluate": "POST"}
     if path not in routes:
         return 404, {"error": f"no endpoint {path}; see the README's VM protocol section."}, ""
@@ -362,6 +364,8 @@ def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[in
         return 200, {"ok": True, "screen": list(desk.screen)}, ""
     if path == "/screenshot":
         return (200, *screenshot(query))
+    if path == "/windows":  # the application windows, oldest first (the window manager's list)
+        return 200, {"windows": [{"id": i, "title": t} for i, ws, t in list_windows(desk) if ws != -1]}, ""
     if path == "/action":
         do_action(desk, check_action(desk, body))
         return 200, {"ok": True}, ""

@@ -401,7 +401,7 @@ def run_check(desk: Desktop, c: dict) -> tuple[bool, str]:
         found = c["text"] in text if "text" in c else _search(c["regex"], [text])
         return bool(found), _regex_info(found) or f"{'found' if found else 'not found'} in {len(text)} characters"
     if t == "window_exists":
-        titles = [title for ws, title in _server().list_windows(desk) if ws != -1]  # not the desktop/taskbar
+        titles = [title for _, ws, title in _server().list_windows(desk) if ws != -1]  # not the desktop/taskbar
         found = _search(c["title"], titles)
         return found is not None and found == exists, (_regex_info(found) or f"windows: {titles}")[:500]
     code, out = run_command(desk, c["argv"], c["timeout"])

@@ -298,7 +298,8 @@ def hostile_requests(rng: random.Random, token: str, outside: str) -> list[tuple
     for auth in (None, "Bearer wrong", f"Bearer {token}x", f"Bearer {token[:-1]}", f"bearer {token}", f"Bearer  {token}",
                  f"Basic {token}", token, f"Bearer {token} ", "Bearer", f"Bearer {token.upper()}", "Bearer \u00e9"):
         hdr = [] if auth is None else [f"Authorization: {auth}"]
-        for method, path, body in (("GET", "/health", b""), ("GET", "/screenshot", b""), ("POST", "/action", move),
+        for method, path, body in (("GET", "/health", b""), ("GET", "/screenshot", b""), ("GET", "/windows", b""),
+                                   ("POST", "/action", move),
                                    ("POST", "/setup", json.dumps({"steps": [{"type": "write_file", "path": "tok.txt",
                                                                              "content": "x"}]}).encode()),
                                    ("POST", "/reset", b"{}"), ("POST", "/evaluate", json.dumps({"checks": checks[:1]}).encode())):

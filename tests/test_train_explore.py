@@ -181,7 +181,7 @@ def test_eval_only_reports_diversity(tmp_path):
         # s_0 + 2 after-screens per episode: 1..3 distinct, by hash and by features
         assert 1 <= s["distinct_screens"] <= 3 and 1 <= s["distinct_screens_feat"] <= 3
         assert s["distinct_screens_all"] >= 1 and 0.0 <= s["diversity"] <= 2.0
-        assert s["windows"] >= 0 and s["windows_truncated"] == 0
+        assert s["windows"] >= 0
         for e in report[who]["episodes"]:
             assert len(e["hashes"]) == 3 and e["windows"] == len(e["window_titles"])
             assert (e["diversity"] == 0.0) == (e["distinct_screens"] == 1)  # no pair, no diversity
@@ -322,11 +322,3 @@ def test_top_steps_keeps_the_best_fraction():
     assert [s["id"] for s in T.top_steps(steps, 0.3)] == [1, 3, 2]
     assert len(T.top_steps(steps, 1.0)) == 7 and T.top_steps([], 0.3) == []
     assert [s["id"] for s in T.top_steps(steps, 0.01)] == [1]  # ceil keeps at least one
-
-
-def test_parse_window_titles():
-    assert T.parse_window_titles("windows: ['xterm', 'galculator']") == ["xterm", "galculator"]
-    assert T.parse_window_titles('windows: ["it\'s a file", \'Mousepad\']') == ["it's a file", "Mousepad"]
-    assert T.parse_window_titles("windows: []") == [] and T.parse_window_titles("") == []
-    # an editor's unsaved mark is not a new window; a list cut mid-title keeps the whole ones
-    assert T.parse_window_titles("windows: ['*Untitled 1 - Mousepad', 'xter") == ["Untitled 1 - Mousepad"]

@@ -352,6 +352,22 @@ def test_evaluate_every_check_type(vm):
     assert vm_call(vm, "POST", "/evaluate", {"checks": passing}).json()["score"] == 1.0  # "and" by default
 
 
+def test_windows_lists_app_windows_with_ids(vm):
+    assert vm_call(vm, "GET", "/windows").json() == {"windows": []}  # icons and taskbar are not listed
+    vm_call(vm, "POST", "/setup", {"steps": [{"type": "launch", "argv": ["xclock"]},
+                                             {"type": "launch", "argv": ["xeyes"]}]})
+    wait_for(lambda: {"xclock", "xeyes"} <= set(windows(vm)), "xclock and xeyes")
+    got = vm_call(vm, "GET", "/windows").json()["windows"]
+    assert sorted(w["title"] for w in got) == ["xclock", "xeyes"]
+    ids = [w["id"] for w in got]
+    assert all(isinstance(i, int) and i > 0 for i in ids) and len(set(ids)) == 2
+    # the ids are the X server's: the same ones xdotool finds by title
+    assert any(int(x) in ids for x in x11(vm, "xdotool", "search", "--name", "^xclock$").split())
+    assert vm_call(vm, "POST", "/windows").status_code == 405
+    reset(vm)
+    assert vm_call(vm, "GET", "/windows").json() == {"windows": []}
+
+
 def test_a_pathological_regex_fails_its_check_instead_of_freezing_the_server(vm):
     # (a+)+$ against "aaaa...b" backtracks 2^n ways in Python's re: at n=40 that is days. Window
     # titles are short ("xclock"), so for them a pattern with many nested .* does the same.
@@ -380,7 +396,7 @@ def test_a_pathological_regex_fails_its_check_instead_of_freezing_the_server(vm)
 def test_auth_required_and_nothing_executed(vm):
     act(vm, type="move", x=100, y=100)
     for token in (None, "wrong-token", vm.token + "x"):
-        for method, path, body in [("GET", "/health", None), ("GET", "/screenshot", None),
+        for method, path, body in [("GET", "/health", None), ("GET", "/screenshot", None), ("GET", "/windows", None),
                                    ("POST", "/action", {"type": "move", "x": 900, "y": 600}),
                                    ("POST", "/setup", {"steps": [{"type": "write_file", "path": "pwned.txt", "content": ""}]}),
                                    ("POST", "/reset", None),

@@ -31,6 +31,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import test_crash_resume as C  # noqa: E402
+from conftest import proc_alive, proc_children  # noqa: E402
 from test_train_explore import speaking_tiny  # noqa: E402
 
 
@@ -40,16 +41,16 @@ def desktop_watch():
     noted, orphans = [], []
 
     def before_kill(p):
-        servers = [c for c in C._children(p.pid) if b"vm_server.py" in open(f"/proc/{c}/cmdline", "rb").read()]
-        noted[:] = servers + [d for s in servers for d in C._children(s)]
+        servers = [c for c in proc_children(p.pid) if b"vm_server.py" in open(f"/proc/{c}/cmdline", "rb").read()]
+        noted[:] = servers + [d for s in servers for d in proc_children(s)]
 
     def after_kill():
         deadline = time.time() + 10
-        while any(map(C._alive, noted)) and time.time() < deadline:
+        while any(map(proc_alive, noted)) and time.time() < deadline:
             time.sleep(0.2)
-        orphans.extend(p for p in noted if C._alive(p))
+        orphans.extend(p for p in noted if proc_alive(p))
         for p in noted:
-            if C._alive(p):
+            if proc_alive(p):
                 os.kill(p, 9)  # do not leak them into the rest of the bench
         noted.clear()
     return before_kill, after_kill, orphans

@@ -39,30 +39,11 @@ import train_arpo as T  # noqa: E402
 from env import VMPool, load_tasks  # noqa: E402
 from grpo import ReplayBuffer  # noqa: E402
 from model import load_policy  # noqa: E402
-from test_crash_resume import _children as children  # noqa: E402  (one copy of the /proc walk)
+from conftest import proc_alive as alive, proc_children as children, proc_group as group_pids  # noqa: E402
 
 SMALL = 64 * 28 * 28
 TASK = {"id": "notes-there", "instruction": "Look at the notes.", "setup": [], "max_steps": 3,
         "evaluator": {"conj": "and", "checks": [{"type": "file_exists", "path": "notes.txt"}]}}
-
-
-def group_pids(pgid: int) -> list[int]:
-    out = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            f = open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()
-            if int(f[2]) == pgid and f[0] != "Z":
-                out.append(int(name))
-        except (OSError, IndexError):
-            pass
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def arpo_faults(timeout: float, tasks_dir: str) -> dict:

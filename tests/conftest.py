@@ -26,6 +26,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER = os.path.join(ROOT, "vm_server.py")
 
 
+# -------------------------------------------------------------------------------------------------
+# /proc: which processes a server, a trainer or a desktop left behind (tests and bench/ share these)
+
+def _stat(pid: int | str) -> list[str]:
+    """The fields of /proc/<pid>/stat after "pid (comm)": [state, ppid, pgrp, ...]; [] if gone."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
+def proc_alive(pid: int) -> bool:
+    """Running or sleeping: not gone, not a zombie (Z) or dead (X)."""
+    return _stat(pid)[:1] not in ([], ["Z"], ["X"])
+
+
+def proc_children(pid: int) -> list[int]:
+    """The direct children of `pid` (zombies included: a test asks who was started, not who runs)."""
+    return [int(n) for n in filter(str.isdigit, os.listdir("/proc")) if _stat(n)[1:2] == [str(pid)]]
+
+
+def proc_group(pgid: int) -> list[int]:
+    """The live members of process group `pgid` (a vm_server and its Xvfb, session, apps)."""
+    return [int(n) for n in filter(str.isdigit, os.listdir("/proc"))
+            if (f := _stat(n))[2:3] == [str(pgid)] and f[0] != "Z"]
+
+
 @dataclass
 class ServedDesktop:
     url: str

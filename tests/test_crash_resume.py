@@ -24,7 +24,6 @@ import builtins
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import rundir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+from conftest import proc_alive, proc_children  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
@@ -354,24 +354,6 @@ def test_arpo_survives_three_random_kills(desktops, tmp_path):
 # 4. A trainer killed with SIGKILL leaves no desktop behind
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()[1] == str(pid):
-                out.append(int(name))
-        except (OSError, IndexError):
-            pass
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_killed_trainer_takes_its_local_desktops_along(tmp_path):
     run = str(tmp_path / "orphans")
     p = start("train_explore.py", ["--vms", "1", "--model", "tiny", "--iterations", "10000", "--steps", "1",
@@ -382,9 +364,9 @@ def test_a_killed_trainer_takes_its_local_desktops_along(tmp_path):
         while not os.path.exists(os.path.join(run, "metrics.jsonl")) and time.time() < deadline and p.poll() is None:
             time.sleep(0.2)
         assert p.poll() is None, output(p)[-2000:]
-        servers = [c for c in _children(p.pid) if b"vm_server.py" in open(f"/proc/{c}/cmdline", "rb").read()]
+        servers = [c for c in proc_children(p.pid) if b"vm_server.py" in open(f"/proc/{c}/cmdline", "rb").read()]
         assert len(servers) == 1
-        desktop = servers + [d for s in servers for d in _children(s)]  # the server, Xvfb, the session
+        desktop = servers + [d for s in servers for d in proc_children(s)]  # the server, Xvfb, the session
         assert len(desktop) >= 4
         homes = {v[5:] for d in desktop for v in open(f"/proc/{d}/environ", "rb").read().decode(errors="replace").split("\0")
                  if v.startswith("HOME=") and "/vm_server-" in v}  # the desktop's own temp HOME
@@ -392,9 +374,9 @@ def test_a_killed_trainer_takes_its_local_desktops_along(tmp_path):
         p.kill()
         p.wait()
     deadline = time.time() + 15
-    while any(map(_alive, desktop)) and time.time() < deadline:
+    while any(map(proc_alive, desktop)) and time.time() < deadline:
         time.sleep(0.2)
-    left = [d for d in desktop if _alive(d)]
+    left = [d for d in desktop if proc_alive(d)]
     for d in left:  # do not leak them into the rest of the test run, whatever happened
         os.kill(d, signal.SIGKILL)
     assert not left, f"{len(left)} desktop processes outlived their trainer"

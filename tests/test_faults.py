@@ -24,32 +24,13 @@ import pytest
 import torch
 
 import train_arpo as T
+from conftest import proc_alive, proc_group
 from env import VMPool, load_tasks
 from grpo import ReplayBuffer
 from model import load_policy
 
 SMALL = 64 * 28 * 28
 VM_TIMEOUT = 8.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def _group(pid: int) -> list[int]:
-    """Every live process in process group `pid` (a vm_server and its Xvfb)."""
-    out = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pid and fields[0] != "Z":
-                out.append(int(name))
-        except (OSError, IndexError):
-            pass
-    return out
 
 
 @pytest.fixture
@@ -89,7 +70,7 @@ def test_a_killed_and_a_frozen_vm_mid_iteration(trainer):
 
     def faulty(observations):
         if not faults and any(o.step == 1 for o in observations):
-            faults["killed"], faults["frozen"] = _group(killed), _group(frozen)
+            faults["killed"], faults["frozen"] = proc_group(killed), proc_group(frozen)
             os.killpg(killed, signal.SIGKILL)
             os.killpg(frozen, signal.SIGSTOP)
             faults["at"] = time.perf_counter()
@@ -120,9 +101,9 @@ def test_a_killed_and_a_frozen_vm_mid_iteration(trainer):
     assert pool.local[1].proc.pid != killed and pool.local[2].proc.pid != frozen
     assert steps(tr.optimizer) == 4
     deadline = time.time() + 10  # the old desktops are gone: nothing killed or frozen is left behind
-    while any(map(_alive, faults["killed"] + faults["frozen"])) and time.time() < deadline:
+    while any(map(proc_alive, faults["killed"] + faults["frozen"])) and time.time() < deadline:
         time.sleep(0.2)
-    assert not [p for p in faults["killed"] + faults["frozen"] if _alive(p)]
+    assert not [p for p in faults["killed"] + faults["frozen"] if proc_alive(p)]
     print(f"\nvm faults (4 desktops, --vm-timeout {VM_TIMEOUT:g} s): clean iteration {clean:.1f} s, "
           f"iteration with 1 killed + 1 frozen VM {faulty_s:.1f} s (+{faulty_s - clean:.1f} s), "
           f"next iteration with both restarted {restarted:.1f} s; iterations completed 4/4")

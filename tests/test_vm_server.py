@@ -19,7 +19,7 @@ import pytest
 import requests
 from PIL import Image, ImageChops
 
-from conftest import SERVER, start_vm_server, vm_call
+from conftest import SERVER, proc_alive, proc_children, start_vm_server, vm_call
 
 sys.path.insert(0, os.path.dirname(SERVER))
 import vm_server  # noqa: E402
@@ -461,24 +461,6 @@ def test_non_loopback_without_token_is_refused():
 # ------------------------------------------------------------------------------------------------
 # process lifetime, isolation, and the mode for your own VM
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if open(f"/proc/{name}/stat").read().rsplit(")", 1)[1].split()[1] == str(pid):
-                kids.append(int(name))
-        except OSError:
-            pass
-    return kids
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
 def test_parallel_desktops_are_isolated_and_stop_cleanly(vm):
     other = start_vm_server()
     try:
@@ -495,17 +477,17 @@ def test_parallel_desktops_are_isolated_and_stop_cleanly(vm):
         assert not os.path.exists(os.path.join(vm.home, "mine.txt"))
         wait_for(lambda: {"xclock", "mine.txt - Mousepad", "Documents"} <= set(windows(other)), "the second desktop's windows")
         assert set(windows(vm)) == {"notes.txt - Mousepad", "Pictures"}
-        kids = _children(other.proc.pid)
+        kids = proc_children(other.proc.pid)
         assert len(kids) >= 5  # Xvfb, openbox, tint2, pcmanfm, xclock
     finally:
         other.stop(signal.SIGTERM)
-    wait_for(lambda: all(_gone(p) for p in kids), "every process of the stopped server to exit")
+    wait_for(lambda: all(not proc_alive(p) for p in kids), "every process of the stopped server to exit")
     assert not os.path.exists(os.path.dirname(other.home))  # its temp HOME is removed too
     # Even `kill -9` leaves no orphan display: Xvfb has a parent-death signal, its clients follow.
     third = start_vm_server()
-    kids = _children(third.proc.pid)
+    kids = proc_children(third.proc.pid)
     third.stop(signal.SIGKILL)
-    wait_for(lambda: all(_gone(p) for p in kids), "the desktop of a killed server to exit")
+    wait_for(lambda: all(not proc_alive(p) for p in kids), "the desktop of a killed server to exit")
     shutil.rmtree(os.path.dirname(third.home), ignore_errors=True)
 
 

@@ -120,6 +120,13 @@ def _image_processor_class():
     return getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
 
 
+def qwen_image_processor(min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS):
+    """Qwen2.5-VL's image processor built from its constants (14-pixel patches, 2x2 merge, 2 frames),
+    for models made from a config: the tiny one here, the random 3B in bench/."""
+    return _image_processor_class()(min_pixels=min_pixels, max_pixels=max_pixels,
+                                    patch_size=14, temporal_patch_size=2, merge_size=2)
+
+
 # A small corpus for the tiny tokenizer's BPE merges: the prompts and answers it will actually see,
 # so that prompts come out a few hundred tokens long instead of one token per byte.
 def _tiny_corpus() -> list[str]:
@@ -250,8 +257,7 @@ def load_policy(name: str = "tiny", lora_rank: int = 0, lora_alpha: int = 16,
         tokenizer = build_tiny_tokenizer()
         torch.manual_seed(seed)  # the same seed gives the same weights: tests are reproducible
         model = Qwen2_5_VLForConditionalGeneration(tiny_config(tokenizer, vocab_size))
-        image_processor = ip_class(min_pixels=min_pixels, max_pixels=max_pixels,
-                                   patch_size=14, temporal_patch_size=2, merge_size=2)
+        image_processor = qwen_image_processor(min_pixels, max_pixels)
     else:
         looks_local = name.startswith(("/", ".", "~")) or os.path.isdir(os.path.expanduser(name))
         if looks_local and not os.path.isdir(os.path.expanduser(name)):
@@ -520,6 +526,12 @@ def _process_images(policy: Policy, images: list) -> tuple:
     return out["pixel_values"], out["image_grid_thw"]  # (N_patches, 1176), (N_img, 3)
 
 
+def _image_parts(messages: list[dict]) -> list[dict]:
+    """The image parts of a chat, in order (what encode_chat turns into <|image_pad|> runs)."""
+    return [p for m in messages if not isinstance(m["content"], str)
+            for p in m["content"] if isinstance(p, Mapping) and p.get("type") == "image"]
+
+
 def encode_chats(policy: Policy, batch_messages: list[list[dict]]) -> list[Encoded]:
     """encode_chat for N chats, with their screenshots processed in parallel threads.
 
@@ -529,8 +541,7 @@ def encode_chats(policy: Policy, batch_messages: list[list[dict]]) -> list[Encod
     chats share (one screenshot, a group of prompts) is processed once. The tokenizer part stays
     serial: a Rust tokenizer shared across threads can fail with "Already borrowed".
     """
-    chats = [[p["image"] for m in msgs if not isinstance(m["content"], str) for p in m["content"]
-              if isinstance(p, Mapping) and p.get("type") == "image"] for msgs in batch_messages]
+    chats = [[p["image"] for p in _image_parts(msgs)] for msgs in batch_messages]
     unique = list({id(im): im for ims in chats for im in ims}.values())
     for im in unique:
         im.load()  # decode lazily opened files here: Pillow's lazy loading is not thread-safe
@@ -599,8 +610,12 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
     new = out.sequences[:, T:]                                     # (B, N_new)
     # scores[t] are the logits after HF's processors (temperature, top-p, suppression): the
     # sampling distribution itself. -inf outside the nucleus, never at the sampled token.
-    scores = torch.stack(out.scores, dim=1).float()                # (B, N_new, V)
-    logps = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, N_new)
+    # Per step, the sampled token's score minus the logsumexp: no (B, N_new, V) stack and no
+    # full-vocabulary log_softmax output (0.6 GB at B=8, N_new=128, V=152k).
+    logps = torch.empty(new.shape, device=new.device)  # (B, N_new)
+    for t, step in enumerate(out.scores):
+        step = step.float()  # (B, V)
+        logps[:, t] = step.gather(-1, new[:, t:t + 1]).squeeze(-1) - torch.logsumexp(step, dim=-1)  # (B,)
     gens = []
     for b, enc in enumerate(encs):
         ids = new[b].tolist()
@@ -615,7 +630,7 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
 # The vLLM engine lives in vllm_engine.py (which imports this module). Its names are served from
 # here on first use (PEP 562 module __getattr__), so `from model import VLLMEngine, sync_weights`
 # keeps working without a circular import; vLLM itself still loads only when an engine is built.
-_VLLM_NAMES = ("VLLMEngine", "sync_weights", "_collapse_image_pads", "_image_parts")
+_VLLM_NAMES = ("VLLMEngine", "sync_weights", "_collapse_image_pads")
 
 
 def __getattr__(name: str):

@@ -25,7 +25,7 @@ import os
 
 from PIL import Image
 
-from model import VISION_TOKENS, Generation, Policy, _special, encode_chat, merged_weights, save_policy
+from model import VISION_TOKENS, Generation, Policy, _image_parts, _special, encode_chats, merged_weights, save_policy
 
 
 def _collapse_image_pads(ids: list[int], pad: int) -> list[int]:
@@ -57,7 +57,7 @@ class VLLMEngine:
 
     def generate(self, policy, batch_messages, max_new_tokens, temperature, top_p):
         from vllm import SamplingParams
-        encs = [encode_chat(policy, m) for m in batch_messages]
+        encs = encode_chats(policy, batch_messages)
         pad = _special(policy, "<|image_pad|>")
         stop = list(policy.model.generation_config.eos_token_id)
         params = SamplingParams(
@@ -93,11 +93,6 @@ class VLLMEngine:
         else:
             self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(weights))
         self.llm.reset_prefix_cache()  # cached KV of old weights would be reused otherwise
-
-
-def _image_parts(messages: list[dict]) -> list[dict]:
-    return [p for m in messages if not isinstance(m["content"], str)
-            for p in m["content"] if isinstance(p, dict) and p.get("type") == "image"]
 
 
 def sync_weights(policy: Policy) -> None:

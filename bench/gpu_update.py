@@ -78,8 +78,7 @@ def build_3b(lora_rank: int, device: str):
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
-    ip = M._image_processor_class()(min_pixels=M.DEFAULT_MIN_PIXELS, max_pixels=M.DEFAULT_MAX_PIXELS,
-                                     patch_size=14, temporal_patch_size=2, merge_size=2)
+    ip = M.qwen_image_processor()
     return M.wrap_policy(model, tok, ip, "qwen2.5-vl-3b-random", device, torch.bfloat16,
                          lora_rank=lora_rank, gradient_checkpointing=True)
 
@@ -97,10 +96,6 @@ def make_samples(policy, n: int, completion: int):
         s.advantage = 1.0 if i % 2 else -1.0
         samples.append(s)
     return samples
-
-
-def grpo_update(policy, optimizer, samples, micro_batch: int) -> dict:
-    return grpo.update_policy(policy, optimizer, samples, micro_batch_size=micro_batch)
 
 
 def main():
@@ -137,8 +132,7 @@ def main():
     cuda = policy.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t = time.perf_counter()
-    update = grpo_update
-    metrics = update(policy, optimizer, samples, args.micro_batch)  # warm-up: allocator, kernels
+    metrics = grpo.update_policy(policy, optimizer, samples, micro_batch_size=args.micro_batch)  # warm-up: allocator, kernels
     sync()
     warm = time.perf_counter() - t
     if cuda:
@@ -146,7 +140,7 @@ def main():
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
-        metrics = update(policy, optimizer, samples, args.micro_batch)
+        metrics = grpo.update_policy(policy, optimizer, samples, micro_batch_size=args.micro_batch)
         sync()
         times.append(time.perf_counter() - t)
     sec = sorted(times)[len(times) // 2]  # median

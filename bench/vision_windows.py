@@ -55,8 +55,7 @@ def main():
     with torch.device(device):
         tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=dtype)
 
-    ip = M._image_processor_class()(min_pixels=M.DEFAULT_MIN_PIXELS, max_pixels=M.DEFAULT_MAX_PIXELS,
-                                     patch_size=14, temporal_patch_size=2, merge_size=2)
+    ip = M.qwen_image_processor()
     rng = np.random.RandomState(0)
     shots = [Image.fromarray((rng.rand(720, 1280, 3) * 255).astype("uint8")) for _ in range(n)]
     out = ip(images=shots, return_tensors="pt")

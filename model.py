@@ -255,8 +255,11 @@ def load_policy(name: str = "tiny", lora_rank: int = 0, lora_alpha: int = 16,
     ip_class = _image_processor_class()
     if name == "tiny":
         tokenizer = build_tiny_tokenizer()
-        torch.manual_seed(seed)  # the same seed gives the same weights: tests are reproducible
-        model = Qwen2_5_VLForConditionalGeneration(tiny_config(tokenizer, vocab_size))
+        # The same seed gives the same weights (tests are reproducible), without touching the
+        # caller's RNG: a resumed run has just restored it.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen2_5_VLForConditionalGeneration(tiny_config(tokenizer, vocab_size))
         image_processor = qwen_image_processor(min_pixels, max_pixels)
     else:
         looks_local = name.startswith(("/", ".", "~")) or os.path.isdir(os.path.expanduser(name))

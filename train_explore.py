@@ -735,12 +735,11 @@ if __name__ == "__main__":
             start_it, generation, start_model = state["iteration"] + 1, state["generation"], state["start_model"]
             policy, optimizer = restore(state, ckpt_dir, wm, wm_opt, args)
             rundir.trim_metrics(run, start_it)  # lines logged after this checkpoint are redone
+            rundir.set_rng_state(state["rng"])
             print(f"resumed {run} at iteration {start_it} (generation E{generation})", flush=True)
         ref_fn = reference_fn(start_model, args)
         if args.engine == "vllm":
             policy.engine = M.VLLMEngine(policy, os.path.join(run, "vllm_init"))
-        if ckpt is not None:  # last: loading the reference model (tiny) reseeds torch
-            rundir.set_rng_state(ckpt[0]["rng"])
 
         new_run = None  # set up: from here on the folder holds results
         trackers = progress.open_trackers(run, rundir.public_args(args), wandb=args.wandb, tensorboard=args.tensorboard)

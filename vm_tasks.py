@@ -43,6 +43,7 @@ MAX_TEXT = 2000          # longest `type` text (env.py turns longer model output
 MAX_ITEMS = 64           # setup steps / evaluator checks per request
 MAX_READ = 10 << 20      # file_contains reads at most this much of a file
 MAX_OUTPUT = 64 << 10    # command stdout kept (it goes to a temp file, never into our memory)
+APP_SETTLE = 1.0         # seconds /setup waits at its end when it started an app
 REGEX_SECONDS = 2.0      # an evaluator regex that runs longer than this fails its check (see _search)
 DEFAULT_ALLOW = frozenset(
     "xterm mousepad galculator pcmanfm xclock xeyes xcalc ls cat grep wc head tail test stat "

@@ -12,20 +12,15 @@ log_softmax), `python bench/gpu_update.py` (one GRPO update of a random Qwen2.5-
 
 Top to bottom: load_policy/save_policy (transformers + peft LoRA, or "tiny": a random-weight
 Qwen2.5-VL of the REAL class from a small config, with a byte-level BPE tokenizer trained in
-milliseconds on an embedded corpus; every test and CPU run uses it); the two prompts; encode_chat
-(messages -> ids, target mask, pixels: we do the processor's job, Qwen2VLImageProcessorPil for the
-pixels and our own <|image_pad|> expansion, because the Qwen2.5-VL processor class needs
-torchvision, which cannot load beside CPU torch); generate (one batched, left-padded HF generate
-for N prompts, with sampling log-probs). The vLLM engine (VLLMEngine, sync_weights) lives in
-vllm_engine.py, one concept per file; it is re-exported here lazily (`from model import
-VLLMEngine, sync_weights` works) and vLLM is only imported when an engine is built (GPU only,
-untested on this CPU machine).
+milliseconds on an embedded corpus; every test and CPU run uses it); generate (one batched,
+left-padded HF generate for N prompts, with sampling log-probs). One concept per file: the
+prompts and encode_chat (messages -> ids, target mask, pixels) live in chat.py, the vLLM engine
+(VLLMEngine, sync_weights) in vllm_engine.py, and the vision tower's batched window attention in
+vision_windows.py. The first two are re-exported here lazily (`from model import encode_chat,
+VLLMEngine` works); vLLM is only imported when an engine is built (GPU only, untested on this
+CPU machine).
 
-Where we depart from the papers:
-  - ScreenExplorer's exact prompt text is not published in full; ours asks for the same JSON
-    (`intent`, `action`) with the same action names.
-  - UI-TARS's multi-turn history drops the user turns whose screenshot fell out of the last K
-    (as the UI-TARS/OSWorld agent does); the assistant turns all stay, as text.
+Where we depart from the papers (the prompts' departures are in chat.py):
   - Sampling never emits the vision placeholder tokens (`<|image_pad|>` & co.): a random model
     would otherwise write them into its answer and desynchronise images and placeholders.
 """
@@ -34,15 +29,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
-from PIL import Image
 
 import vision_windows  # ours: the vision tower's batched window attention
+
+if TYPE_CHECKING:  # chat.py imports this module; its names are served lazily (see the end)
+    from chat import Encoded
 
 # --------------------------------------------------------------------------------------------
 # Constants: Qwen's special tokens, the chat format, image size caps
@@ -90,15 +85,8 @@ class Policy:
     name: str
     lora: bool
     engine: Any = None          # a VLLMEngine when generation runs on vLLM, else None (HF generate)
-
-
-@dataclass
-class Encoded:
-    input_ids: list[int]
-    target_mask: list[int]                # 1 on assistant tokens (content + <|im_end|>), else 0
-    pixel_values: torch.Tensor | None     # (N_patches, 3 * 2 * 14 * 14) for all images, in order
-    image_grid_thw: torch.Tensor | None   # (N_img, 3): patches along time, height, width
-    image_sizes: list[tuple[int, int]]    # (w, h) of each image as the model saw it (resized)
+    # id(image) -> (weakref to it, pixel_values, grid) of live screenshots (chat._process_images)
+    pixels: dict = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -130,6 +118,7 @@ def qwen_image_processor(min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int =
 # A small corpus for the tiny tokenizer's BPE merges: the prompts and answers it will actually see,
 # so that prompts come out a few hundred tokens long instead of one token per byte.
 def _tiny_corpus() -> list[str]:
+    from chat import EXPLORE_PROMPT, UITARS_PROMPT
     lines = [EXPLORE_PROMPT, UITARS_PROMPT, DEFAULT_SYSTEM]
     for x, y in [(12, 640), (300, 200), (1000, 512), (77, 33), (640, 360), (5, 715)]:
         lines += [f'{{"intent": "Open the file manager to look at the files", "action": "Click({x}, {y})"}}',
@@ -362,199 +351,8 @@ def save_policy(policy: Policy, path: str) -> None:
     policy.image_processor.save_pretrained(path)
 
 
-# --------------------------------------------------------------------------------------------
-# Prompts
-
-EXPLORE_PROMPT = """You are exploring a computer desktop to learn what it can do. Look at the screenshot and choose ONE action that will show you something new: open an application, a menu, a file, a button you have not tried.
-Answer with one JSON object and nothing else:
-{"intent": "<what you expect to happen>", "action": "<one action>"}
-Actions (x, y are pixel coordinates in this screenshot):
-Move(x, y)
-Click(x, y)
-RightClick(x, y)
-DoubleClick(x, y)
-ScrollUp(x, y)
-ScrollDown(x, y)
-Text(x, y, "text to type")
-Key("ctrl+c")"""
-
-UITARS_PROMPT = """You are a GUI agent. You are given a task and your action history, with screenshots. You need to perform the next action to complete the task.
-
-## Output Format
-```
-Thought: ...
-Action: ...
-```
-
-## Action Space
-click(start_box='(x1,y1)')
-left_double(start_box='(x1,y1)')
-right_single(start_box='(x1,y1)')
-drag(start_box='(x1,y1)', end_box='(x3,y3)')
-hotkey(key='ctrl c') # Split keys with a space and use lowercase. At most 3 keys.
-type(content='xxx') # Escape ', " and newlines as \\', \\" and \\n. End with \\n to submit.
-scroll(start_box='(x1,y1)', direction='down or up or right or left')
-wait() # Sleep for 5s and take a screenshot to check for any changes.
-finished(content='xxx') # The task is done (or impossible: then say why).
-call_user() # The task cannot be done without help from the user.
-
-## Note
-- Use English in `Thought` part.
-- Write a small plan and finally summarize your next action (with its target element) in one sentence in `Thought` part.
-
-## User Instruction
-"""
-
-
-def explore_messages(image: Image.Image) -> list[dict]:
-    """ScreenExplorer: the fixed exploration instruction and one screenshot."""
-    return [{"role": "user", "content": [{"type": "image", "image": image},
-                                         {"type": "text", "text": EXPLORE_PROMPT}]}]
-
-
-def uitars_messages(instruction: str, screenshots: list, thoughts_actions: list,
-                    max_images: int = 15) -> list[dict]:
-    """UI-TARS-1.5 multi-turn prompt: instruction, then (screenshot, answer) pairs.
-
-    screenshots[i] was seen before answer thoughts_actions[i]. One more screenshot than answers
-    is a prompt for the next step; equal counts is a whole trajectory (for training). Only the
-    last `max_images` screenshots are kept; the user turns of older ones are dropped, their
-    answers stay as text.
-    """
-    messages = [{"role": "user", "content": UITARS_PROMPT + instruction}]
-    first_kept = max(0, len(screenshots) - max_images)
-    for i, shot in enumerate(screenshots):
-        if i >= first_kept:
-            messages.append({"role": "user", "content": [{"type": "image", "image": shot}]})
-        if i < len(thoughts_actions):
-            messages.append({"role": "assistant", "content": thoughts_actions[i]})
-    return messages
-
-
-# --------------------------------------------------------------------------------------------
-# Encoding: messages -> ids, target mask, pixels
-
-
-def expand_image_tokens(ids: list[int], mask: list[int], grid_thw: torch.Tensor, pad_id: int,
-                        merge_size: int) -> tuple[list[int], list[int]]:
-    """Replace the i-th single <|image_pad|> by one pad per visual token of image i.
-
-    The vision tower cuts the resized image into grid_t * grid_h * grid_w patches of 14x14 px and
-    its merger fuses each merge_size x merge_size block into one token for the language model, so
-    the language model reserves grid_t * grid_h * grid_w // merge_size**2 positions per image.
-    """
-    out_ids, out_mask, image = [], [], 0
-    for tok, m in zip(ids, mask):
-        if tok == pad_id:
-            t, h, w = grid_thw[image].tolist()
-            n = t * h * w // merge_size**2
-            out_ids += [pad_id] * n
-            out_mask += [0] * n  # image tokens are never targets
-            image += 1
-        else:
-            out_ids.append(tok)
-            out_mask.append(m)
-    assert image == len(grid_thw), "one <|image_pad|> per image"
-    return out_ids, out_mask
-
-
 def _special(policy: Policy, token: str) -> int:
     return policy.tokenizer.convert_tokens_to_ids(token)
-
-
-def _text_ids(policy: Policy, text: str) -> list[int]:
-    ids = policy.tokenizer(text, add_special_tokens=False).input_ids
-    # A vision token written as text ("<|image_pad|>" in a thought) would desynchronise images
-    # and placeholders; it carries no meaning in text, so it is dropped.
-    vision = {_special(policy, t) for t in VISION_TOKENS}
-    return [i for i in ids if i not in vision]
-
-
-def encode_chat(policy: Policy, messages: list[dict], add_generation_prompt: bool = True,
-                processed: tuple | None = None) -> Encoded:
-    """Token ids of a chat in Qwen's ChatML format, with images processed and expanded.
-
-    target_mask is 1 on each assistant turn's content tokens and its <|im_end|>: exactly what the
-    model would have sampled. Assistant content may be a list of token ids (the sampled ones),
-    used verbatim; if they do not end in <|im_end|> (cut at max_new_tokens), an <|im_end|> closes
-    the turn but is NOT a target, since the model never sampled it. `processed` is what
-    _process_images returned for this chat's images, if the caller already ran it (encode_chats).
-    """
-    im_start, im_end = _special(policy, "<|im_start|>"), _special(policy, "<|im_end|>")
-    pad = _special(policy, "<|image_pad|>")
-    ids, mask, images = [], [], []
-
-    def add(tokens, target=0):
-        ids.extend(tokens)
-        mask.extend([target] * len(tokens))
-
-    if not messages or messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": DEFAULT_SYSTEM}] + list(messages)
-    for msg in messages:
-        target = 1 if msg["role"] == "assistant" else 0
-        add([im_start] + _text_ids(policy, msg["role"] + "\n"))  # the turn header is never a target
-        content = msg["content"]
-        if target and isinstance(content, (list, tuple)) and all(isinstance(t, int) for t in content):
-            add(list(content), 1)  # sampled ids, verbatim
-            if not content or content[-1] != im_end:
-                add([im_end], 0)   # closes a truncated turn; never sampled, so not a target
-            add(_text_ids(policy, "\n"))
-            continue
-        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        for part in parts:
-            if part["type"] == "image":
-                images.append(part["image"])
-                add([_special(policy, "<|vision_start|>"), pad, _special(policy, "<|vision_end|>")])
-            elif part["type"] == "text":
-                add(_text_ids(policy, part["text"]), target)
-        add([im_end], target)
-        add(_text_ids(policy, "\n"))
-    if add_generation_prompt:
-        add([im_start] + _text_ids(policy, "assistant\n"))
-
-    pixel_values = grid = None
-    sizes = []
-    if images:
-        ip = policy.image_processor
-        pixel_values, grid = processed if processed is not None else _process_images(policy, images)
-        ids, mask = expand_image_tokens(ids, mask, grid, pad, ip.merge_size)
-        sizes = [(int(w) * ip.patch_size, int(h) * ip.patch_size) for _, h, w in grid.tolist()]
-    return Encoded(input_ids=ids, target_mask=mask, pixel_values=pixel_values,
-                   image_grid_thw=grid, image_sizes=sizes)
-
-
-def _process_images(policy: Policy, images: list) -> tuple:
-    """Resize under the pixel caps, normalise, cut into patches: (pixel_values, image_grid_thw)."""
-    out = policy.image_processor(images=[im.convert("RGB") for im in images], return_tensors="pt")
-    return out["pixel_values"], out["image_grid_thw"]  # (N_patches, 1176), (N_img, 3)
-
-
-def _image_parts(messages: list[dict]) -> list[dict]:
-    """The image parts of a chat, in order (what encode_chat turns into <|image_pad|> runs)."""
-    return [p for m in messages if not isinstance(m["content"], str)
-            for p in m["content"] if isinstance(p, Mapping) and p.get("type") == "image"]
-
-
-def encode_chats(policy: Policy, batch_messages: list[list[dict]]) -> list[Encoded]:
-    """encode_chat for N chats, with their screenshots processed in parallel threads.
-
-    The image processor (Pillow resize, numpy normalise/patchify) costs ~45 ms per 1280x720
-    screenshot and mostly runs outside the GIL, so threads overlap it: 8 screenshots took 0.26 s
-    on 2 threads against 0.7 s in one call on this 2-core machine. An image object that several
-    chats share (one screenshot, a group of prompts) is processed once. The tokenizer part stays
-    serial: a Rust tokenizer shared across threads can fail with "Already borrowed".
-    """
-    chats = [[p["image"] for p in _image_parts(msgs)] for msgs in batch_messages]
-    unique = list({id(im): im for ims in chats for im in ims}.values())
-    for im in unique:
-        im.load()  # decode lazily opened files here: Pillow's lazy loading is not thread-safe
-    done = {}
-    if unique:
-        with ThreadPoolExecutor(min(len(unique), os.cpu_count() or 1)) as pool:
-            done = dict(zip(map(id, unique), pool.map(lambda im: _process_images(policy, [im]), unique)))
-    processed = [(torch.cat([done[id(im)][0] for im in ims]), torch.cat([done[id(im)][1] for im in ims]))
-                 if ims else None for ims in chats]  # per chat: (N_patches, 1176), (N_img, 3)
-    return [encode_chat(policy, m, processed=p) for m, p in zip(batch_messages, processed)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -594,6 +392,8 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
     if policy.engine is not None:
         return policy.engine.generate(policy, batch_messages, max_new_tokens, temperature, top_p)
     from transformers import GenerationConfig
+
+    from chat import encode_chats
     encs = encode_chats(policy, batch_messages)  # screenshots processed in parallel threads
     batch = {k: v.to(policy.device) for k, v in _left_pad(policy, encs).items()}
     if "pixel_values" in batch:
@@ -630,13 +430,18 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
 
 
 # --------------------------------------------------------------------------------------------
-# The vLLM engine lives in vllm_engine.py (which imports this module). Its names are served from
-# here on first use (PEP 562 module __getattr__), so `from model import VLLMEngine, sync_weights`
+# chat.py (prompts, encoding) and vllm_engine.py import this module. Their names are served from
+# here on first use (PEP 562 module __getattr__), so `from model import encode_chat, VLLMEngine`
 # keeps working without a circular import; vLLM itself still loads only when an engine is built.
+_CHAT_NAMES = ("Encoded", "EXPLORE_PROMPT", "UITARS_PROMPT", "explore_messages", "uitars_messages",
+               "expand_image_tokens", "encode_chat", "encode_chats", "_text_ids", "_process_images", "_image_parts")
 _VLLM_NAMES = ("VLLMEngine", "sync_weights", "_collapse_image_pads")
 
 
 def __getattr__(name: str):
+    if name in _CHAT_NAMES:
+        import chat
+        return getattr(chat, name)
     if name in _VLLM_NAMES:
         import vllm_engine
         return getattr(vllm_engine, name)

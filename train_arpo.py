@@ -60,7 +60,8 @@ import progress
 import rundir
 from env import Task, TaskError, VMError, VMPool, load_tasks, parse_action, smart_resize
 from grpo import ReplayBuffer, assign_advantages, trajectory_sample, update_policy
-from model import Generation, encode_chat, generate, load_policy, save_policy, sync_weights, uitars_messages
+from chat import encode_chat, uitars_messages
+from model import Generation, generate, load_policy, save_policy, sync_weights
 
 # ------------------------------------------------------------------------------------------------
 # Args

@@ -25,7 +25,8 @@ import os
 
 from PIL import Image
 
-from model import VISION_TOKENS, Generation, Policy, _image_parts, _special, encode_chats, merged_weights, save_policy
+from chat import _image_parts, encode_chats
+from model import VISION_TOKENS, Generation, Policy, _special, merged_weights, save_policy
 
 
 def _collapse_image_pads(ids: list[int], pad: int) -> list[int]:

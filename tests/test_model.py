@@ -206,6 +206,28 @@ def test_encode_chats_equals_encode_chat_one_by_one(policy, images):
         assert e.input_ids == ref.input_ids and torch.equal(e.pixel_values, ref.pixel_values)
 
 
+def test_screenshots_are_processed_once_while_they_live(images, monkeypatch):
+    # ARPO re-encodes each desktop's screenshot history at every step: a screenshot object is
+    # processed once, a new object (even with the same pixels) again, and an entry goes with its image.
+    import gc
+    policy = M.load_policy("tiny")
+    calls = []
+    real = policy.image_processor.__class__.__call__
+    monkeypatch.setattr(policy.image_processor.__class__, "__call__",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    history = M.uitars_messages("Do it.", images[:3], ["Thought: a\nAction: wait()"] * 2)
+    first = M.encode_chat(policy, history)
+    assert len(calls) == 3
+    again = M.encode_chats(policy, [history, history])  # the next step: nothing new to process
+    assert len(calls) == 3 and all(torch.equal(e.pixel_values, first.pixel_values) for e in again)
+    copy = images[0].copy()
+    M.encode_chat(policy, M.explore_messages(copy))  # same pixels, another object
+    assert len(calls) == 4 and len(policy.pixels) == 4
+    del copy
+    gc.collect()
+    assert len(policy.pixels) == 3 and set(policy.pixels) == {id(im) for im in images[:3]}
+
+
 def test_uitars_keeps_only_last_k_images(policy):
     shots = [_img(56 + 28 * i, 56, i) for i in range(5)]  # widths 56..168 tell them apart
     answers = [f"Thought: step {i}\nAction: wait()" for i in range(4)]

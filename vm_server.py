@@ -105,6 +105,11 @@ def list_windows(desk: Desktop) -> list[tuple[int, int, str]]:
             if len(r) >= 4 and r[1].lstrip("-").isdigit() and re.fullmatch(r"0x[0-9a-fA-F]{1,8}", r[0])]
 
 
+def app_windows(desk: Desktop) -> list[tuple[int, str]]:
+    """(X window id, title) of the application windows: the ones an agent can open or close."""
+    return [(i, title) for i, ws, title in list_windows(desk) if ws != -1]
+
+
 def spawn(desk: Desktop, argv: list[str]) -> subprocess.Popen:
     """Start a program detached (own session, no stdio). We keep no handle: /reset and exit find
     every program by walking our process tree, double-forked ones included (we are a subreaper)."""
@@ -161,9 +166,7 @@ def kill_tree(keep: set[int]) -> None:
 
 def _desktop():
     """desktop.py (the --xvfb desktop), imported on first use. It imports Desktop, spawn & co. from
-    us; when we run as a script we are `__main__`, so we register under our own name first, or its
-    `from vm_server import` would load a second copy of this file."""
-    sys.modules.setdefault("vm_server", sys.modules[__name__])
+    us (run as a script, we registered as `vm_server` at the top, so that is this same copy)."""
     try:
         import desktop
     except ModuleNotFoundError as e:
@@ -365,7 +368,7 @@ def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[in
     if path == "/screenshot":
         return (200, *screenshot(query))
     if path == "/windows":  # the application windows, oldest first (the window manager's list)
-        return 200, {"windows": [{"id": i, "title": t} for i, ws, t in list_windows(desk) if ws != -1]}, ""
+        return 200, {"windows": [{"id": i, "title": t} for i, t in app_windows(desk)]}, ""
     if path == "/action":
         do_action(desk, check_action(desk, body))
         return 200, {"ok": True}, ""

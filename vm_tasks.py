@@ -223,7 +223,7 @@ def resolve(desk: Desktop, p) -> str:
         raise BadRequest("'path' must be a non-empty string.")
     full = desk.home if p == "~" else os.path.join(desk.home, p[2:] if p.startswith("~/") else p)
     real, home = os.path.realpath(full), os.path.realpath(desk.home)
-    if real != home and not real.startswith(home + os.sep):
+    if not _under(real, home):
         raise BadRequest(f"path {p!r} is outside the desktop's home {home}; use a path inside it.")
     return real
 
@@ -402,7 +402,7 @@ def run_check(desk: Desktop, c: dict) -> tuple[bool, str]:
         found = c["text"] in text if "text" in c else _search(c["regex"], [text])
         return bool(found), _regex_info(found) or f"{'found' if found else 'not found'} in {len(text)} characters"
     if t == "window_exists":
-        titles = [title for _, ws, title in _server().list_windows(desk) if ws != -1]  # not the desktop/taskbar
+        titles = [title for _, title in _server().app_windows(desk)]
         found = _search(c["title"], titles)
         return found is not None and found == exists, (_regex_info(found) or f"windows: {titles}")[:500]
     code, out = run_command(desk, c["argv"], c["timeout"])

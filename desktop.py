@@ -51,6 +51,11 @@ DESKTOP_APPS = [
 ICON_ORIGIN, ICON_PITCH, ICON_ROWS = (16, 16), (120, 100), 4
 ICON_CENTRE = (58, 30)   # from a cell's top-left to its icon's centre, measured on pcmanfm 1.3.2
 BG_COLOUR = "#2f5f8f"
+# The file types the tasks' files have (.txt, .csv, .log, .md, .py, .sh, no extension), all opened
+# in the text editor by a double-click in the file manager.
+TEXT_MIME_TYPES = ("text/plain", "text/csv", "text/markdown", "text/x-log", "text/x-python",
+                   "text/x-python3", "application/x-shellscript", "text/x-shellscript",
+                   "application/x-zerosize", "application/octet-stream")
 
 
 def _cell(i: int) -> tuple[int, int]:
@@ -87,6 +92,13 @@ def template_files() -> dict[str, str]:
     files[".config/pcmanfm/default/desktop-items-0.conf"] = "\n".join(items)
     # quick_exec: a double-click launches a .desktop file instead of asking "Execute File?".
     files[".config/libfm/libfm.conf"] = "[config]\nquick_exec=1\n"
+    # Default applications, stated here rather than left to the host: without them pcmanfm asks
+    # "Choose Application" for a text file on any machine whose desktop database (mimeinfo.cache,
+    # written by desktop-file-utils) happens not to list mousepad. GIO takes the first entry of each
+    # list that is installed; mousepad's file is org.xfce.mousepad.desktop from 0.5 on.
+    text = "org.xfce.mousepad.desktop;mousepad.desktop;"
+    files[".config/mimeapps.list"] = "[Default Applications]\n" + "".join(
+        f"{mime}={text}\n" for mime in TEXT_MIME_TYPES) + "inode/directory=pcmanfm.desktop;\n"
     # mousepad keeps its settings in GSettings; with GSETTINGS_BACKEND=keyfile they live here.
     files[".config/glib-2.0/settings/keyfile"] = (
         "[org/xfce/mousepad/preferences/window]\npath-in-title=false\n\n"
@@ -122,7 +134,7 @@ def start_xvfb(screen: tuple[int, int]) -> tuple[subprocess.Popen, str]:
     os.close(r)
     if not num.strip().isdigit():
         proc.kill()
-        sys.exit("vm_server: Xvfb did not start; install the desktop packages with `sudo bash setup.sh`.")
+        sys.exit("vm_server: Xvfb did not start; install the desktop packages with `bash setup.sh`.")
     return proc, ":" + num.decode().strip()
 
 
@@ -168,7 +180,7 @@ def local_desktop(screen: tuple[int, int], allow: frozenset) -> Desktop:
     """--xvfb: a display, a HOME copied from a fresh template, and a session on it."""
     missing = [p for p in ("Xvfb", "openbox", "tint2", "pcmanfm", "wmctrl", "mousepad") if not shutil.which(p)]
     if missing:
-        sys.exit(f"vm_server: {', '.join(missing)} not installed; install the desktop with `sudo bash setup.sh`.")
+        sys.exit(f"vm_server: {', '.join(missing)} not installed; install the desktop with `bash setup.sh`.")
     tmp = tempfile.mkdtemp(prefix="vm_server-")
     for rel, text in template_files().items():
         os.makedirs(os.path.dirname(os.path.join(tmp, "template", rel)), exist_ok=True)

@@ -382,7 +382,7 @@ def launch_local_vms(n: int, screen: tuple[int, int] = (1280, 720), token: str |
     """Start n local desktops (`vm_server.py --xvfb`, each with its own display, HOME and port)
     and wait until all answer /health. They start in parallel: 8 take about as long as one."""
     if shutil.which("Xvfb") is None:
-        raise VMError("Xvfb is not installed, so no local desktop can start; run `sudo bash setup.sh`.")
+        raise VMError("Xvfb is not installed, so no local desktop can start; run `bash setup.sh`.")
     server = Path(__file__).resolve().with_name("vm_server.py")
 
     def start(port: int) -> LocalVM:

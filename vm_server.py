@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 desk = _desktop().local_desktop((int(m[1]), int(m[2])), allow)
             except RuntimeError as e:  # a session part that never came up (see desktop._wait)
-                sys.exit(f"vm_server: {e}; check that `sudo bash setup.sh` ran on this machine.")
+                sys.exit(f"vm_server: {e}; check that `bash setup.sh` ran on this machine.")
         elif not os.environ.get("DISPLAY"):
             sys.exit("vm_server: no DISPLAY; run it inside the VM's graphical session, or pass --xvfb.")
         import pyautogui  # only now: it opens $DISPLAY at import time

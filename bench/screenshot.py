@@ -38,7 +38,7 @@ def start(screen: str) -> tuple[subprocess.Popen, str, str]:
     m = re.match(r"vm_server: serving (\S+) display (\S+)", proc.stdout.readline())
     if not m:
         proc.kill()
-        sys.exit("bench: vm_server.py did not start; run `sudo bash setup.sh` first.")
+        sys.exit("bench: vm_server.py did not start; run `bash setup.sh` first.")
     return proc, m[1], m[2]
 
 

@@ -163,18 +163,18 @@ def _unescape(s: str) -> str:
     return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), m.group(1)), s, flags=re.S)
 
 
-def _parse_call(s: str) -> tuple[str, list[str], dict[str, str]] | None:
-    """`name(a, b, key='v')` at the start of s -> (lower-cased name, args, kwargs), values as
-    strings (quotes removed, escapes resolved). Text after the closing paren is ignored; a call
-    that never closes (a truncated generation) is None."""
-    m = _CALL.match(s)
+def _parse_call(s: str, start: int = 0) -> tuple[str, list[str], dict[str, str], int] | None:
+    """`name(a, b, key='v')` at s[start:] -> (lower-cased name, args, kwargs, end), values as
+    strings (quotes removed, escapes resolved), `end` the index just past the closing paren. Text
+    after it is ignored; a call that never closes (a truncated generation) is None."""
+    m = _CALL.match(s, start)
     if not m:
         return None
     args: list[str] = []
     kwargs: dict[str, str] = {}
     pos = m.end()
     if s.startswith(")", pos):
-        return m.group(1).lower(), args, kwargs
+        return m.group(1).lower(), args, kwargs, pos + 1
     while True:
         a = _ARG.match(s, pos)
         if not a:
@@ -190,7 +190,7 @@ def _parse_call(s: str) -> tuple[str, list[str], dict[str, str]] | None:
             args.append(value)
         pos = a.end()
         if s.startswith(")", pos):
-            return m.group(1).lower(), args, kwargs
+            return m.group(1).lower(), args, kwargs, pos + 1
         if not s.startswith(",", pos):
             return None
         pos += 1
@@ -270,7 +270,7 @@ def _parse_explore(text, screen, image, rel1000) -> Parsed | None:
     call = _parse_call(obj["action"])
     if call is None or call[2]:
         return None
-    name, args, _ = call
+    name, args, _, _ = call
     kind = _EXPLORE_NAMES.get(name.replace("_", ""))
     if kind is None:
         return None
@@ -313,14 +313,35 @@ def _box(kwargs, args, names) -> tuple[float, float] | None:
     return _point(args) if args and not kwargs else None
 
 
-def _parse_uitars(text, screen, image, rel1000) -> Parsed | None:
-    m = re.search(r"Action\s*:", text)
-    if not m:
+_ACTION_LINE = re.compile(r"(?<![A-Za-z_])Action\s*:")
+
+
+def _last_action(text: str) -> tuple[int, int] | None:
+    """(where the thought ends, where the action's call starts) in a UI-TARS answer, or None.
+    The action is the one after the LAST "Action:", as in every reference parser (a model that
+    changes its mind, or runs on into a made-up next turn, means its last line). Unlike their
+    split("Action:")[-1], an "Action:" inside the quoted arguments of a well-formed call is text,
+    and the thought ends at the first "Action:" that holds a call, not at one in the prose."""
+    pos, thought_end, last = 0, None, None
+    while (m := _ACTION_LINE.search(text, pos)) is not None:
+        last = m
+        call = _parse_call(text, m.end())
+        if call is not None and thought_end is None:
+            thought_end = m.start()
+        pos = call[3] if call is not None else m.end()  # both advance: the scan stays linear
+    if last is None:
         return None
-    before = text[:m.start()]
+    return (last.start() if thought_end is None else thought_end), last.end()
+
+
+def _parse_uitars(text, screen, image, rel1000) -> Parsed | None:
+    found = _last_action(text)
+    if found is None:
+        return None
+    before = text[:found[0]]
     t = re.search(r"Thought\s*:", before)
     thought = (before[t.end():] if t else before).strip()
-    rest = text[m.end():]
+    rest = text[found[1]:]
     call = _parse_call(rest)
     if call is None:
         # UI-TARS often leaves a quote unescaped inside content: type(content='it's'). Take the
@@ -328,8 +349,8 @@ def _parse_uitars(text, screen, image, rel1000) -> Parsed | None:
         g = re.match(r"\s*(type|finished)\s*\(\s*content\s*=\s*(['\"])(.*)\2\s*\)", rest, re.S)
         if not g:
             return None
-        call = (g.group(1), [], {"content": _unescape(g.group(3))})
-    name, args, kwargs = call
+        call = (g.group(1), [], {"content": _unescape(g.group(3))}, g.end())
+    name, args, kwargs, _ = call
     geo = dict(screen=screen, image=image, rel1000=rel1000)
     if name in _UITARS_POINT:
         p = _box(kwargs, args, _START)

@@ -154,6 +154,39 @@ def test_thought_and_intent_are_returned():
 
 
 # ------------------------------------------------------------------------------------------------
+# Where we follow the reference parsers: UI-TARS's Python parser (also its PyPI package ui-tars),
+# UI-TARS-desktop's TypeScript parser and ARPO's. The outputs are shaped like real ones from
+# issues, logs and the references' own tests.
+
+
+def test_two_action_lines_the_last_one_runs():
+    # A model that changes its mind in one answer: every reference runs what follows the LAST
+    # "Action:" (UI-TARS-desktop tests this shape as "it should return last action"). The thought
+    # is what precedes the first one, as in the references.
+    text = ("Thought: 地址栏已经被激活，可以直接输入网址。\nAction: click(start_box='(100,100)')\n\n"
+            "Action: type(content='doubao.com\\n')")
+    assert parse_action(text, "uitars", S) == Parsed(A("type", text="doubao.com\n"), "地址栏已经被激活，可以直接输入网址。")
+    # A hallucinated next turn after the answer: its action is the last one.
+    text = ("Thought: Open the text editor from the desktop.\nAction: left_double(start_box='(74,146)')\n\n"
+            "Thought: The editor is open, type the note.\nAction: type(content='buy milk')")
+    assert parse_action(text, "uitars", S) == Parsed(A("type", text="buy milk"), "Open the text editor from the desktop.")
+    # "Action:" in the thought is prose, not an action line: the real one after it runs.
+    text = "Thought: My last Action: click missed the OK button, it is lower.\nAction: click(start_box='(640,420)')"
+    assert parse_action(text, "uitars", S) == Parsed(A("click", x=640, y=420), "My last Action: click missed the OK button, it is lower.")
+    # The last "Action:" decides even when it is broken (the references fail it too).
+    assert parse_action("Thought: x\nAction: click(start_box='(1,2)')\n\nAction: type(content='abc", "uitars", S) is None
+
+
+def test_action_inside_a_quoted_argument_is_text():
+    # Where we are better than split("Action:")[-1]: an "Action:" inside a quoted argument of a
+    # well-formed call is part of the text, not a second action line.
+    p = parse_action("Thought: Log the step.\nAction: type(content='Action: saved the file\\n')", "uitars", S)
+    assert p == Parsed(A("type", text="Action: saved the file\n"), "Log the step.")
+    p = parse_action("Thought: done\nAction: finished(content='Action: none needed')", "uitars", S)
+    assert p.action == A("done")
+
+
+# ------------------------------------------------------------------------------------------------
 # Coordinates
 
 

@@ -313,7 +313,9 @@ def _box(kwargs, args, names) -> tuple[float, float] | None:
     return _point(args) if args and not kwargs else None
 
 
-_ACTION_LINE = re.compile(r"(?<![A-Za-z_])Action\s*:")
+# "Action：" with the full-width colon (U+FF1A) is how doubao-1.5-ui-tars writes it in Chinese
+# answers; UI-TARS-desktop's parser accepts it, and so do we, for "Thought：" too.
+_ACTION_LINE = re.compile(r"(?<![A-Za-z_])Action\s*[:\uff1a]")
 
 
 def _last_action(text: str) -> tuple[int, int] | None:
@@ -339,7 +341,7 @@ def _parse_uitars(text, screen, image, rel1000) -> Parsed | None:
     if found is None:
         return None
     before = text[:found[0]]
-    t = re.search(r"Thought\s*:", before)
+    t = re.search(r"Thought\s*[:\uff1a]", before)
     thought = (before[t.end():] if t else before).strip()
     rest = text[found[1]:]
     call = _parse_call(rest)

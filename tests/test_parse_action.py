@@ -177,6 +177,15 @@ def test_two_action_lines_the_last_one_runs():
     assert parse_action("Thought: x\nAction: click(start_box='(1,2)')\n\nAction: type(content='abc", "uitars", S) is None
 
 
+def test_full_width_colons():
+    # doubao-1.5-ui-tars answers in Chinese with "Action：" (U+FF1A); UI-TARS-desktop accepts it.
+    text = "Thought: 我需要点击“确定”按钮来保存文件。\nAction：click(start_box='(100,200)')"
+    assert parse_action(text, "uitars", S) == Parsed(A("click", x=100, y=200), "我需要点击“确定”按钮来保存文件。")
+    text = "Thought：我需要点击“确定”按钮来保存文件。\nAction：click(start_box='<bbox>191 21 191 21</bbox>')"
+    assert parse_action(text, "uitars", S) == Parsed(A("click", x=191, y=21), "我需要点击“确定”按钮来保存文件。")
+    assert parse_action("\n\nAction：hotkey(key='ctrl s')", "uitars", S) == Parsed(A("key", keys=["ctrl", "s"]), "")
+
+
 def test_action_inside_a_quoted_argument_is_text():
     # Where we are better than split("Action:")[-1]: an "Action:" inside a quoted argument of a
     # well-formed call is part of the text, not a second action line.

@@ -99,8 +99,9 @@ class Action:
 
 @dataclass
 class Parsed:
-    action: Action  # in screen pixels, already clamped into the screen
-    thought: str    # ScreenExplorer's "intent" or UI-TARS's "Thought"
+    action: Action        # in screen pixels, already clamped into the screen
+    thought: str          # ScreenExplorer's "intent"; UI-TARS's "Thought" (or its "Action_Summary")
+    reflection: str = ""  # UI-TARS's "Reflection", when it writes one
 
 
 # ------------------------------------------------------------------------------------------------
@@ -336,13 +337,28 @@ def _last_action(text: str) -> tuple[int, int] | None:
     return (last.start() if thought_end is None else thought_end), last.end()
 
 
+_LABEL = re.compile(r"(?<![A-Za-z_])(Reflection|Thought|Action_Summary)\s*[:\uff1a]")
+
+
+def _thought(head: str) -> tuple[str, str]:
+    """The text before the action -> (thought, reflection). UI-TARS labels its parts "Thought:",
+    or "Reflection:" + "Action_Summary:" (its reflective format); each part runs to the next label.
+    As in the references, the thought is the Thought part, else the Action_Summary, and the labels
+    are not part of the text; an unlabelled head is all thought."""
+    marks = list(_LABEL.finditer(head))
+    if not marks:
+        return head.strip(), ""
+    parts: dict[str, str] = {}
+    for m, nxt in zip(marks, marks[1:] + [None]):
+        parts.setdefault(m.group(1), head[m.end():nxt.start() if nxt else len(head)].strip())
+    return parts.get("Thought", parts.get("Action_Summary", "")), parts.get("Reflection", "")
+
+
 def _parse_uitars(text, screen, image, rel1000) -> Parsed | None:
     found = _last_action(text)
     if found is None:
         return None
-    before = text[:found[0]]
-    t = re.search(r"Thought\s*[:\uff1a]", before)
-    thought = (before[t.end():] if t else before).strip()
+    thought, reflection = _thought(text[:found[0]])
     rest = text[found[1]:]
     call = _parse_call(rest)
     if call is None:
@@ -383,7 +399,7 @@ def _parse_uitars(text, screen, image, rel1000) -> Parsed | None:
         action = Action("fail")
     else:
         action = None
-    return Parsed(action, thought) if action else None
+    return Parsed(action, thought, reflection) if action else None
 
 
 def parse_action(text: str, style: str, screen: tuple[int, int], image: tuple[int, int] | None = None,

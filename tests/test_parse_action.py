@@ -186,6 +186,27 @@ def test_full_width_colons():
     assert parse_action("\n\nAction：hotkey(key='ctrl s')", "uitars", S) == Parsed(A("key", keys=["ctrl", "s"]), "")
 
 
+def test_reflection_and_action_summary_are_labels_not_thought():
+    # UI-TARS's reflective format (the references' tests and README): the thought is the
+    # Action_Summary, the Reflection is kept apart, and neither label stays in the text.
+    text = ("Reflection: 在桌面上我看到了Chrome浏览器的图标，应该双击该图标来启动浏览器。\n"
+            "Action_Summary: 在桌面上找到Chrome浏览器图标的位置，通过双击操作来打开浏览器。\n"
+            "Action: left_double(start_box='21, 246, 21, 246')")
+    p = parse_action(text, "uitars", S)
+    assert p == Parsed(A("double_click", x=21, y=246), "在桌面上找到Chrome浏览器图标的位置，通过双击操作来打开浏览器。",
+                       "在桌面上我看到了Chrome浏览器的图标，应该双击该图标来启动浏览器。")
+    p = parse_action("Action_Summary: 粘贴使用 ctrl+v。\nAction: hotkey(key='ctrl v')", "uitars", S)
+    assert p == Parsed(A("key", keys=["ctrl", "v"]), "粘贴使用 ctrl+v。")
+    # A reflection, then a thought: each under its own label.
+    p = parse_action("Reflection: The last click missed the menu.\nThought: Click File instead.\n"
+                     "Action: click(start_box='(12,30)')", "uitars", S)
+    assert (p.thought, p.reflection) == ("Click File instead.", "The last click missed the menu.")
+    # UI-TARS-desktop's o1 format (a <Thought> tag, a summary, a closing </Output>).
+    p = parse_action("<Thought>The dialog asks to save.</Thought>\nAction_Summary: Click Save.\n"
+                     "Action: click(start_box='(900,650)')\n</Output>", "uitars", S)
+    assert p == Parsed(A("click", x=900, y=650), "Click Save.")
+
+
 def test_action_inside_a_quoted_argument_is_text():
     # Where we are better than split("Action:")[-1]: an "Action:" inside a quoted argument of a
     # well-formed call is part of the text, not a second action line.

@@ -249,10 +249,10 @@ _EXPLORE_NAMES = {"move": ("move", None), "moveto": ("move", None), "click": ("c
                   "leftclick": ("click", None), "rightclick": ("right_click", None),
                   "doubleclick": ("double_click", None), "scrollup": ("scroll", "up"),
                   "scrolldown": ("scroll", "down"), "text": ("type", None), "type": ("type", None),
-                  "key": ("key", None), "hotkey": ("key", None)}
+                  "key": ("key", None), "hotkey": ("key", None), "dragto": ("drag", None)}
 
 
-def _parse_explore(text, screen, image, rel1000) -> Parsed | None:
+def _parse_explore(text, screen, image, rel1000, cursor=None) -> Parsed | None:
     # The first JSON object carrying string "intent" and "action" wins; searching for '{' skips
     # code fences and prose around it. 64 tries bound the work on text full of braces.
     decoder, obj = json.JSONDecoder(), None
@@ -291,6 +291,14 @@ def _parse_explore(text, screen, image, rel1000) -> Parsed | None:
             action = None
     elif type_ == "scroll" and not args:
         action = _make("scroll", direction=direction)  # scroll wherever the mouse is
+    elif type_ == "drag":
+        # DragTo(x, y): from where the pointer is (the release presses the button there, moves,
+        # releases). Our drag names both ends, so the start is the caller's cursor, else the
+        # screen centre, where POST /reset leaves the pointer.
+        end = to_screen(nums[0], nums[1], screen, image, rel1000) if len(args) == 2 and None not in nums else None
+        cx, cy = cursor if cursor is not None else (screen[0] // 2, screen[1] // 2)
+        start = min(max(cx, 0), screen[0] - 1), min(max(cy, 0), screen[1] - 1)
+        action = Action("drag", x=start[0], y=start[1], x2=end[0], y2=end[1]) if end else None
     elif len(args) == 2 and None not in nums:
         action = _make(type_, point=nums, direction=direction, **geo)
     else:
@@ -403,23 +411,42 @@ def _parse_uitars(text, screen, image, rel1000) -> Parsed | None:
 
 
 def parse_action(text: str, style: str, screen: tuple[int, int], image: tuple[int, int] | None = None,
-                 rel1000: bool = False) -> Parsed | None:
-    """Model text -> Parsed(action in screen pixels, thought), or None for anything unparseable (a
-    format failure). Never raises on any text: garbage, truncated, unicode, huge -> None.
+                 rel1000: bool = False, cursor: tuple[int, int] | None = None) -> Parsed | None:
+    """Model text -> Parsed(action in screen pixels, thought, reflection), or None for anything
+    unparseable (a format failure). Never raises on any text: garbage, truncated, unicode, huge -> None.
     style: "explore" (ScreenExplorer JSON) or "uitars" (UI-TARS-1.5). screen: (w, h) in pixels.
     image: the (w, h) the model saw (smart_resize of the screenshot); None = screen pixels.
     rel1000: the model's coordinates are 0..1000 relative (UI-TARS-1.0 style).
-    A wrong `style`, `screen` or `image` is a bug in the caller, not a model failure: that raises ValueError."""
+    cursor: where the pointer is, in screen pixels (`cursor_after` tracks it): the start of
+    ScreenExplorer's DragTo(x, y); None = the screen centre, where POST /reset leaves it.
+    A wrong `style`, `screen`, `image` or `cursor` is a bug in the caller, not a model failure:
+    that raises ValueError."""
     if style not in ("explore", "uitars"):
         raise ValueError(f"style must be 'explore' or 'uitars', got {style!r}.")
     if not (len(screen) == 2 and screen[0] >= 1 and screen[1] >= 1):
         raise ValueError(f"screen must be (width, height) in pixels, got {screen!r}.")
     if image is not None and not (len(image) == 2 and image[0] >= 1 and image[1] >= 1):
         raise ValueError(f"image must be the (width, height) the model saw, or None; got {image!r}.")
+    if cursor is not None and not (len(cursor) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                           for v in cursor)):
+        raise ValueError(f"cursor must be the pointer's (x, y) in screen pixels, or None; got {cursor!r}.")
     try:
         if not isinstance(text, str) or len(text) > MAX_INPUT_CHARS:
             return None
-        fn = _parse_explore if style == "explore" else _parse_uitars
-        return fn(text, screen, image, rel1000)
+        if style == "explore":
+            return _parse_explore(text, screen, image, rel1000, cursor)
+        return _parse_uitars(text, screen, image, rel1000)
     except Exception:  # noqa: BLE001 -- the contract: bad model text is a format failure, never a crash
         return None
+
+
+def cursor_after(action: Action | None, cursor: tuple[int, int]) -> tuple[int, int]:
+    """Where the pointer is after `action` ran, if it was at `cursor` (screen pixels): the end of a
+    drag, else the action's (x, y) when it has one (the server moves there first), else unchanged
+    (keys, typing at the focus, wait, done/fail, and None: a format failure sends nothing). Start
+    from the screen centre after POST /reset; the next DragTo starts here."""
+    if action is None:
+        return cursor
+    if action.type == "drag":
+        return action.x2, action.y2
+    return (action.x, action.y) if action.x is not None else cursor

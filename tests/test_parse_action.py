@@ -14,6 +14,7 @@ import time
 import pytest
 
 from env import Action, Parsed, parse_action, smart_resize, to_screen
+from actions import cursor_after
 
 S = (1280, 720)
 
@@ -157,6 +158,38 @@ def test_thought_and_intent_are_returned():
 # Where we follow the reference parsers: UI-TARS's Python parser (also its PyPI package ui-tars),
 # UI-TARS-desktop's TypeScript parser and ARPO's. The outputs are shaped like real ones from
 # issues, logs and the references' own tests.
+
+
+def test_explore_drag_to_starts_where_the_mouse_is():
+    # ScreenExplorer's release parses DragTo(x, y) (its prompt does not list it) and runs it as:
+    # button down where the pointer is, move to (x, y), button up. Our drag names both ends, so the
+    # start is the pointer, passed as `cursor` in screen pixels.
+    text = '{"intent": "Drag notes.txt onto the Documents folder", "action": "DragTo(400, 300)"}'
+    assert parse_action(text, "explore", S, cursor=(74, 346)).action == A("drag", x=74, y=346, x2=400, y2=300)
+    # Without a cursor, the screen centre: (1280 // 2, 720 // 2), where POST /reset leaves the pointer.
+    assert parse_action(text, "explore", S).action == A("drag", x=640, y=360, x2=400, y2=300)
+    # The end is in the model's image like every coordinate: 400 * 1280 / 1288 = 397.5 -> 398,
+    # 300 * 720 / 728 = 296.7 -> 297. The cursor is in screen pixels already, clamped into the screen.
+    p = parse_action(text, "explore", S, image=(1288, 728), cursor=(5000, -3))
+    assert p == Parsed(A("drag", x=1279, y=0, x2=398, y2=297), "Drag notes.txt onto the Documents folder")
+    assert parse_action('{"intent": "x", "action": "DragTo(400)"}', "explore", S) is None
+    with pytest.raises(ValueError):
+        parse_action(text, "explore", S, cursor=(1, 2, 3))  # a caller bug, not a model failure
+
+
+def test_cursor_after_follows_the_pointer():
+    # Where the pointer is after each action, from the centre after a reset: what a trainer passes
+    # as the next step's cursor.
+    c = (640, 360)
+    steps = [(A("click", x=100, y=200), (100, 200)), (A("key", keys=["ctrl", "c"]), (100, 200)),
+             (None, (100, 200)),  # a format failure: nothing ran
+             (A("click"), (100, 200)), (A("type", text="hi"), (100, 200)),
+             (A("drag", x=100, y=200, x2=400, y2=300), (400, 300)), (A("scroll", direction="up"), (400, 300)),
+             (A("scroll", x=5, y=6, direction="down"), (5, 6)), (A("type", x=7, y=8, text="a"), (7, 8)),
+             (A("move", x=9, y=10), (9, 10)), (A("wait", amount=1), (9, 10)), (A("done"), (9, 10))]
+    for action, expected in steps:
+        c = cursor_after(action, c)
+        assert c == expected, action
 
 
 def test_two_action_lines_the_last_one_runs():

@@ -157,11 +157,14 @@ def to_screen(x: float, y: float, screen: tuple[int, int], image: tuple[int, int
 _ARG = re.compile(r"""\s*(?:(?P<key>[A-Za-z_]\w*)\s*=\s*)?(?:'(?P<sq>(?:[^'\\]|\\.)*)'|"(?P<dq>(?:[^"\\]|\\.)*)"|(?P<grp>\([^()]*\)|\[[^\[\]]*\])|(?P<bare>[^\s,()'"\[\]=]+))\s*""", re.S)
 _CALL = re.compile(r"\s*([A-Za-z_]\w*)\s*\(\s*")
 _NUM = re.compile(r"[-+]?\d+(?:\.\d+)?")
-_ESCAPES = {"n": "\n", "t": "\t", "r": "\r"}
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"'}
 
 
 def _unescape(s: str) -> str:
-    return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), m.group(1)), s, flags=re.S)
+    r"""Resolve the escapes a model writes in a quoted argument (\n \t \r \\ \' \"). Any other
+    backslash stays, as in a Python string literal (UI-TARS's and ARPO's parsers read the call
+    with Python's ast): a regex typed into a terminal, grep '\d+', keeps its backslash."""
+    return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), m.group(0)), s, flags=re.S)
 
 
 def _parse_call(s: str, start: int = 0) -> tuple[str, list[str], dict[str, str], int] | None:

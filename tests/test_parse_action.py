@@ -240,6 +240,18 @@ def test_reflection_and_action_summary_are_labels_not_thought():
     assert p == Parsed(A("click", x=900, y=650), "Click Save.")
 
 
+def test_unknown_escapes_keep_their_backslash():
+    # UI-TARS's and ARPO's parsers read type(content='...') as a Python string literal: \n, \t,
+    # \', \" and \\ are escapes, and an unknown escape keeps its backslash. Regexes typed into a terminal need
+    # that: '\d{3}' must reach the VM as backslash-d, not 'd'.
+    text = "Thought: Count lines with a 3-digit number.\n" + r"""Action: type(content='grep -cE "\d{3}" notes.txt\n')"""
+    assert parse_action(text, "uitars", S).action == A("type", text='grep -cE "\\d{3}" notes.txt\n')
+    text = "Thought: Strip trailing spaces.\n" + r"""Action: type(content='sed -i \'s/\s\+$//\' notes.txt\n')"""
+    assert parse_action(text, "uitars", S).action == A("type", text="sed -i 's/\\s\\+$//' notes.txt\n")
+    text = '{"intent": "search digits", "action": "Text(100, 200, \\"[0-9]\\\\d+\\")"}'
+    assert parse_action(text, "explore", S).action == A("type", x=100, y=200, text="[0-9]\\d+")
+
+
 def test_action_inside_a_quoted_argument_is_text():
     # Where we are better than split("Action:")[-1]: an "Action:" inside a quoted argument of a
     # well-formed call is part of the text, not a second action line.

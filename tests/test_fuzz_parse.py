@@ -10,11 +10,12 @@ that does come out must be one the VM accepts: inside the screen, valid per `Act
 text within the server's limits, and it survives a JSON round trip (what the trainer sends).
 
 Inputs (seeded, so a failure replays): realistic model outputs of both formats (all the action
-kinds, with thoughts, fences, unicode), then 1-4 mutations each: hostile numbers (NaN, inf, 1e309,
+kinds, with thoughts, fences, unicode; UI-TARS's reflective format, full-width colons and a
+taken-back earlier action line), then 1-4 mutations each: hostile numbers (NaN, inf, 1e309,
 -0, huge, negative, full-width digits), character edits, truncation, duplication, quote/brace/
 backslash injection, case flips, token swaps between formats; plus 10 % pure noise. Screens,
-image sizes and rel1000 vary per call. Tested here: 10,000 per format (tests/test_parse_action.py
-has its own 5,000 mixed; these are independent).
+image sizes, rel1000 and explore's pointer (the start of DragTo) vary per call. Tested here:
+10,000 per format (tests/test_parse_action.py has its own 5,000 mixed; these are independent).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ NOISE = list("(){}[]<>'\"\\,:;=+-_.!?@#$%^&*~`|/ \t\n") + ["\0", "\x1b", "\u200b
 
 EXPLORE_ACTIONS = ["Click({x}, {y})", "DoubleClick({x}, {y})", "RightClick({x}, {y})", "Move({x}, {y})",
                    "ScrollUp({x}, {y})", "ScrollDown({x}, {y})", "ScrollDown()", "Text({x}, {y}, \"{t}\")",
-                   "Text(\"{t}\")", "Key(\"{k}\")", "MoveTo({x}, {y})", "LeftClick({x}, {y})"]
+                   "Text(\"{t}\")", "Key(\"{k}\")", "MoveTo({x}, {y})", "LeftClick({x}, {y})", "DragTo({x}, {y})"]
 UITARS_ACTIONS = ["click(start_box='<|box_start|>({x},{y})<|box_end|>')", "click(start_box='({x},{y})')",
                   "click(point='<point>{x} {y}</point>')", "left_double(start_box='({x},{y})')",
                   "right_single(start_box='({x},{y})')", "hover(start_box='({x},{y})')",
@@ -65,7 +66,13 @@ def realistic(rng: random.Random, style: str, image) -> str:
         body = json.dumps({"intent": rng.choice(THOUGHTS).format(**fill), "action": act}, ensure_ascii=rng.random() < 0.5)
         return rng.choice(["{}", "```json\n{}\n```", "Sure! Here it is:\n{}\nDone.", "{}<|im_end|>"]).format(body)
     act = rng.choice(UITARS_ACTIONS).format(**fill)
-    return f"Thought: {rng.choice(THOUGHTS).format(**fill)}\nAction: {act}" + rng.choice(["", "<|im_end|>", "\n\nok"])
+    # UI-TARS's plain and reflective formats, the full-width colon, and now and then an earlier
+    # action line the model took back (the last one runs).
+    head = rng.choice(["Thought: {0}", "Thought：{0}", "Reflection: {0}\nAction_Summary: {1}", "Action_Summary: {1}"])
+    head = head.format(rng.choice(THOUGHTS).format(**fill), rng.choice(THOUGHTS).format(**fill))
+    if rng.random() < 0.1:
+        head += "\nAction: " + rng.choice(UITARS_ACTIONS).format(**fill) + "\n"
+    return f"{head}\nAction{rng.choice([':', ':', '：'])} {act}" + rng.choice(["", "<|im_end|>", "\n\nok"])
 
 
 def mutate(rng: random.Random, text: str) -> str:
@@ -120,14 +127,17 @@ def fuzz(style: str, seed: int) -> dict:
     stats = {"n": 0, "parsed": 0, "inner_raised": [], "types": set(), "slowest_ms": 0.0}
     for _ in range(N_PER_FORMAT):
         screen, image, rel = rng.choice(SCREENS), rng.choice(IMAGES), rng.random() < 0.15
+        # explore's DragTo starts at the pointer: any cursor, even a stale one off this screen
+        cursor = rng.choice([None, (0, 0), (rng.randint(-50, 4000), rng.randint(-50, 4000))])
+        extra = (cursor,) if style == "explore" else ()
         text = "".join(rng.choice(NOISE) for _ in range(rng.randint(0, 300))) if rng.random() < 0.1 \
             else mutate(rng, realistic(rng, style, image))
         t0 = time.perf_counter()
-        p = parse_action(text, style, screen, image, rel)
+        p = parse_action(text, style, screen, image, rel, *extra)
         stats["slowest_ms"] = max(stats["slowest_ms"], 1000 * (time.perf_counter() - t0))
         if len(text) <= A.MAX_INPUT_CHARS:
             try:  # the parser itself, without parse_action's catch-all
-                q = inner(text, screen, image, rel)
+                q = inner(text, screen, image, rel, *extra)
                 assert q == p, (text, p, q)
             except AssertionError:
                 raise
@@ -137,7 +147,7 @@ def fuzz(style: str, seed: int) -> dict:
         if p is not None:
             stats["parsed"] += 1
             stats["types"].add(p.action.type)
-            assert isinstance(p.thought, str)
+            assert isinstance(p.thought, str) and isinstance(p.reflection, str)
             check_action(p.action, screen)
     return stats
 
@@ -157,7 +167,7 @@ def _run(style: str, seed: int, all_types: set) -> None:
 
 
 def test_fuzz_explore():
-    _run("explore", 20240601, {"click", "double_click", "right_click", "move", "scroll", "type", "key"})
+    _run("explore", 20240601, {"click", "double_click", "right_click", "move", "scroll", "type", "key", "drag"})
 
 
 def test_fuzz_uitars():

@@ -1,14 +1,15 @@
-"""actions.py: the one action schema, and model text -> action.
+r"""actions.py: the one action schema, and model text -> action.
 
 What is here, top to bottom:
   1. `Action`, the one action schema (screen pixels) that vm_server.py executes (the body of
-     POST /action), and `Parsed` (an action plus the model's thought).
+     POST /action), and `Parsed` (an action plus the model's thought, and UI-TARS's reflection).
   2. `smart_resize` + `to_screen` + `parse_action`: model text -> Action, for the two formats the
      models speak:
        - `explore`: ScreenExplorer's JSON, {"intent": "...", "action": "Click(x, y)"}, with the
-         actions Move/Click/RightClick/DoubleClick/ScrollUp/ScrollDown/Text/Key;
+         actions Move/Click/RightClick/DoubleClick/ScrollUp/ScrollDown/DragTo/Text/Key;
        - `uitars`: UI-TARS-1.5's "Thought: ...\nAction: click(start_box='(x,y)')", with
          click/left_double/right_single/drag/hotkey/type/scroll/wait/finished/call_user.
+  3. `cursor_after`: where the pointer is after an action (the start of the next DragTo).
 
 Coordinates. Qwen2.5-VL sees the screenshot resized by `smart_resize` (both sides multiples of 28,
 the pixel count capped), and answers in the pixels of THAT image. `to_screen` maps them back:
@@ -17,14 +18,36 @@ x_screen = x * screen_w / image_w (same for y), rounded half up and clamped into
 numbers) stands for its centre.
 
 Anything unparseable -- garbage, truncated, huge, an unknown action -- is None: a format failure
-for the reward, never an exception. env.py re-exports every name here, so `from env import
-parse_action` keeps working. Tested by `python -m pytest -q tests/test_parse_action.py`.
+for the reward, never an exception. env.py re-exports the schema and `parse_action`, so `from env
+import parse_action` keeps working. Tested by `python -m pytest -q tests/test_parse_action.py`
+(hand-written real-shaped outputs) and tests/test_fuzz_parse.py (20,000 mutated ones).
 
-Where this departs from the papers / upstream code:
+Where we follow the reference parsers (UI-TARS's Python parser and its PyPI package ui-tars,
+UI-TARS-desktop's TypeScript parser, ARPO's, ScreenExplorer's):
+  - Two "Action:" lines in one answer: the LAST one runs (they all split("Action:")[-1]).
+  - "Action：" with the full-width colon (doubao-1.5-ui-tars) counts, as in UI-TARS-desktop; so
+    do "Thought：" and the other labels with it (there, only "Action：" does).
+  - "Reflection:" / "Action_Summary:" are labels: the thought is the Thought, else the
+    Action_Summary, and the reflection goes to `Parsed.reflection`, as their {thought, reflection}.
+  - Escapes in quoted arguments mean what they mean in a Python literal (UI-TARS and ARPO read
+    the call with ast): \n, \t, \', \" and \\ resolve, any other backslash stays.
+  - ScreenExplorer's DragTo(x, y) presses where the pointer is and releases at (x, y). Our drag
+    names both ends (vm_server.py moves to the start, presses, glides, releases), so the start is
+    `parse_action(..., cursor=)`; without one, the screen centre, where POST /reset leaves it.
+
+Where we deliberately differ:
+  - We never evaluate model text (upstream parses it with Python's ast); a few linear regexes
+    tokenize it, and its length is capped.
+  - An "Action:" inside the quoted argument of a well-formed call, type(content='Action: x'), is
+    text, and one in the thought's prose does not end the thought: split("Action:") cuts both.
+  - One action per step: of several calls on the last action line (the references split it on
+    blank lines and run them all), the first runs, the one the model planned on this screen.
+  - Kept where some of the references fail: escaped quotes and newlines in type(content=...),
+    an unescaped quote in it (taken up to the last quote-paren), boxes in square brackets,
+    <bbox>x1 y1 x2 y2</bbox>, a trailing </Output> or <|im_end|>, horizontal scroll, "CTRL+A"
+    hotkeys (split on '+' or spaces, lower-cased).
   - ScreenExplorer's Text(x, y, "t") becomes one `type` action with x, y set; vm_server.py clicks
     at (x, y) before typing, so the model's single action stays a single request.
-  - UI-TARS's parser in upstream code evaluates the action string with Python's ast; we never
-    evaluate model text, we tokenize it with a few linear regexes (and cap its length).
 """
 
 from __future__ import annotations
@@ -326,7 +349,7 @@ def _box(kwargs, args, names) -> tuple[float, float] | None:
 
 
 # "Action：" with the full-width colon (U+FF1A) is how doubao-1.5-ui-tars writes it in Chinese
-# answers; UI-TARS-desktop's parser accepts it, and so do we, for "Thought：" too.
+# answers; UI-TARS-desktop's parser accepts it, and so do we, for the labels (_LABEL) too.
 _ACTION_LINE = re.compile(r"(?<![A-Za-z_])Action\s*[:\uff1a]")
 
 

@@ -252,6 +252,14 @@ def test_unknown_escapes_keep_their_backslash():
     assert parse_action(text, "explore", S).action == A("type", x=100, y=200, text="[0-9]\\d+")
 
 
+def test_calls_after_the_first_on_one_action_line_are_not_run():
+    # Where we differ on purpose: the references run every call of the last action line (split on
+    # blank lines); a step here is one action, so the first runs, the one planned on this screen.
+    text = ("Thought: Click the search box, then type the query.\nAction: click(start_box='(640,60)')\n\n"
+            "type(content='weather\\n')")
+    assert parse_action(text, "uitars", S).action == A("click", x=640, y=60)
+
+
 def test_action_inside_a_quoted_argument_is_text():
     # Where we are better than split("Action:")[-1]: an "Action:" inside a quoted argument of a
     # well-formed call is part of the text, not a second action line.

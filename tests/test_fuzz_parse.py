@@ -66,7 +66,7 @@ def realistic(rng: random.Random, style: str, image) -> str:
         body = json.dumps({"intent": rng.choice(THOUGHTS).format(**fill), "action": act}, ensure_ascii=rng.random() < 0.5)
         return rng.choice(["{}", "```json\n{}\n```", "Sure! Here it is:\n{}\nDone.", "{}<|im_end|>"]).format(body)
     act = rng.choice(UITARS_ACTIONS).format(**fill)
-    # UI-TARS's plain and reflective formats, the full-width colon, and now and then an earlier
+    # UI-TARS's plain and reflective formats, the full-width colon, and sometimes an earlier
     # action line the model took back (the last one runs).
     head = rng.choice(["Thought: {0}", "Thought：{0}", "Reflection: {0}\nAction_Summary: {1}", "Action_Summary: {1}"])
     head = head.format(rng.choice(THOUGHTS).format(**fill), rng.choice(THOUGHTS).format(**fill))

@@ -17,9 +17,10 @@ Paper: ScreenExplorer (arXiv 2505.19095). One iteration, top to bottom (see DESI
     for step in range(--steps): screenshots of every live desktop (parallel) -> exploration prompts
         -> ONE batched generate -> parse {"intent", "action"} -> actions on every desktop (parallel)
         -> after-screenshots
-    -> screen features (+ OCR text) -> world model trained --wm-epochs on this buffer -> rewards
-    (every component) -> advantages over the whole buffer (one group) -> GRPO update (after
-    --update-actor-delay iterations) -> sync weights to the generator -> trajectories, checkpoint, log.
+    -> screen features (+ OCR text) -> the world model's guesses (curiosity) -> world model trained
+    --wm-epochs on this buffer -> rewards (every component) -> advantages over the whole buffer (one
+    group) -> GRPO update (after --update-actor-delay iterations) -> sync weights to the generator
+    -> trajectories, checkpoint, log.
 Experience-stream distillation (--generations G): at the end of a generation its best format-valid
 steps (top --distill-top of them by reward) become a dataset in runs/<name>/distill/; the next
 generation starts again from the BASE model, fine-tuned on all distilled data so far, then does RL.
@@ -29,6 +30,9 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
    of Cosmos latents, tesseract + MiniLM instead of PaddleOCR + BGE-M3, an MLP world model); see its
    docstring. The release's two bugs are not here: the world model's image branch is trained, and
    `--rewards all,no_world_model` still trains the actor (the release skipped the update).
+   Curiosity is scored before the world model learns the buffer (the release: after, so a new
+   transition seen on several desktops had its surprise trained away; --wm-train-first restores
+   the release's order).
 2. No guided (JSON-schema) decoding: the release constrained vLLM's sampler to the answer schema;
    we sample freely and a malformed answer is a format failure (reward 0, nothing executed), which
    is itself a learning signal. The release's repetition penalty (1.05) is off: it would make the
@@ -116,6 +120,7 @@ class Args:
     wm_lr: float = field(default=1e-3, metadata={"help": "world-model learning rate"})
     wm_batch_size: int = field(default=16, metadata={"help": "world-model batch size"})
     wm_hidden: int = field(default=256, metadata={"help": "world-model hidden width"})
+    wm_train_first: bool = field(default=False, metadata={"help": "the release's order: train the world model on this buffer, then score it (default: score first, so a transition repeated across desktops keeps its surprise)"})
     # experience-stream distillation
     generations: int = field(default=1, metadata={"help": "generations E1..EG; each after the first starts from the base model + SFT"})
     iterations_per_generation: int = field(default=0, metadata={"help": "iterations per generation; 0 = --iterations"})
@@ -346,13 +351,11 @@ def score(buffer: list[Step], flags: dict, tools, wm, wm_opt, a: Args, times: di
                             actions, tools if R.needs_text(flags) else None)
     pred_s = pred_t = None
     if flags["world_model"]:
-        text = wm.text_head is not None
         with timed(times, "world_model"):
-            # ALGO: the world model learns this buffer's transitions BEFORE it scores them (release order)
-            wm_metrics = R.train_world_model(wm, wm_opt, f.screen_before, actions, f.screen_after,
-                                             f.text_before if text else None, f.text_after if text else None,
-                                             epochs=a.wm_epochs, batch_size=a.wm_batch_size)
-            pred_s, pred_t = R.predict_next(wm, f.screen_before, actions, f.text_before if text else None)  # (V, D), (V, E)
+            # ALGO: curiosity is the surprise of the world model as it stood before this buffer;
+            # then it learns the buffer (--wm-train-first: the release's order, the other way round).
+            pred_s, pred_t, wm_metrics = R.update_and_predict(wm, wm_opt, f, actions, [1] * len(steps), a.wm_epochs,
+                                                              a.wm_batch_size, a.wm_train_first)  # (V, D), (V, E)
     with timed(times, "rewards"):
         r = R.exploration_rewards(flags, [s.vm for s in steps], [1] * len(steps), f.screen_before, f.screen_after,
                                   pred_s, f.text_before, f.text_after, pred_t, f.intent, f.click_text, f.click_hit)

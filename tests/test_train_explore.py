@@ -270,6 +270,34 @@ def test_dead_desktop_drops_out_of_the_rollout():
         pool.close()
 
 
+def test_score_rewards_curiosity_before_the_world_model_learns():
+    """score() on 8 desktops that made the same first move (one start screen after a reset): by
+    default curiosity is the world model's guess from before this buffer, and only then does the
+    model learn; --wm-train-first scores with the model after it learned (the release's order)."""
+    import copy
+
+    from env import Action, Parsed
+    before = Image.new("RGB", (1280, 720), (40, 40, 40))
+    after = before.copy()
+    after.paste((230, 230, 230), (300, 200, 900, 600))  # a window opened
+    act = Action("double_click", x=100, y=100)
+    buffer = [T.Step(vm, 0, before, after, "", Parsed(act, "open it")) for vm in range(8)]
+    flags = R.parse_reward_flags("none,image,world_model")
+    s, s2 = R.screen_features([before]), R.screen_features([after])  # (1, D) each
+    for train_first in (False, True):
+        torch.manual_seed(0)
+        wm = R.WorldModel(hidden=32)
+        opt = torch.optim.AdamW(wm.parameters(), lr=1e-2)
+        untrained = copy.deepcopy(wm)
+        r, m = T.score(buffer, flags, None, wm, opt, T.Args(wm_train_first=train_first), {})
+        assert m["wm/loss"] > 0 and any(not torch.equal(a, b) for a, b in zip(wm.parameters(), untrained.parameters()))
+        scorer = wm if train_first else untrained  # the model whose guess curiosity must be
+        want = 1 - R.cosine(s2, R.predict_next(scorer, s, [act])[0])  # (1,)
+        assert torch.allclose(r.image_world_model, want.expand(8), atol=1e-5), (train_first, r.image_world_model, want)
+        assert torch.allclose(r.total, r.image_world_model)
+    assert T.parse_args(["--wm-train-first"])[0].wm_train_first and not T.Args().wm_train_first
+
+
 # -----------------------------------------------------------------------------------------------
 # The script's own formulas, by hand
 

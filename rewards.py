@@ -50,7 +50,7 @@ One iteration, as train_explore.py uses it:
     flags = parse_reward_flags(args.rewards)                      # once
     tools = load_text_tools() if needs_text(flags) else None      # None + one message if missing
     flags = effective_flags(flags, tools)
-    wm = WorldModel(text_dim=tools.dim if flags["text"] else 0); opt = AdamW(wm.parameters(), 1e-3)
+    wm = WorldModel(text_dim=tools.dim if flags["text"] else 0); opt = AdamW(wm.parameters(), 1e-3, betas=(0.9, 0.95))
     f = step_features(before_imgs, after_imgs, intents, actions, tools if needs_text(flags) else None)
     pred_s, pred_e, wm_metrics = update_and_predict(wm, opt, f, actions, valid)  # if flags["world_model"]
     r = exploration_rewards(flags, traj_ids, valid, f.screen_before, f.screen_after, pred_s,

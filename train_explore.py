@@ -32,7 +32,7 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
    `--rewards all,no_world_model` still trains the actor (the release skipped the update).
    Curiosity is scored before the world model learns the buffer (the release: after, so a new
    transition seen on several desktops had its surprise trained away; --wm-train-first restores
-   the release's order).
+   the release's order). Both optimizers are the release's AdamW, betas (0.9, 0.95).
 2. No guided (JSON-schema) decoding: the release constrained vLLM's sampler to the answer schema;
    we sample freely and a malformed answer is a format failure (reward 0, nothing executed), which
    is itself a learning signal. The release's repetition penalty (1.05) is off: it would make the
@@ -378,6 +378,14 @@ def trainable(policy):
     return [p for p in policy.model.parameters() if p.requires_grad]
 
 
+def adamw(params, lr: float) -> torch.optim.AdamW:
+    """The release's AdamW, for the actor and the world model alike: betas (0.9, 0.95), eps 1e-8,
+    weight decay 0.01. beta2 = 0.95 averages squared gradients over ~20 steps instead of ~1000, so
+    the step size follows the gradient scale as the rewards and the policy drift under online RL.
+    The distillation SFT (no release recipe) uses the same optimizer."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+
 def distill_samples(policy, run: str, upto: int) -> list:
     """grpo.Samples of every distilled step of generations 1..upto: the saved screenshot as the
     prompt, the answer's sampled token ids verbatim as the target."""
@@ -404,7 +412,7 @@ def start_generation(g: int, run: str, a: Args) -> tuple:
         if g > 1:
             print(f"E{g}: no distilled steps yet (no format-valid answers), starting from the base model.", flush=True)
         return policy, a.model, {}
-    opt = torch.optim.AdamW(trainable(policy), lr=a.distill_lr)
+    opt = adamw(trainable(policy), a.distill_lr)
     rng = random.Random(a.seed + g)
     nll = []
     for _ in range(a.distill_epochs):
@@ -660,7 +668,7 @@ def restore(state: dict, ckpt_dir: str, wm, wm_opt, a: Args) -> tuple:
         set_peft_model_state_dict(policy.model, state["adapter"])
     else:
         policy = load(os.path.join(ckpt_dir, "policy"), a)
-    optimizer = torch.optim.AdamW(trainable(policy), lr=a.lr)
+    optimizer = adamw(trainable(policy), a.lr)
     optimizer.load_state_dict(state["optimizer"])
     try:
         wm.load_state_dict(state["wm"])
@@ -727,12 +735,12 @@ if __name__ == "__main__":
         flags = R.effective_flags(want, tools)
         print("reward components on: " + ", ".join(k for k, v in flags.items() if v), flush=True)
         wm = R.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags["text"]) else 0, args.wm_hidden, screen)
-        wm_opt = torch.optim.AdamW(wm.parameters(), lr=args.wm_lr)
+        wm_opt = adamw(wm.parameters(), args.wm_lr)
         distill_metrics = {}  # SFT numbers of a generation's start, logged once on its first line
         if ckpt is None:
             start_it, generation = 0, 1
             policy, start_model, distill_metrics = start_generation(1, run, args)
-            optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr)
+            optimizer = adamw(trainable(policy), args.lr)
         else:
             state, ckpt_dir = ckpt
             start_it, generation, start_model = state["iteration"] + 1, state["generation"], state["start_model"]
@@ -757,7 +765,7 @@ if __name__ == "__main__":
                     policy, start_model, distill_metrics = start_generation(g, run, args)
                     policy.engine = engine
                     M.sync_weights(policy)
-                    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr)
+                    optimizer = adamw(trainable(policy), args.lr)
                     ref_fn = reference_fn(start_model, args)
                     generation = g
             if it == start_it or (args.reset_every and it % args.reset_every == 0):

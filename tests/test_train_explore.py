@@ -113,6 +113,9 @@ def test_smoke_then_resume(speaker, tmp_path):
             steps += rows
     assert any(s["valid"] and s["reward"] > 0 for s in steps), "the speaker produced no valid step"
     assert (rd / "ckpt" / "COMPLETE").exists() and (rd / "ckpt" / "policy" / "config.json").exists()
+    # The actor's and the world model's optimizers are the release's AdamW (betas 0.9, 0.95).
+    state = torch.load(rd / "ckpt" / "state.pt", weights_only=False)
+    assert {g["betas"] for k in ("optimizer", "wm_opt") for g in state[k]["param_groups"]} == {(0.9, 0.95)}
 
     p = ok(run("--resume", rd, "--iterations", 3))
     assert "resumed" in p.stdout
@@ -287,7 +290,7 @@ def test_score_rewards_curiosity_before_the_world_model_learns():
     for train_first in (False, True):
         torch.manual_seed(0)
         wm = R.WorldModel(hidden=32)
-        opt = torch.optim.AdamW(wm.parameters(), lr=1e-2)
+        opt = T.adamw(wm.parameters(), 1e-2)
         untrained = copy.deepcopy(wm)
         r, m = T.score(buffer, flags, None, wm, opt, T.Args(wm_train_first=train_first), {})
         assert m["wm/loss"] > 0 and any(not torch.equal(a, b) for a, b in zip(wm.parameters(), untrained.parameters()))
@@ -296,6 +299,12 @@ def test_score_rewards_curiosity_before_the_world_model_learns():
         assert torch.allclose(r.image_world_model, want.expand(8), atol=1e-5), (train_first, r.image_world_model, want)
         assert torch.allclose(r.total, r.image_world_model)
     assert T.parse_args(["--wm-train-first"])[0].wm_train_first and not T.Args().wm_train_first
+
+
+def test_optimizers_are_the_releases_adamw():
+    p = torch.nn.Parameter(torch.zeros(3))
+    g = T.adamw([p], 4e-5).param_groups[0]
+    assert g["betas"] == (0.9, 0.95) and g["eps"] == 1e-8 and g["weight_decay"] == 0.01 and g["lr"] == 4e-5
 
 
 # -----------------------------------------------------------------------------------------------

@@ -22,8 +22,9 @@ Paper: ScreenExplorer (arXiv 2505.19095). One iteration, top to bottom (see DESI
     group) -> GRPO update (after --update-actor-delay iterations) -> sync weights to the generator
     -> trajectories, checkpoint, log.
 Experience-stream distillation (--generations G): at the end of a generation its best format-valid
-steps (top --distill-top of them by reward) become a dataset in runs/<name>/distill/; the next
-generation starts again from the BASE model, fine-tuned on all distilled data so far, then does RL.
+steps (the top --distill-top of each iteration's, by reward) become a dataset in
+runs/<name>/distill/; the next generation starts again from the BASE model, fine-tuned on all
+distilled data so far, then does RL.
 
 Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), and what it leaves out:
 1. Rewards, features and the world model are rewards.py's (a fixed patch-grid screen feature instead
@@ -45,6 +46,8 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
 5. Distillation: the paper does not publish its SFT recipe; ours is --distill-epochs passes of
    token-mean NLL on the sampled answers, at --distill-lr, with LoRA merged into the weights after
    SFT, so the next generation's adapter (and its KL reference) start from the fine-tuned model.
+   The best steps are ranked within each iteration, not over the generation: the reward's scale
+   drifts as the world model learns (top_steps says why).
 6. Exploration eval (the paper's own numbers are its reward terms; these are ours): distinct screens
    by a 64-bit perceptual hash (dHash; <= --eval-same-hash bits apart = one screen; also counted by
    feature clusters), mean pairwise diversity (1 - cos of the screen features) of an episode's
@@ -124,7 +127,7 @@ class Args:
     # experience-stream distillation
     generations: int = field(default=1, metadata={"help": "generations E1..EG; each after the first starts from the base model + SFT"})
     iterations_per_generation: int = field(default=0, metadata={"help": "iterations per generation; 0 = --iterations"})
-    distill_top: float = field(default=0.3, metadata={"help": "fraction of a generation's format-valid steps (best rewards) kept for SFT"})
+    distill_top: float = field(default=0.3, metadata={"help": "fraction of each iteration's format-valid steps (best rewards) kept for SFT"})
     distill_epochs: int = field(default=2, metadata={"help": "SFT passes over all distilled data at the start of a generation"})
     distill_lr: float = field(default=1e-4, metadata={"help": "SFT learning rate"})
     distill_batch: int = field(default=16, metadata={"help": "samples per SFT optimizer step"})
@@ -466,13 +469,29 @@ def adapter_state(policy):
 
 
 def top_steps(valid: list[dict], top: float) -> list[dict]:
-    """ALGO: the ceil(top * n) steps with the highest total reward, best first; ties keep time order."""
-    return sorted(valid, key=lambda s: -s["reward"])[:math.ceil(top * len(valid))]
+    """ALGO: per iteration, the ceil(top * n) of its n steps with the highest total reward; iterations
+    in order, best first within each, ties in time order. Each step's dict has its "iteration".
+
+    Ranked within an iteration, not over the whole generation: the reward's scale drifts within a
+    generation (curiosity decays as the world model learns, the format rate climbs), so a pooled
+    ranking would keep mostly the early iterations' steps for their inflated curiosity, not for
+    being the best of what the policy did then. Within one iteration every step was scored by the
+    same world model, as GRPO's one group compares them. ceil keeps at least one step of every
+    iteration that had a format-valid one."""
+    by_it = {}
+    for step in valid:
+        by_it.setdefault(step["iteration"], []).append(step)
+    keep = []
+    for it in sorted(by_it):
+        ranked = sorted(by_it[it], key=lambda step: -step["reward"])  # stable: ties keep time order
+        keep += ranked[:math.ceil(top * len(ranked))]
+    return keep
 
 
 def write_distill_dataset(run: str, g: int, iterations: range, top: float) -> int:
-    """ALGO: the top `top` fraction (by total reward) of the generation's format-valid steps, read
-    back from its trajectory files, copied with their screenshots. Returns how many were kept.
+    """ALGO: the top `top` fraction (by total reward, ranked within each iteration: top_steps) of the
+    generation's format-valid steps, read back from its trajectory files, copied with their
+    screenshots. Returns how many were kept.
     Rebuilt only when the generation's iterations changed (a resumed run with more --iterations)."""
     out = os.path.join(run, "distill", f"gen{g}.jsonl")
     meta_path = os.path.join(run, "distill", f"gen{g}.meta.json")
@@ -488,7 +507,7 @@ def write_distill_dataset(run: str, g: int, iterations: range, top: float) -> in
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
             if name.endswith(".jsonl"):
                 with open(os.path.join(folder, name)) as fh:
-                    steps += [dict(json.loads(line), folder=folder) for line in fh]
+                    steps += [dict(json.loads(line), folder=folder, iteration=it) for line in fh]
     valid = [s for s in steps if s.get("valid") and s.get("completion_ids") and s.get("screenshot")]
     keep = top_steps(valid, top)
     img_dir = os.path.join(run, "distill", f"gen{g}")

@@ -143,7 +143,7 @@ def test_distillation_across_a_generation_boundary_and_no_world_model(speaker, t
     assert weights_differ(speaker, rd / "models" / "E1") > 0  # the update really moved the weights
     data = [json.loads(x) for x in (rd / "distill" / "gen1.jsonl").read_text().splitlines()]
     assert data and all((rd / "distill" / d["image"]).exists() for d in data)
-    # The kept steps are the best ceil(0.3 * valid) of generation 1.
+    # The kept steps are the best ceil(0.3 * valid) of generation 1 (one iteration: ranked within it).
     traj = [json.loads(x) for f in sorted((rd / "trajectories" / "it000000").glob("*.jsonl")) for x in f.read_text().splitlines()]
     valid = sorted((s["reward"] for s in traj if s["valid"]), reverse=True)
     assert [d["reward"] for d in data] == valid[:-(-3 * len(valid) // 10)]
@@ -352,10 +352,19 @@ def test_episodes_flag_is_an_alias():
     assert T.parse_args(["--eval-episodes", "5"])[0].eval_episodes == 5
 
 
-def test_top_steps_keeps_the_best_fraction():
-    steps = [{"reward": r, "id": i} for i, r in enumerate([0.5, 2.0, 1.0, 2.0, 0.1, 0.7, 0.9])]
-    # 7 valid steps, top 0.3 -> ceil(2.1) = 3: rewards 2.0 (id 1), 2.0 (id 3, the tie keeps time
-    # order), 1.0 (id 2).
-    assert [s["id"] for s in T.top_steps(steps, 0.3)] == [1, 3, 2]
-    assert len(T.top_steps(steps, 1.0)) == 7 and T.top_steps([], 0.3) == []
-    assert [s["id"] for s in T.top_steps(steps, 0.01)] == [1]  # ceil keeps at least one
+def test_top_steps_keeps_the_best_fraction_of_each_iteration():
+    # Iteration 0 (an early one: curiosity still high), 10 steps, ids 0-9: top 0.3 -> ceil(3.0) = 3:
+    # 3.0 (id 0), 2.9 (id 5), 2.8 (id 2).
+    # Iteration 1, ids 10-12: ceil(0.9) = 1 -> 1.2 (id 11).
+    # Iteration 2, ids 13-15: ceil(0.9) = 1 -> 0.5 (id 13; id 15 ties and comes later).
+    # A ranking pooled over the 16 steps would keep ceil(4.8) = 5, all from iteration 0
+    # (ids 0, 5, 2, 1, 8): its rewards are on a larger scale, not better for their time.
+    rewards = [[3.0, 2.5, 2.8, 1.0, 0.5, 2.9, 0.7, 0.1, 2.0, 1.5], [0.4, 1.2, 0.9], [0.5, 0.1, 0.5]]
+    steps, i = [], 0
+    for it, rs in enumerate(rewards):
+        for r in rs:
+            steps.append({"reward": r, "id": i, "iteration": it})
+            i += 1
+    assert [s["id"] for s in T.top_steps(steps, 0.3)] == [0, 5, 2, 11, 13]
+    assert len(T.top_steps(steps, 1.0)) == 16 and T.top_steps([], 0.3) == []
+    assert [s["id"] for s in T.top_steps(steps, 0.01)] == [0, 11, 13]  # ceil keeps one of each iteration

@@ -17,18 +17,23 @@ Paper: ScreenExplorer (arXiv 2505.19095). One iteration, top to bottom (see DESI
     for step in range(--steps): screenshots of every live desktop (parallel) -> exploration prompts
         -> ONE batched generate -> parse {"intent", "action"} -> actions on every desktop (parallel)
         -> after-screenshots
-    -> screen features (+ OCR text) -> world model trained --wm-epochs on this buffer -> rewards
-    (every component) -> advantages over the whole buffer (one group) -> GRPO update (after
-    --update-actor-delay iterations) -> sync weights to the generator -> trajectories, checkpoint, log.
+    -> screen features (+ OCR text) -> the world model's guesses (curiosity) -> world model trained
+    --wm-epochs on this buffer -> rewards (every component) -> advantages over the whole buffer (one
+    group) -> GRPO update (after --update-actor-delay iterations) -> sync weights to the generator
+    -> trajectories, checkpoint, log.
 Experience-stream distillation (--generations G): at the end of a generation its best format-valid
-steps (top --distill-top of them by reward) become a dataset in runs/<name>/distill/; the next
-generation starts again from the BASE model, fine-tuned on all distilled data so far, then does RL.
+steps (the top --distill-top of each iteration's, by reward) become a dataset in
+runs/<name>/distill/; the next generation starts again from the BASE model, fine-tuned on all
+distilled data so far, then does RL.
 
 Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), and what it leaves out:
 1. Rewards, features and the world model are rewards.py's (a fixed patch-grid screen feature instead
    of Cosmos latents, tesseract + MiniLM instead of PaddleOCR + BGE-M3, an MLP world model); see its
    docstring. The release's two bugs are not here: the world model's image branch is trained, and
    `--rewards all,no_world_model` still trains the actor (the release skipped the update).
+   Curiosity is scored before the world model learns the buffer (the release: after, so a new
+   transition seen on several desktops had its surprise trained away; --wm-train-first restores
+   the release's order). Both optimizers are the release's AdamW, betas (0.9, 0.95).
 2. No guided (JSON-schema) decoding: the release constrained vLLM's sampler to the answer schema;
    we sample freely and a malformed answer is a format failure (reward 0, nothing executed), which
    is itself a learning signal. The release's repetition penalty (1.05) is off: it would make the
@@ -41,6 +46,8 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
 5. Distillation: the paper does not publish its SFT recipe; ours is --distill-epochs passes of
    token-mean NLL on the sampled answers, at --distill-lr, with LoRA merged into the weights after
    SFT, so the next generation's adapter (and its KL reference) start from the fine-tuned model.
+   The best steps are ranked within each iteration, not over the generation: the reward's scale
+   drifts as the world model learns (top_steps says why).
 6. Exploration eval (the paper's own numbers are its reward terms; these are ours): distinct screens
    by a 64-bit perceptual hash (dHash; <= --eval-same-hash bits apart = one screen; also counted by
    feature clusters), mean pairwise diversity (1 - cos of the screen features) of an episode's
@@ -116,10 +123,11 @@ class Args:
     wm_lr: float = field(default=1e-3, metadata={"help": "world-model learning rate"})
     wm_batch_size: int = field(default=16, metadata={"help": "world-model batch size"})
     wm_hidden: int = field(default=256, metadata={"help": "world-model hidden width"})
+    wm_train_first: bool = field(default=False, metadata={"help": "the release's order: train the world model on this buffer, then score it (default: score first, so a transition repeated across desktops keeps its surprise)"})
     # experience-stream distillation
     generations: int = field(default=1, metadata={"help": "generations E1..EG; each after the first starts from the base model + SFT"})
     iterations_per_generation: int = field(default=0, metadata={"help": "iterations per generation; 0 = --iterations"})
-    distill_top: float = field(default=0.3, metadata={"help": "fraction of a generation's format-valid steps (best rewards) kept for SFT"})
+    distill_top: float = field(default=0.3, metadata={"help": "fraction of each iteration's format-valid steps (best rewards) kept for SFT"})
     distill_epochs: int = field(default=2, metadata={"help": "SFT passes over all distilled data at the start of a generation"})
     distill_lr: float = field(default=1e-4, metadata={"help": "SFT learning rate"})
     distill_batch: int = field(default=16, metadata={"help": "samples per SFT optimizer step"})
@@ -346,13 +354,11 @@ def score(buffer: list[Step], flags: dict, tools, wm, wm_opt, a: Args, times: di
                             actions, tools if R.needs_text(flags) else None)
     pred_s = pred_t = None
     if flags["world_model"]:
-        text = wm.text_head is not None
         with timed(times, "world_model"):
-            # ALGO: the world model learns this buffer's transitions BEFORE it scores them (release order)
-            wm_metrics = R.train_world_model(wm, wm_opt, f.screen_before, actions, f.screen_after,
-                                             f.text_before if text else None, f.text_after if text else None,
-                                             epochs=a.wm_epochs, batch_size=a.wm_batch_size)
-            pred_s, pred_t = R.predict_next(wm, f.screen_before, actions, f.text_before if text else None)  # (V, D), (V, E)
+            # ALGO: curiosity is the surprise of the world model as it stood before this buffer;
+            # then it learns the buffer (--wm-train-first: the release's order, the other way round).
+            pred_s, pred_t, wm_metrics = R.update_and_predict(wm, wm_opt, f, actions, [1] * len(steps), a.wm_epochs,
+                                                              a.wm_batch_size, a.wm_train_first)  # (V, D), (V, E)
     with timed(times, "rewards"):
         r = R.exploration_rewards(flags, [s.vm for s in steps], [1] * len(steps), f.screen_before, f.screen_after,
                                   pred_s, f.text_before, f.text_after, pred_t, f.intent, f.click_text, f.click_hit)
@@ -373,6 +379,14 @@ def load(name: str, a: Args, lora: bool = True):
 
 def trainable(policy):
     return [p for p in policy.model.parameters() if p.requires_grad]
+
+
+def adamw(params, lr: float) -> torch.optim.AdamW:
+    """The release's AdamW, for the actor and the world model alike: betas (0.9, 0.95), eps 1e-8,
+    weight decay 0.01. beta2 = 0.95 averages squared gradients over ~20 steps instead of ~1000, so
+    the step size follows the gradient scale as the rewards and the policy drift under online RL.
+    The distillation SFT (no release recipe) uses the same optimizer."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 
 
 def distill_samples(policy, run: str, upto: int) -> list:
@@ -401,7 +415,7 @@ def start_generation(g: int, run: str, a: Args) -> tuple:
         if g > 1:
             print(f"E{g}: no distilled steps yet (no format-valid answers), starting from the base model.", flush=True)
         return policy, a.model, {}
-    opt = torch.optim.AdamW(trainable(policy), lr=a.distill_lr)
+    opt = adamw(trainable(policy), a.distill_lr)
     rng = random.Random(a.seed + g)
     nll = []
     for _ in range(a.distill_epochs):
@@ -455,13 +469,29 @@ def adapter_state(policy):
 
 
 def top_steps(valid: list[dict], top: float) -> list[dict]:
-    """ALGO: the ceil(top * n) steps with the highest total reward, best first; ties keep time order."""
-    return sorted(valid, key=lambda s: -s["reward"])[:math.ceil(top * len(valid))]
+    """ALGO: per iteration, the ceil(top * n) of its n steps with the highest total reward; iterations
+    in order, best first within each, ties in time order. Each step's dict has its "iteration".
+
+    Ranked within an iteration, not over the whole generation: the reward's scale drifts within a
+    generation (curiosity decays as the world model learns, the format rate climbs), so a pooled
+    ranking would keep mostly the early iterations' steps for their inflated curiosity, not for
+    being the best of what the policy did then. Within one iteration every step was scored by the
+    same world model, as GRPO's one group compares them. ceil keeps at least one step of every
+    iteration that had a format-valid one."""
+    by_it = {}
+    for step in valid:
+        by_it.setdefault(step["iteration"], []).append(step)
+    keep = []
+    for it in sorted(by_it):
+        ranked = sorted(by_it[it], key=lambda step: -step["reward"])  # stable: ties keep time order
+        keep += ranked[:math.ceil(top * len(ranked))]
+    return keep
 
 
 def write_distill_dataset(run: str, g: int, iterations: range, top: float) -> int:
-    """ALGO: the top `top` fraction (by total reward) of the generation's format-valid steps, read
-    back from its trajectory files, copied with their screenshots. Returns how many were kept.
+    """ALGO: the top `top` fraction (by total reward, ranked within each iteration: top_steps) of the
+    generation's format-valid steps, read back from its trajectory files, copied with their
+    screenshots. Returns how many were kept.
     Rebuilt only when the generation's iterations changed (a resumed run with more --iterations)."""
     out = os.path.join(run, "distill", f"gen{g}.jsonl")
     meta_path = os.path.join(run, "distill", f"gen{g}.meta.json")
@@ -477,7 +507,7 @@ def write_distill_dataset(run: str, g: int, iterations: range, top: float) -> in
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
             if name.endswith(".jsonl"):
                 with open(os.path.join(folder, name)) as fh:
-                    steps += [dict(json.loads(line), folder=folder) for line in fh]
+                    steps += [dict(json.loads(line), folder=folder, iteration=it) for line in fh]
     valid = [s for s in steps if s.get("valid") and s.get("completion_ids") and s.get("screenshot")]
     keep = top_steps(valid, top)
     img_dir = os.path.join(run, "distill", f"gen{g}")
@@ -657,7 +687,7 @@ def restore(state: dict, ckpt_dir: str, wm, wm_opt, a: Args) -> tuple:
         set_peft_model_state_dict(policy.model, state["adapter"])
     else:
         policy = load(os.path.join(ckpt_dir, "policy"), a)
-    optimizer = torch.optim.AdamW(trainable(policy), lr=a.lr)
+    optimizer = adamw(trainable(policy), a.lr)
     optimizer.load_state_dict(state["optimizer"])
     try:
         wm.load_state_dict(state["wm"])
@@ -724,12 +754,12 @@ if __name__ == "__main__":
         flags = R.effective_flags(want, tools)
         print("reward components on: " + ", ".join(k for k, v in flags.items() if v), flush=True)
         wm = R.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags["text"]) else 0, args.wm_hidden, screen)
-        wm_opt = torch.optim.AdamW(wm.parameters(), lr=args.wm_lr)
+        wm_opt = adamw(wm.parameters(), args.wm_lr)
         distill_metrics = {}  # SFT numbers of a generation's start, logged once on its first line
         if ckpt is None:
             start_it, generation = 0, 1
             policy, start_model, distill_metrics = start_generation(1, run, args)
-            optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr)
+            optimizer = adamw(trainable(policy), args.lr)
         else:
             state, ckpt_dir = ckpt
             start_it, generation, start_model = state["iteration"] + 1, state["generation"], state["start_model"]
@@ -754,7 +784,7 @@ if __name__ == "__main__":
                     policy, start_model, distill_metrics = start_generation(g, run, args)
                     policy.engine = engine
                     M.sync_weights(policy)
-                    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr)
+                    optimizer = adamw(trainable(policy), args.lr)
                     ref_fn = reference_fn(start_model, args)
                     generation = g
             if it == start_it or (args.reset_every and it % args.reset_every == 0):

@@ -300,6 +300,41 @@ def test_update_and_predict_trains_on_valid_steps_only():
     assert m["wm/loss"] > 0 and not all(torch.equal(a, b) for a, b in zip(w0, wm.parameters()))
 
 
+def _warm_world_model_and_novel_buffer(seed=0):
+    """A world model that has seen 40 synthetic transitions for 10 iterations (3 epochs each, the
+    script's optimizer), and the next buffer: those 40 again + one NEW transition taken 8 times
+    (8 desktops, one start screen after a reset, the same first double-click)."""
+    torch.manual_seed(seed)
+    s, _, actions, s2, _ = _transitions(n=40, seed=seed)
+    wm = R.WorldModel(hidden=64)
+    opt = torch.optim.AdamW(wm.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    for _ in range(10):
+        R.train_world_model(wm, opt, s, actions, s2, epochs=3, batch_size=16)
+    g = torch.Generator().manual_seed(seed + 100)
+    new = torch.nn.functional.normalize(torch.randn(1, R.SCREEN_DIM, generator=g), dim=1)  # (1, D)
+    new2 = torch.nn.functional.normalize(new + 0.05 * torch.randn(1, R.SCREEN_DIM, generator=g), dim=1)  # (1, D)
+    f = R.StepFeatures(torch.cat([s, new.repeat(8, 1)]), torch.cat([s2, new2.repeat(8, 1)]))  # (48, D) each
+    return wm, opt, f, actions + [{"type": "double_click", "x": 100, "y": 650}] * 8
+
+
+def test_curiosity_scores_before_the_world_model_learns_the_buffer():
+    scores = {}
+    for train_first in (False, True):  # the same warm model and buffer, each order
+        wm, opt, f, actions = _warm_world_model_and_novel_buffer()
+        ps, _, m = R.update_and_predict(wm, opt, f, actions, [1] * 48, epochs=3, batch_size=16,
+                                        train_first=train_first)
+        assert m["wm/loss"] > 0  # the model learns the buffer in both orders
+        cur = 1 - R.cosine(f.screen_after, ps)  # (48,) image curiosity
+        scores[train_first] = float(cur[40:].mean()), float(cur[:40].mean())  # (novel, familiar)
+    (novel, familiar), (novel_tf, familiar_tf) = scores[False], scores[True]
+    # Predicted first, the new transition is a surprise (about its real change, 1 - cos(new, new2)
+    # = 0.47) and the familiar ones are not (measured 0.55 vs 0.004).
+    assert novel > 0.3 and novel > 10 * familiar, scores
+    # The release's order: 3 epochs on its 8 copies fit it before it is scored, and most of its
+    # surprise is gone (measured 0.09 vs 0.02).
+    assert novel_tf < 0.2 * novel and novel_tf - familiar_tf < 0.1, scores
+
+
 def test_world_model_learns_and_curiosity_decays():
     torch.manual_seed(0)
     s, e, actions, s2, e2 = _transitions()

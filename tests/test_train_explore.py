@@ -113,6 +113,9 @@ def test_smoke_then_resume(speaker, tmp_path):
             steps += rows
     assert any(s["valid"] and s["reward"] > 0 for s in steps), "the speaker produced no valid step"
     assert (rd / "ckpt" / "COMPLETE").exists() and (rd / "ckpt" / "policy" / "config.json").exists()
+    # The actor's and the world model's optimizers are the release's AdamW (betas 0.9, 0.95).
+    state = torch.load(rd / "ckpt" / "state.pt", weights_only=False)
+    assert {g["betas"] for k in ("optimizer", "wm_opt") for g in state[k]["param_groups"]} == {(0.9, 0.95)}
 
     p = ok(run("--resume", rd, "--iterations", 3))
     assert "resumed" in p.stdout
@@ -140,7 +143,7 @@ def test_distillation_across_a_generation_boundary_and_no_world_model(speaker, t
     assert weights_differ(speaker, rd / "models" / "E1") > 0  # the update really moved the weights
     data = [json.loads(x) for x in (rd / "distill" / "gen1.jsonl").read_text().splitlines()]
     assert data and all((rd / "distill" / d["image"]).exists() for d in data)
-    # The kept steps are the best ceil(0.3 * valid) of generation 1.
+    # The kept steps are the best ceil(0.3 * valid) of generation 1 (one iteration: ranked within it).
     traj = [json.loads(x) for f in sorted((rd / "trajectories" / "it000000").glob("*.jsonl")) for x in f.read_text().splitlines()]
     valid = sorted((s["reward"] for s in traj if s["valid"]), reverse=True)
     assert [d["reward"] for d in data] == valid[:-(-3 * len(valid) // 10)]
@@ -270,6 +273,40 @@ def test_dead_desktop_drops_out_of_the_rollout():
         pool.close()
 
 
+def test_score_rewards_curiosity_before_the_world_model_learns():
+    """score() on 8 desktops that made the same first move (one start screen after a reset): by
+    default curiosity is the world model's guess from before this buffer, and only then does the
+    model learn; --wm-train-first scores with the model after it learned (the release's order)."""
+    import copy
+
+    from env import Action, Parsed
+    before = Image.new("RGB", (1280, 720), (40, 40, 40))
+    after = before.copy()
+    after.paste((230, 230, 230), (300, 200, 900, 600))  # a window opened
+    act = Action("double_click", x=100, y=100)
+    buffer = [T.Step(vm, 0, before, after, "", Parsed(act, "open it")) for vm in range(8)]
+    flags = R.parse_reward_flags("none,image,world_model")
+    s, s2 = R.screen_features([before]), R.screen_features([after])  # (1, D) each
+    for train_first in (False, True):
+        torch.manual_seed(0)
+        wm = R.WorldModel(hidden=32)
+        opt = T.adamw(wm.parameters(), 1e-2)
+        untrained = copy.deepcopy(wm)
+        r, m = T.score(buffer, flags, None, wm, opt, T.Args(wm_train_first=train_first), {})
+        assert m["wm/loss"] > 0 and any(not torch.equal(a, b) for a, b in zip(wm.parameters(), untrained.parameters()))
+        scorer = wm if train_first else untrained  # the model whose guess curiosity must be
+        want = 1 - R.cosine(s2, R.predict_next(scorer, s, [act])[0])  # (1,)
+        assert torch.allclose(r.image_world_model, want.expand(8), atol=1e-5), (train_first, r.image_world_model, want)
+        assert torch.allclose(r.total, r.image_world_model)
+    assert T.parse_args(["--wm-train-first"])[0].wm_train_first and not T.Args().wm_train_first
+
+
+def test_optimizers_are_the_releases_adamw():
+    p = torch.nn.Parameter(torch.zeros(3))
+    g = T.adamw([p], 4e-5).param_groups[0]
+    assert g["betas"] == (0.9, 0.95) and g["eps"] == 1e-8 and g["weight_decay"] == 0.01 and g["lr"] == 4e-5
+
+
 # -----------------------------------------------------------------------------------------------
 # The script's own formulas, by hand
 
@@ -315,10 +352,19 @@ def test_episodes_flag_is_an_alias():
     assert T.parse_args(["--eval-episodes", "5"])[0].eval_episodes == 5
 
 
-def test_top_steps_keeps_the_best_fraction():
-    steps = [{"reward": r, "id": i} for i, r in enumerate([0.5, 2.0, 1.0, 2.0, 0.1, 0.7, 0.9])]
-    # 7 valid steps, top 0.3 -> ceil(2.1) = 3: rewards 2.0 (id 1), 2.0 (id 3, the tie keeps time
-    # order), 1.0 (id 2).
-    assert [s["id"] for s in T.top_steps(steps, 0.3)] == [1, 3, 2]
-    assert len(T.top_steps(steps, 1.0)) == 7 and T.top_steps([], 0.3) == []
-    assert [s["id"] for s in T.top_steps(steps, 0.01)] == [1]  # ceil keeps at least one
+def test_top_steps_keeps_the_best_fraction_of_each_iteration():
+    # Iteration 0 (an early one: curiosity still high), 10 steps, ids 0-9: top 0.3 -> ceil(3.0) = 3:
+    # 3.0 (id 0), 2.9 (id 5), 2.8 (id 2).
+    # Iteration 1, ids 10-12: ceil(0.9) = 1 -> 1.2 (id 11).
+    # Iteration 2, ids 13-15: ceil(0.9) = 1 -> 0.5 (id 13; id 15 ties and comes later).
+    # A ranking pooled over the 16 steps would keep ceil(4.8) = 5, all from iteration 0
+    # (ids 0, 5, 2, 1, 8): its rewards are on a larger scale, not better for their time.
+    rewards = [[3.0, 2.5, 2.8, 1.0, 0.5, 2.9, 0.7, 0.1, 2.0, 1.5], [0.4, 1.2, 0.9], [0.5, 0.1, 0.5]]
+    steps, i = [], 0
+    for it, rs in enumerate(rewards):
+        for r in rs:
+            steps.append({"reward": r, "id": i, "iteration": it})
+            i += 1
+    assert [s["id"] for s in T.top_steps(steps, 0.3)] == [0, 5, 2, 11, 13]
+    assert len(T.top_steps(steps, 1.0)) == 16 and T.top_steps([], 0.3) == []
+    assert [s["id"] for s in T.top_steps(steps, 0.01)] == [0, 11, 13]  # ceil keeps one of each iteration

@@ -612,7 +612,7 @@ def iteration_metrics(it, task_ids, eps, fresh, batch, samples, upd, times, args
                    "target_tokens": int(sum(s.target_mask)), "steps": len(e.actions)}
                   for e, s in zip(batch, samples)],
         **{k: upd.get(k, 0.0) for k in ("loss", "pg_loss", "kl", "clip_low", "clip_high", "ratio_mean",
-                                        "grad_norm", "tokens")},
+                                        "grad_norm", "tokens", "steps")},
         **{f"time_{k}": v for k, v in times.items()},
         "vm_wait_share": vm_time / times["total"] if times["total"] else 0.0}
 
@@ -823,6 +823,16 @@ def eval_only(pool: VMPool, tasks: list, policy, args: Args, run: str, iteration
     print(f"eval written to {out}")
 
 
+def seed_all(args: Args) -> None:
+    """Sampling draws from torch's generator, seeded by --sample-seed; task order (pick_tasks), the
+    replay buffer and the tiny model's weights have Randoms of their own seeded by --seed. So an
+    eval can take fresh samples of a checkpoint, and two runs can share a task order and differ
+    in their samples, or the other way round."""
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed if args.sample_seed < 0 else args.sample_seed)
+
+
 def main(argv=None) -> None:
     # -- setup (plumbing): args, seeds, run folder, tasks, policy, desktops
     args, ckpt, given = resolve_args(argv)
@@ -831,11 +841,7 @@ def main(argv=None) -> None:
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    # Sampling draws from torch's generator, task order and the update's shuffle from their own
-    # seeded Randoms: an eval can take fresh samples of one checkpoint without another task order.
-    torch.manual_seed(args.seed if args.sample_seed < 0 else args.sample_seed)
+    seed_all(args)
     # A resumed run trains on the task list it trained on (after --select-tasks), unless told otherwise.
     # The tasks before the run folder: a bad --tasks or --task-ids leaves nothing behind.
     resumed_ids = ckpt[0]["tasks"] if ckpt is not None and not args.eval_only and "task_ids" not in given else None

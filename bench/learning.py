@@ -3,6 +3,7 @@
     python bench/learning.py --method arpo                   # 2 seeds, 20 minutes each, on a 2-core CPU
     python bench/learning.py --method arpo --seeds 1 --minutes 8
     python bench/learning.py --method explore                # ScreenExplorer (bench/learning_explore.py)
+    python bench/learning.py --warm-start-only runs/warm     # only the ARPO warm start (the quickstart)
 
 No weights can be downloaded, so the policy is the tiny random Qwen2.5-VL of the real class
 (`--model tiny`, screenshots at --max-pixels 12544: 140x84, 15 visual tokens). Per seed, for ARPO:
@@ -141,7 +142,11 @@ def warm_start(out: str, seed: int, task_ids: list[str], epochs: int, lr: float,
     pairs = [(tid, p) for tid in task_ids for p in points]  # every prompt x every icon
     samples = {}
     for tid, (x, y) in pairs:
-        answer = f"Thought: I open it.\nAction: left_double(start_box='({x},{y})')"
+        # The thought restates the instruction, as UI-TARS's thoughts restate the goal: it says
+        # nothing about which icon, but it puts the task right before the action tokens, where a
+        # 2-layer model can condition on it (with a fixed thought it learns to ignore the prompt,
+        # and RL then moves every prompt towards whichever icon succeeded first).
+        answer = f"Thought: {tasks[tid].instruction}\nAction: left_double(start_box='({x},{y})')"
         msgs = uitars_messages(tasks[tid].instruction, [img], [answer], max_images=1)
         samples[(tid, (x, y))] = trajectory_sample(encode_chat(policy, msgs, add_generation_prompt=False))
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
@@ -151,8 +156,9 @@ def warm_start(out: str, seed: int, task_ids: list[str], epochs: int, lr: float,
         order = list(pairs)
         rng.shuffle(order)
         for i in range(0, len(order), len(points)):  # one optimizer step per 7 pairs
-            nll.append(distill_step(policy, opt, [samples[k] for k in order[i:i + len(points)]],
-                                    micro_batch_size=len(points))["nll"])
+            batch = [samples[k] for k in order[i:i + len(points)]]
+            m = distill_step(policy, opt, batch, micro_batch_size=len(points))
+            nll.append(m["nll"] * m["tokens"] / len(batch))  # per answer, not per token
     save_policy(policy, out)
     return {"seconds": time.perf_counter() - t0, "nll_first": nll[0], "nll_last": sum(nll[-4:]) / len(nll[-4:]),
             "pairs": len(pairs), "epochs": epochs, "image": [w, h]}
@@ -205,8 +211,8 @@ def run_seed(a, seed: int) -> dict:
     r = {"seed": seed}
     warm = os.path.join(out, "warm_start")
     r["warm"] = warm_start(warm, seed, ids, a.warm_epochs, a.warm_lr)
-    print(f"seed {seed}: warm start {r['warm']['seconds']:.0f}s, NLL {r['warm']['nll_first']:.2f} -> "
-          f"{r['warm']['nll_last']:.2f} (uniform over 7 icons ~ {math.log(7):.2f} per choice)", flush=True)
+    print(f"seed {seed}: warm start {r['warm']['seconds']:.0f}s, NLL per answer {r['warm']['nll_first']:.2f} -> "
+          f"{r['warm']['nll_last']:.2f} (the floor, a uniform choice of 7 icons: ln 7 = {math.log(7):.2f})", flush=True)
     # Before: the warm start at T=1 on every task (the selected ones are read out of it later).
     before_json = os.path.join(out, "eval_before.json")
     rc = train_arpo(["--eval-only", "--model", warm, "--task-ids", TASK_IDS, *common_flags(a),
@@ -341,7 +347,7 @@ def main_arpo(a) -> int:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--method", choices=["arpo", "explore"], required=True)
+    p.add_argument("--method", choices=["arpo", "explore"], default="arpo")
     p.add_argument("--seeds", type=int, default=2, help="independent runs (warm start, train, evals), seeds 0..N-1")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-time budget per seed; sets the iterations")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "learning"), help="where the runs go")
@@ -355,11 +361,18 @@ def parse_args(argv=None):
     p.add_argument("--eval-rollouts", type=int, default=24, help="rollouts per task in each eval (T=1)")
     p.add_argument("--warm-epochs", type=int, default=16, help="passes of the warm start over prompts x icons")
     p.add_argument("--warm-lr", type=float, default=6e-3, help="learning rate of the warm start")
+    p.add_argument("--warm-start-only", default="", metavar="DIR",
+                   help="only build the ARPO warm start (seed 0) into DIR, for `train_arpo.py --model DIR`")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.warm_start_only:
+        w = warm_start(a.warm_start_only, 0, TASK_IDS.split(","), a.warm_epochs, a.warm_lr)
+        print(f"warm start written to {a.warm_start_only} ({w['seconds']:.0f}s, NLL per answer "
+              f"{w['nll_last']:.2f}; a uniform choice of 7 icons: {math.log(7):.2f})")
+        return 0
     if a.method == "explore":
         if not os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "learning_explore.py")):
             print("bench/learning.py --method explore: bench/learning_explore.py (the ScreenExplorer half) "

@@ -153,6 +153,29 @@ def test_outcome_scores_by_hand():
     assert T.outcome_scores(False, [wait], "max_steps", 1) == (1.0, 1.0)
 
 
+def test_lr_schedule_by_hand():
+    """lr_at: warm-up lr * (it + 1) / W, then towards 0 at --iterations, never 0 itself."""
+    lin = small_args(lr=1.0, lr_warmup=2, lr_schedule="linear", iterations=10)
+    # warm-up 0.5, 1.0; then 1 - (it - 2) / 8
+    assert [T.lr_at(i, lin) for i in (0, 1, 2, 6, 9)] == [0.5, 1.0, 1.0, 0.5, 0.125]
+    cos = small_args(lr=2.0, lr_warmup=0, lr_schedule="cosine", iterations=4)
+    # 2 * 0.5 * (1 + cos(pi * it / 4)): 2, 1.7071, 1, 0.2929
+    assert [T.lr_at(i, cos) for i in range(4)] == pytest.approx([2.0, 1.70711, 1.0, 0.29289], abs=1e-5)
+    const = small_args(lr=3e-4, lr_warmup=3)
+    assert [T.lr_at(i, const) for i in (0, 2, 50)] == pytest.approx([1e-4, 3e-4, 3e-4])
+
+
+def test_sample_seed_drives_sampling_and_leaves_the_task_order():
+    T.seed_all(small_args(seed=0, sample_seed=7))
+    a = torch.rand(3)
+    T.seed_all(small_args(seed=5, sample_seed=7))  # another --seed, the same --sample-seed
+    assert torch.equal(a, torch.rand(3))
+    T.seed_all(small_args(seed=0))  # -1: sampling follows --seed
+    b = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(b, torch.rand(3)) and not torch.equal(a, b)
+
+
 def test_task_order_and_groups():
     state = {"epoch": 0, "pos": 0}
     ids = ["a", "b", "c"]
@@ -197,7 +220,9 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     before = tiny.model.lm_head.weight.detach().clone()
     m, fresh = T.run_iteration(tr, 1, lambda n: [task.id] * n)
     # The random tiny policy failed both rollouts -> the group is all-failed -> one member replaced.
-    assert [g["scores"] for g in m["groups"]] == [[1.0, 0.0]]
+    # groups[].scores are the fresh rollouts only; the replayed success is listed apart, labelled
+    assert [(g["scores"], g["replayed_scores"]) for g in m["groups"]] == [([0.0], [1.0])]
+    assert sorted(m["groups"][0]["members"]) == ["fresh", "replayed"] and m["success_rate"] == 0.0
     assert m["n_injections"] == 1
     inj = m["replay_injections"][0]
     assert (inj["task"], inj["from_iteration"], inj["score"]) == ("calc-open", 0, 1.0)
@@ -226,6 +251,21 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     assert m["n_injections"] == 0 and not any(b["replayed"] for b in m["batch"])
     assert [b["advantage"] for b in m["batch"]] == [0.0, 0.0] and m["grad_norm"] == 0.0
     assert len(buffer) == 1
+
+
+def test_epochs_and_the_lr_schedule_in_a_real_iteration(pool, tmp_path):
+    """--epochs 3 with one trajectory per optimizer step: 2 trajectories x 3 passes = 6 steps; the
+    optimizer runs at lr_at(iteration) (warm-up: iteration 1 of 4 -> lr / 2), logged as `lr`."""
+    task = TASKS["calc-open"]
+    policy = load_policy("tiny", seed=1, max_pixels=SMALL)  # its own: this test trains it
+    args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1, epochs=3, mini_batch=1, lr=1e-3, lr_warmup=4)
+    # VM 0 solves, VM 1 says finished() at once: rewards 1 and 0, so both advantages are nonzero
+    fn = scripted(lambda tid, n: SOLUTIONS[tid] if n == 0 else [])
+    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=args.lr)
+    tr = T.Trainer(args, pool, policy, opt, None, fn, str(tmp_path), [task])
+    m, _ = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    assert m["groups"][0]["scores"] == [1.0, 0.0]
+    assert m["steps"] == 6 and m["lr"] == 5e-4 and opt.param_groups[0]["lr"] == 5e-4
 
 
 def test_a_success_is_not_replayed_into_a_group_of_the_same_iteration(pool, tiny, tmp_path):
@@ -297,16 +337,28 @@ def test_select_tasks_keeps_exactly_the_solved_ones(pool, tmp_path):
     assert sel["successes"] == {"calc-open": 1, "clock-open": 0, "infeasible-email": 2}
 
 
-def test_timed_out_infeasible_task_passes_standard_fails_hard(pool):
+def test_timed_out_infeasible_task_passes_standard_fails_hard(pool, tmp_path):
     tasks = [TASKS["infeasible-browser"], TASKS["infeasible-email"]]
     plans = {"infeasible-browser": [{"type": "wait"}] * 5, "infeasible-email": [{"type": "fail"}]}
-    res = T.evaluate_policy(pool, tasks, scripted(lambda tid, n: plans[tid]), small_args(max_steps=2))
+    res = T.evaluate_policy(pool, tasks, scripted(lambda tid, n: plans[tid]), small_args(max_steps=2),
+                            save_to=str(tmp_path / "eval"))
     assert res["standard"]["per_task"] == {"infeasible-browser": 1.0, "infeasible-email": 1.0}
     assert res["hard"]["per_task"] == {"infeasible-browser": 0.0, "infeasible-email": 1.0}
     assert (res["standard"]["overall"], res["hard"]["overall"]) == (1.0, 0.5)
     ends = {d["task"]: (d["end"], d["steps"]) for d in res["details"]}
     assert ends == {"infeasible-browser": ("max_steps", 2), "infeasible-email": ("fail", 1)}
     assert "overall" in T.eval_table(res) and json.dumps(res)
+    # What each episode did: its actions, whether each answer parsed, the answers themselves
+    acts = {d["task"]: [a["type"] for a in d["actions"]] for d in res["details"]}
+    assert acts == {"infeasible-browser": ["wait", "wait"], "infeasible-email": ["fail"]}
+    assert all(d["format_ok"] == [True] * d["steps"] and len(d["texts"]) == d["steps"] for d in res["details"])
+    assert res["format_rate"] == 1.0
+    # ... and saved as trajectories, one "iteration" per task, that view.py reads and reports
+    import view
+    trajs = view.load_trajectories(str(tmp_path / "eval"))
+    assert sorted(trajs) == [0, 1] and [len(t[0]["steps"]) for t in trajs.values()] == [2, 1]
+    assert trajs[1][0]["steps"][0]["action"]["type"] == "fail" and trajs[1][0]["final"]["score"] == 1.0
+    assert os.path.exists(view.build_report(str(tmp_path / "eval")))
 
 
 def test_a_dead_vm_drops_out_of_its_group_and_the_run_goes_on(pool, tiny):
@@ -324,8 +376,8 @@ def test_a_dead_vm_drops_out_of_its_group_and_the_run_goes_on(pool, tiny):
     m, eps = T.run_iteration(tr, 0, lambda n: [task.id] * n)
     assert eps[1].end == "dropped" and eps[0].end == "done" and eps[0].score == 1.0
     assert (m["episodes"], m["dropped"]) == (1, 1)
-    assert m["groups"] == [{"group": 0, "task": "calc-open", "n": 1, "scores": [1.0], "rewards": [1.0],
-                            "mean": 1.0, "std": 0.0, "replayed": False}]
+    assert m["groups"] == [{"group": 0, "task": "calc-open", "n": 1, "scores": [1.0], "replayed_scores": [],
+                            "rewards": [1.0], "members": ["fresh"], "mean": 1.0, "std": 0.0, "replayed": False}]
     assert [b["vm"] for b in m["batch"]] == [0]  # the lost trajectory is not trained on
     # The next iteration's reset restarts the dead desktop: both VMs play again.
     m, eps = T.run_iteration(tr, 1, lambda n: [task.id] * n)

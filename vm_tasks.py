@@ -58,7 +58,7 @@ REGEX_SECONDS = 2.0      # an evaluator regex that runs longer than this fails i
 REQUEST_SECONDS = 120.0  # one /setup's sleeps and command timeouts together (and one /evaluate's run time)
 HOME_QUOTA = 64 << 20    # what HOME may hold after any step of setup/evaluate (see usage())
 ENTRY_BYTES = 4096       # what each file, folder or link costs against HOME_QUOTA besides its bytes
-MAX_TREE = 10000         # cp/mv refuse a folder with more entries than this (each one is checked)
+MAX_TREE = HOME_QUOTA // ENTRY_BYTES  # cp/mv refuse a folder with more entries (a HOME in quota has fewer)
 DEFAULT_ALLOW = frozenset(
     "xterm mousepad galculator pcmanfm xclock xeyes xcalc ls cat grep wc head tail test stat "
     "sha256sum md5sum mkdir touch cp mv echo sleep true false xdotool wmctrl bc date basename "
@@ -103,8 +103,8 @@ ARGV_RULES = {
 # --opt=value), then exactly its positional arguments -- nothing is left over to start a second
 # command. command -> (flags, options taking an integer, positionals): "window?" an optional
 # window (id or %N/%@ from the window stack), "int" an integer, "seconds" a duration, "pattern" a
-# search regex. Read off xdotool 3.20160805's and 3.20211022's command sources.
-_XDO_SYNC = ("--sync",)
+# search regex. Read off the command sources of xdotool 3.20160805 (Debian's); later releases add
+# commands (XDOTOOL_NAMES lists them) but parse these the same way.
 XDOTOOL_COMMANDS = {
     "search": (("--onlyvisible", "--name", "--class", "--classname", "--title", "--sync", "--all", "--any"),
                ("--maxdepth", "--pid", "--screen", "--desktop", "--limit"), ("pattern",)),
@@ -114,7 +114,7 @@ XDOTOOL_COMMANDS = {
     "getmouselocation": (("--shell",), (), ()), "get_desktop": ((), (), ()), "get_num_desktops": ((), (), ()),
     "get_desktop_for_window": ((), (), ("window?",)), "get_desktop_viewport": (("--shell",), (), ()),
     **dict.fromkeys(("windowactivate", "windowfocus", "windowminimize", "windowmap", "windowunmap"),
-                    (_XDO_SYNC, (), ("window?",))),
+                    (("--sync",), (), ("window?",))),
     "windowraise": ((), (), ("window?",)), "windowclose": ((), (), ("window?",)),
     "windowmove": (("--sync", "--relative"), (), ("window?", "int", "int")),
     "windowsize": (("--sync", "--usehints"), (), ("window?", "int", "int")),
@@ -153,7 +153,6 @@ class BadRequest(Exception):
     def __init__(self, msg: str, status: int = 400):
         super().__init__(msg)
         self.status = status
-
 
 
 # -------------------------------------------------------------------------------------------------
@@ -464,6 +463,8 @@ def check_step(desk: Desktop, s) -> dict:
         if visible_in_home(desk, s["path"]) is None:  # ~/.bashrc, ~/.config/...: code other programs run
             raise BadRequest(f"cannot write {s['path']!r}: setup writes no hidden files or folders.")
         harmless(desk, s["path"], given)
+        if len(s["path"].encode()) > 4000 or any(len(c.encode()) > 255 for c in s["path"].split(os.sep)):
+            raise BadRequest(f"cannot write {given!r}: a name longer than 255 bytes, or a path longer than 4000.")
         if desktop_entry(s["content"]):
             raise BadRequest(f"cannot write {given!r}: its content has a [Desktop Entry] header, which makes "
                              "a file the file manager runs.")
@@ -493,8 +494,8 @@ def run_step(desk: Desktop, s: dict, deadline: float = float("inf")) -> dict:
 def write_file(desk: Desktop, path: str, data: bytes) -> None:
     """Write `data` to `path` (checked inside HOME) whole or not at all: into a new file beside
     it, then renamed over it, so a failure (a full disk, a folder in the way) never leaves the
-    target truncated. A symlink or FIFO put at `path` since the check is replaced, never followed
-    or opened; a folder or FIFO there is refused, as when the request was checked."""
+    target truncated. A symlink put at `path` since the check is replaced by the file, never
+    followed; a folder or FIFO there is refused, as when the request was checked."""
     if visible_in_home(desk, path) is None:
         raise BadRequest(f"cannot write {path!r}: setup writes no hidden files or folders.")
     if os.path.lexists(path) and not os.path.isfile(path):
@@ -537,11 +538,11 @@ def usage(path: str, limit: int = HOME_QUOTA) -> int:
 
 
 def _growth(desk: Desktop, item: dict, carried: int) -> tuple[int, int]:
-    """(The most this step can add to HOME, what it moves around), judged from the
-    files as they are now plus `carried` (what earlier steps of the request may have added or moved:
-    it may all have landed in this step's sources). cp copies its sources, sort -o and uniq write at
-    most their inputs, mkdir/touch add entries, write_file adds its bytes; mv adds nothing but can
-    move data into a later step's source."""
+    """(The most this step can add to HOME, what it moves), judged from the files as they are now
+    plus `carried` (what earlier steps of the request may have added or moved: all of it may have
+    landed in this step's sources). cp copies its sources, sort -o and uniq write at most their
+    inputs, mkdir/touch add entries, write_file adds its bytes plus an entry per path part; mv adds
+    nothing but can move data into a later step's source."""
     def entries(p: str) -> int:
         return ENTRY_BYTES * len(os.path.normpath(p).split(os.sep))
     if item["type"] == "write_file":
@@ -559,12 +560,14 @@ def _growth(desk: Desktop, item: dict, carried: int) -> tuple[int, int]:
 def plan(desk: Desktop, items: list[dict], what: str) -> None:
     """BadRequest unless the whole request fits: its sleeps and command timeouts within
     REQUEST_SECONDS (setup), and HOME within HOME_QUOTA after every step, counting each step's
-    worst case (so `cp -rT a a/b` repeated, which doubles HOME each time, is refused up front)."""
+    worst case (so `cp -r a b`, `cp -r b a`, ... which grows HOME like the Fibonacci numbers, is
+    refused before the first copy)."""
     if what == "step":
         seconds = sum(s.get("seconds", 0) + (s["timeout"] if s["type"] == "command" else 0) for s in items)
         if seconds > REQUEST_SECONDS:
             raise BadRequest(f"this setup's sleeps and command timeouts add up to {seconds:g} s; one request "
                              f"may take at most {REQUEST_SECONDS:g} s (give its commands shorter timeouts).")
+    _in_the_way(desk, items, what)
     total, carried = None, 0
     for k, item in enumerate(items):
         grow, moved = _growth(desk, item, carried)
@@ -575,6 +578,67 @@ def plan(desk: Desktop, items: list[dict], what: str) -> None:
         if total > HOME_QUOTA:
             raise BadRequest(f"{what} {k + 1} could take HOME to {total / 2**20:.1f} MiB, past its quota of "
                              f"{HOME_QUOTA >> 20} MiB; nothing was run.", 413)
+
+
+def _sort_output(desk: Desktop, argv: list[str]) -> list[str]:
+    """[the real path `sort` writes to], as getopt reads -o: the rest of its token (-roout), or else
+    the next argument."""
+    for i, a in enumerate(argv[1:], 1):
+        if a[:1] == "-" and a[1:2] != "-" and "o" in a:
+            out = a[a.index("o") + 1:] or (argv[i + 1] if i + 1 < len(argv) else "")
+            return [visible_in_home(desk, out) or os.path.realpath(desk.home)] if out else []
+    return []
+
+
+def _in_the_way(desk: Desktop, items: list[dict], what: str) -> None:
+    """BadRequest if a step would find, when it runs, a file where it needs a folder (or the other
+    way round) that an earlier step of the same request made: write_file a, then write_file a/b;
+    mkdir x.txt, then write_file x.txt; touch d, then pcmanfm d. Follows what each step leaves
+    (write_file, mkdir, touch, cp/mv targets, sort -o/uniq outputs), so such a request is refused
+    before anything runs instead of stopping halfway."""
+    home, kind = os.path.realpath(desk.home), {}  # real path -> "file" | "dir", as earlier steps leave it
+
+    def is_dir(p: str) -> bool:
+        return kind[p] == "dir" if p in kind else os.path.isdir(p)
+
+    def is_file(p: str) -> bool:
+        return kind[p] == "file" if p in kind else os.path.lexists(p) and not os.path.isdir(p)
+
+    def parents(p: str) -> list[str]:
+        out = []
+        while _under(p, home) and p != home:
+            p = os.path.dirname(p)
+            out.append(p)
+        return out
+
+    def make(p: str, k: str) -> None:
+        kind.update(dict.fromkeys(parents(p), "dir"))
+        kind[p] = k
+    for n, item in enumerate(items, 1):
+        argv = item.get("argv") or [""]
+        flags = "".join(a[1:] for a in argv[1:] if a[:1] == "-" and a[1:2] != "-")
+        plain = [visible_in_home(desk, a) or home for a in argv[1:] if not a.startswith("-") or a == "-"]
+        if item["type"] == "write_file":
+            targets, need = [(item["path"], "file")], None
+        elif argv[0] == "pcmanfm" and item["type"] == "launch":
+            targets, need = [], next((p for p in plain if is_file(p)), None)
+        elif item["type"] != "command" or not writes(argv):
+            continue
+        elif argv[0] in ("cp", "mv") and plain:
+            dest, need = plain[-1], None
+            targets = [(dest if "T" in flags or not is_dir(dest) else os.path.join(dest, os.path.basename(s)),
+                        "dir" if is_dir(s) else "file") for s in plain[:-1]]
+        else:  # mkdir, touch, sort -o, uniq IN OUT
+            outs = plain if argv[0] in ("mkdir", "touch") else plain[1:2] if argv[0] == "uniq" else _sort_output(desk, argv)
+            targets, need = [(p, "dir" if argv[0] == "mkdir" else "file") for p in outs if not is_dir(p)], None
+        for p, k in targets:
+            if (k == "file" and is_dir(p)) or any(is_file(a) for a in parents(p)):
+                need = p
+                break
+            make(p, k)
+        if need:
+            raise BadRequest(f"{what} {n} would find a file where it needs a folder, or a folder where it "
+                             f"writes a file: {os.path.relpath(need, home)!r}; nothing was run.")
 
 
 def _guarded(desk: Desktop, item: dict, k: int, what: str, run):

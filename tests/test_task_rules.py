@@ -148,7 +148,7 @@ def date_attacks(pwn: str) -> list[tuple[str, dict]]:
     return [r for argv in argvs for r in as_every_kind(argv)]
 
 
-def unicode_attacks(pwn: str) -> list[tuple[str, dict]]:
+def whole_request_attacks(pwn: str) -> list[tuple[str, dict]]:
     ok = {"type": "write_file", "path": "first.txt", "content": "ran"}
     reqs = [setup(ok, {"type": "write_file", "path": "notes.txt", "content": s}) for s in ("\ud800", "a\udfffb", "\udc80")]
     reqs += [setup(ok, {"type": "write_file", "path": p, "content": "x"}) for p in ("a\ud800.txt", "\udc80", "Documents/\udcff",
@@ -164,6 +164,12 @@ def unicode_attacks(pwn: str) -> list[tuple[str, dict]]:
     # a valid step, then an invalid one: the valid one must not run either
     reqs += [setup(ok, bad) for bad in ({"type": "write_file", "path": "x.txt"}, {"type": "sleep", "seconds": 31},
                                         command("rm", "x"), {"type": "open", "path": "/etc"}, 7, [ok], {"type": "nope"})]
+    # steps each valid alone, but an earlier one puts a file where a later one needs a folder
+    w = lambda p: {"type": "write_file", "path": p, "content": "x"}  # noqa: E731
+    reqs += [setup(ok, *steps) for steps in (
+        [w("a.txt"), w("a.txt/b.txt")], [w("d/e.txt"), w("d")], [command("mkdir", "x.txt"), w("x.txt")],
+        [command("touch", "d"), {"type": "launch", "argv": ["pcmanfm", "d"]}], [command("cp", "notes.txt", "n2"), w("n2/x.txt")],
+        [command("sort", "-o", "s", "notes.txt"), w("s/x.txt")], [command("mv", "Documents/todo.txt", "m"), w("m/x.txt")])]
     return reqs
 
 
@@ -178,7 +184,7 @@ def quota_attacks(pwn: str) -> list[tuple[str, dict]]:
 
 
 ROUTES = {"xdotool": xdotool_attacks, "launcher": launcher_attacks, "xt": xt_attacks, "date": date_attacks,
-          "unicode": unicode_attacks, "quota": quota_attacks}
+          "whole": whole_request_attacks, "quota": quota_attacks}
 N_ATTACKS = sum(len(f("/x/pwned")) for f in ROUTES.values())
 
 
@@ -269,7 +275,7 @@ def test_date_only_prints(agent_traps):
 def test_a_request_is_refused_whole_never_half_run_or_500(agent_traps):
     vm, outside = agent_traps
     before = open(os.path.join(vm.home, "notes.txt")).read()
-    send_all(vm, unicode_attacks(os.path.join(outside, "pwned")), outside)
+    send_all(vm, whole_request_attacks(os.path.join(outside, "pwned")), outside)
     assert open(os.path.join(vm.home, "notes.txt")).read() == before  # not truncated
     assert not os.path.exists(os.path.join(vm.home, "first.txt"))    # the valid first step did not run
 

@@ -192,12 +192,15 @@ N_ATTACKS = sum(len(f("/x/pwned")) for f in ROUTES.values())
 # Sending them, and proving nothing happened
 
 
-@pytest.fixture
-def agent_traps(armed):
-    """What only the agent could have made, planted in HOME: a launcher in Documents/ (by name and
-    by content), a folder holding one, a symlink into Desktop/, a dangling link to a launcher name,
-    a folder holding an X resource file."""
-    vm, outside = armed
+@pytest.fixture(scope="module")
+def agent_traps(vm_desktop, tmp_path_factory):
+    """The shared desktop, reset once for the attack tests of this module (each one snapshots HOME
+    itself), with what only the agent could have made planted in HOME: a launcher in Documents/
+    (by name and by content), a folder holding one, a symlink into Desktop/, a dangling link to a
+    launcher name, a folder holding an X resource file."""
+    vm = vm_desktop
+    assert vm_call(vm, "POST", "/reset").status_code == 200
+    outside = str(tmp_path_factory.mktemp("outside"))
     home, entry = vm.home, LAUNCHER.format(pwn=os.path.join(outside, "pwned-by-agent-trap"))
     for rel, text in [("Documents/evil.desktop", entry), ("Documents/launcher", entry), ("src/a.desktop", entry),
                       ("src/ok.txt", "ok"), ("xtsrc/XTerm", "*title: pwned\n")]:
@@ -206,7 +209,10 @@ def agent_traps(armed):
             f.write(text)
     os.symlink(os.path.join(home, "Desktop", "terminal.desktop"), os.path.join(home, "link.txt"))
     os.symlink("../evil.desktop", os.path.join(home, "Documents", "dangling.txt"))
-    return vm, outside
+    assert vm_call(vm, "POST", "/action", {"type": "move", "x": 321, "y": 123}).status_code == 200
+    time.sleep(1.0)  # let the freshly reset desktop settle (pcmanfm writes its config once)
+    yield vm, outside
+    vm_call(vm, "POST", "/reset")
 
 
 def send_all(vm, reqs: list[tuple[str, dict]], outside: str) -> None:
@@ -280,6 +286,13 @@ def test_a_request_is_refused_whole_never_half_run_or_500(agent_traps):
     assert not os.path.exists(os.path.join(vm.home, "first.txt"))    # the valid first step did not run
 
 
+def test_home_quota_and_time_budget_are_checked_before_anything_runs(agent_traps):
+    vm, outside = agent_traps
+    t = time.monotonic()
+    send_all(vm, quota_attacks(os.path.join(outside, "pwned")), outside)
+    assert time.monotonic() - t < 30  # refused up front: no command ran to its 120 s
+
+
 def test_request_shapes_never_get_a_500(armed):
     """Random wrong types and nesting in every field of valid steps and checks: answers are 200 or
     a 4xx JSON error, never a 500 (the server keeps serving)."""
@@ -312,13 +325,6 @@ def test_request_shapes_never_get_a_500(armed):
             bad.append((json.dumps(body)[:200], r.status_code, r.text[:200]))
     assert not bad, bad[:5]
     assert vm_call(vm, "GET", "/health").status_code == 200
-
-
-def test_home_quota_and_time_budget_are_checked_before_anything_runs(agent_traps):
-    vm, outside = agent_traps
-    t = time.monotonic()
-    send_all(vm, quota_attacks(os.path.join(outside, "pwned")), outside)
-    assert time.monotonic() - t < 30  # refused up front: no command ran to its 120 s
 
 
 def test_home_grown_from_outside_the_request_stops_it_at_the_step(armed):

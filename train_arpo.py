@@ -10,7 +10,8 @@ One iteration, top to bottom (`run_iteration`):
     reset every VM -> pick tasks (live VMs // group size) -> task setup on each VM ->
     rollout: at each step ONE batched generate over all unfinished VMs, parse the UI-TARS answer,
       act, next screenshot; an episode ends at finished()/call_user()/an unparseable answer/max steps ->
-    score: the task's evaluator on the VM (infeasible tasks: 1 iff the last action is call_user) ->
+    score, as OSWorld's DesktopEnv.evaluate: a last call_user() (FAIL) scores 1 on an infeasible
+      task and 0 on a feasible one; otherwise 0, resp. the task's evaluator on the VM ->
     replay: an all-failed group gets one member swapped for a stored success of the same task ->
     reward = score - format penalty -> advantages per group, broadcast to every assistant token ->
     one GRPO update on whole trajectories -> store this iteration's successes -> log, checkpoint.
@@ -33,9 +34,10 @@ Where this departs from ARPO (paper + its released code), on purpose:
    config does), no learning-rate warm-up (ARPO: 5 %), HF generate on CPU / vLLM on a GPU.
 6. The whole trajectory is re-encoded once for training with the last `--max-images` screenshots; with
    max steps <= max images (the default 15/15, as ARPO) that is exactly the context each step saw.
-7. Evaluation: "standard" counts an episode that runs out of steps as ending in FAIL (so infeasible
-   tasks pass by timing out), "hard" does not (ARPO's OSWorld-Hard). Training rewards use the hard rule,
-   as ARPO's training environment did. A feasible task is scored by its checks under both.
+7. Scoring is OSWorld's (outcome_scores). Evaluation: "standard" counts an episode that runs out of
+   steps as ending in FAIL (so an infeasible task passes by timing out and a feasible one scores 0),
+   "hard" does not (ARPO's OSWorld-Hard). Training rewards use the hard rule, as ARPO's training
+   environment did.
 8. Left out: KL to a reference model (beta 0, as ARPO; `--beta` works with LoRA only), multi-GPU
    training (ARPO: FSDP over 8 GPUs; this script trains on one device). Logging: metrics.jsonl
    always, plus Weights & Biases (--wandb) and TensorBoard (--tensorboard) when asked for (progress.py).
@@ -348,23 +350,29 @@ def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
 
 
 def outcome_scores(infeasible: bool, actions: list, end: str | None, evaluator_score: float | None = None):
-    """ALGO: (hard, standard) score of one finished episode. Feasible: the evaluator's score under
-    both. Infeasible (OSWorld's rule, decided client side): 1 iff the last action is `fail`
-    (call_user()); the standard protocol also counts an episode that ran out of steps
-    (end == "max_steps") as ending in FAIL. actions: Action dicts per step (None: unparseable)."""
-    if not infeasible:
-        return float(evaluator_score), float(evaluator_score)
+    """ALGO: (hard, standard) score of one finished episode, by OSWorld's `DesktopEnv.evaluate`:
+    if the last action is FAIL (call_user()), an infeasible task scores 1 and a feasible one 0,
+    whatever its checks say; otherwise an infeasible task scores 0 and a feasible one its
+    evaluator's score. The two protocols differ only in what "the last action" is: the standard one
+    replaces it by FAIL when the episode ran out of steps (end == "max_steps"), the hard one (ARPO's
+    OSWorld-Hard, and ARPO's training environment) keeps what the agent did. So a timeout passes an
+    infeasible task and fails a feasible one under standard only. An unparseable last answer is no
+    FAIL (ARPO's environment turns it into DONE). actions: Action dicts per step (None: unparseable)."""
+    def score(last):
+        if infeasible:
+            return 1.0 if last == "fail" else 0.0
+        return 0.0 if last == "fail" else float(evaluator_score)
     last = actions[-1]["type"] if actions and actions[-1] else None
-    hard = 1.0 if last == "fail" else 0.0
-    return hard, 1.0 if last == "fail" or end == "max_steps" else 0.0
+    return score(last), score("fail" if end == "max_steps" else last)
 
 
 def score_episodes(pool: VMPool, eps: list, args: Args, timeout: float) -> None:
     """Fill score (hard), score_standard and reward of every finished episode, in place.
 
-    Feasible tasks: the evaluator's checks on the VM (in parallel). Infeasible tasks, client side:
-    1 iff the last action is `fail` (call_user()); under the standard protocol an episode that ran
-    out of steps counts its last action as FAIL.
+    Feasible tasks: the evaluator's checks on the VM (in parallel), overruled by a last FAIL.
+    Infeasible tasks, client side: 1 iff the last action is `fail` (call_user()). Under the
+    standard protocol an episode that ran out of steps counts its last action as FAIL
+    (outcome_scores has the whole rule).
     """
     # All VMs are evaluated at once after the last episode ended; a finished VM's screen no longer
     # changes, so this scores the same as ARPO's evaluate-as-soon-as-done, in one round trip.
@@ -758,7 +766,7 @@ def start_vms(args: Args) -> VMPool:
 def eval_only(pool: VMPool, tasks: list, policy, args: Args, run: str, iteration: int) -> None:
     result = evaluate_policy(pool, tasks, model_policy(policy, args, args.eval_temperature), args)
     result.update(model=args.model, run=run, iteration=iteration, protocols={
-        "standard": "an episode that runs out of steps counts its last action as FAIL",
+        "standard": "an episode that runs out of steps counts its last action as FAIL (OSWorld)",
         "hard": "the last action is what the agent did (OSWorld-Hard in ARPO)"})
     out = args.eval_out or os.path.join(run, f"eval_it{iteration:06d}.json")
     with open(out, "w") as f:

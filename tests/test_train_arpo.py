@@ -11,7 +11,8 @@
   run) end in one sentence and leave no run folder;
 - task selection with a scripted stand-in policy (the task suite's solutions, as UI-TARS text) keeps
   exactly the tasks it solved at least once;
-- standard vs hard evaluation: an infeasible task that times out passes standard and fails hard;
+- standard vs hard evaluation (OSWorld's rule): a timeout passes an infeasible task and fails a
+  feasible one under standard only; the rule itself by hand for every ending;
 - the reward, task order and VM grouping rules with hand-computed numbers.
 """
 from __future__ import annotations
@@ -141,16 +142,26 @@ def test_rewards_and_protocols_by_hand():
     assert (formatted.score, formatted.score_standard, formatted.reward) == (0.0, 0.0, -0.5)
 
 
-def test_outcome_scores_by_hand():
+@pytest.mark.parametrize("infeasible, actions, end, checks, hard, standard", [
+    # feasible, the checks pass (1.0) or half pass (0.5): OSWorld's DesktopEnv.evaluate
+    (False, ["click", "done"], "done", 1.0, 1.0, 1.0),       # finished(): the checks decide
+    (False, ["click", "done"], "done", 0.5, 0.5, 0.5),
+    (False, ["click", "fail"], "fail", 1.0, 0.0, 0.0),       # call_user(): 0 whatever the checks say
+    (False, ["click", "click"], "max_steps", 1.0, 1.0, 0.0),  # timeout: standard turns it into FAIL
+    (False, ["click", "click"], "max_steps", 0.5, 0.5, 0.0),
+    (False, ["click", None], "format", 1.0, 1.0, 1.0),       # unparseable end: no FAIL (ARPO: DONE)
+    (False, [], None, 0.0, 0.0, 0.0),
+    # infeasible: FAIL is the success; no checks run
+    (True, ["wait", "done"], "done", None, 0.0, 0.0),        # claimed success
+    (True, ["wait", "fail"], "fail", None, 1.0, 1.0),        # declared infeasible
+    (True, ["wait", "wait"], "max_steps", None, 0.0, 1.0),   # timeout: passes standard only
+    (True, ["wait", None], "format", None, 0.0, 0.0),
+    (True, [], None, None, 0.0, 0.0),                         # did nothing
+])
+def test_outcome_scores_by_hand(infeasible, actions, end, checks, hard, standard):
     # The pure rule score_episodes (and tests/test_tasks.py) use: (hard, standard).
-    fail, wait, done = {"type": "fail"}, {"type": "wait"}, {"type": "done"}
-    assert T.outcome_scores(True, [wait, fail], "fail") == (1.0, 1.0)        # declared infeasible
-    assert T.outcome_scores(True, [wait, wait], "max_steps") == (0.0, 1.0)   # timed out: standard only
-    assert T.outcome_scores(True, [wait, done], "done") == (0.0, 0.0)        # claimed success
-    assert T.outcome_scores(True, [wait, None], "format") == (0.0, 0.0)      # ended unparseable
-    assert T.outcome_scores(True, [], None) == (0.0, 0.0)                    # did nothing
-    assert T.outcome_scores(False, [fail], "fail", 0.5) == (0.5, 0.5)        # feasible: the evaluator's
-    assert T.outcome_scores(False, [wait], "max_steps", 1) == (1.0, 1.0)
+    acts = [None if a is None else {"type": a} for a in actions]
+    assert T.outcome_scores(infeasible, acts, end, checks) == (hard, standard)
 
 
 def test_task_order_and_groups():
@@ -297,15 +308,21 @@ def test_select_tasks_keeps_exactly_the_solved_ones(pool, tmp_path):
     assert sel["successes"] == {"calc-open": 1, "clock-open": 0, "infeasible-email": 2}
 
 
-def test_timed_out_infeasible_task_passes_standard_fails_hard(pool):
-    tasks = [TASKS["infeasible-browser"], TASKS["infeasible-email"]]
-    plans = {"infeasible-browser": [{"type": "wait"}] * 5, "infeasible-email": [{"type": "fail"}]}
-    res = T.evaluate_policy(pool, tasks, scripted(lambda tid, n: plans[tid]), small_args(max_steps=2))
-    assert res["standard"]["per_task"] == {"infeasible-browser": 1.0, "infeasible-email": 1.0}
-    assert res["hard"]["per_task"] == {"infeasible-browser": 0.0, "infeasible-email": 1.0}
-    assert (res["standard"]["overall"], res["hard"]["overall"]) == (1.0, 0.5)
+def test_a_timeout_passes_an_infeasible_task_and_fails_a_feasible_one_under_standard_only(pool):
+    # OSWorld's standard protocol turns a timed-out episode's last action into FAIL: a win for an
+    # infeasible task, a 0 for a feasible one whatever its checks say (here they pass: the
+    # calculator is open). The hard protocol scores what the agent did.
+    tasks = [TASKS["infeasible-browser"], TASKS["infeasible-email"], TASKS["calc-open"]]
+    plans = {"infeasible-browser": [{"type": "wait"}] * 5, "infeasible-email": [{"type": "fail"}],
+             "calc-open": SOLUTIONS["calc-open"] + [{"type": "wait"}] * 5}
+    steps = len(SOLUTIONS["calc-open"]) + 1
+    res = T.evaluate_policy(pool, tasks, scripted(lambda tid, n: plans[tid]), small_args(max_steps=steps))
+    assert res["standard"]["per_task"] == {"infeasible-browser": 1.0, "infeasible-email": 1.0, "calc-open": 0.0}
+    assert res["hard"]["per_task"] == {"infeasible-browser": 0.0, "infeasible-email": 1.0, "calc-open": 1.0}
+    assert (res["standard"]["overall"], res["hard"]["overall"]) == (2 / 3, 2 / 3)
     ends = {d["task"]: (d["end"], d["steps"]) for d in res["details"]}
-    assert ends == {"infeasible-browser": ("max_steps", 2), "infeasible-email": ("fail", 1)}
+    assert ends == {"infeasible-browser": ("max_steps", steps), "infeasible-email": ("fail", 1),
+                    "calc-open": ("max_steps", steps)}
     assert "overall" in T.eval_table(res) and json.dumps(res)
 
 

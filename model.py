@@ -88,6 +88,11 @@ class Policy:
     # id(image) -> (weakref to it, pixel_values, grid) of live screenshots (chat._process_images)
     pixels: dict = field(default_factory=dict, repr=False)
 
+    def suppressed_ids(self) -> list[int]:
+        """The ids sampling never emits (VISION_TOKENS). The trainer removes them too (grpo's
+        per_token_logps), so it scores exactly the distribution the tokens were drawn from."""
+        return [self.tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
+
 
 @dataclass
 class Generation:
@@ -403,7 +408,7 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
         else dict(do_sample=False)  # top_k=0: no top-k cut (HF's default is 50)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, **sampling, eos_token_id=stop, pad_token_id=policy.tokenizer.pad_token_id,
-        suppress_tokens=[_special(policy, t) for t in VISION_TOKENS],
+        suppress_tokens=policy.suppressed_ids(),
         output_scores=True, return_dict_in_generate=True, use_cache=True)
     was_training = policy.model.training
     policy.model.eval()

@@ -109,7 +109,7 @@ class Args:
     iterations: int = arg(100, "training iterations (each: one rollout of every group + one update)")
     max_steps: int = arg(15, "steps per episode at most (ARPO: 15); a task's own max_steps may lower it")
     max_images: int = arg(15, "screenshots kept in the prompt (ARPO: 15); older ones stay as text")
-    temperature: float = arg(1.0, "sampling temperature in training (ARPO: 1.0)")
+    temperature: float = arg(1.0, "sampling temperature in training; the update scores log-probs at it too (ARPO: 1.0)")
     top_p: float = arg(1.0, "nucleus sampling in training")
     stop_on_format_error: bool = arg(True, "an unparseable answer ends the episode, as in ARPO's code")
     settle: float = arg(0.5, "seconds the screen gets to settle after the actions (ARPO/OSWorld: 0.5)")
@@ -572,8 +572,9 @@ def apply_replay(buffer: ReplayBuffer, members: list[Episode], group: int) -> tu
     if not injected:
         return members, None
     k = next(i for i, (a, b) in enumerate(zip(members, new)) if a is not b)  # the replaced member
-    # The stored success joins this group: its own reward, normalised against today's members.
-    ep = replace(from_record(new[k]), group=group, replayed=True)
+    # The stored success joins this group: its own reward, normalised against today's members. Its
+    # sampler log-probs are an older policy's: dropped, so logp_gap compares like with like.
+    ep = replace(from_record(new[k]), group=group, replayed=True, logprobs=[])
     return members[:k] + [ep] + members[k + 1:], {
         "task": ep.task.id, "group": group, "replaced_vm": members[k].vm, "from_iteration": ep.iteration,
         "from_vm": ep.vm, "score": ep.score, "reward": ep.reward}
@@ -628,7 +629,8 @@ def iteration_metrics(it, task_ids, eps, fresh, batch, pieces, adv, upd, times, 
                   for e, a, ps in zip(batch, adv, pieces)],
         **{k: upd.get(k, 0.0) for k in ("loss", "pg_loss", "kl", "clip_low", "clip_high", "clip_dual",
                                         "ratio_mean", "grad_norm", "tokens", "steps")},
-        # trainer vs sampler log-probs of the sampled tokens (0 on the HF path; vLLM numerics show here)
+        # trainer vs sampler log-probs of this iteration's sampled tokens (0 on the HF path; vLLM
+        # numerics show here), over the micro-batches whose sequences all carry the sampler's numbers
         **({"logp_gap": upd["logp_gap"]} if "logp_gap" in upd else {}),
         **{f"time_{k}": v for k, v in times.items()},
         "vm_wait_share": vm_time / times["total"] if times["total"] else 0.0}

@@ -129,7 +129,7 @@ def test_image_caps(images):
     assert w * h <= 56 * 56 and w % 28 == 0 and h % 28 == 0
 
 
-def test_vllm_context_length_fits_the_flags():
+def test_vllm_context_length_fits_the_flags(policy):
     # vLLM is CUDA-only; its context length is a pure function of the flags, checked here.
     from actions import smart_resize
     from chat import uitars_messages
@@ -142,7 +142,8 @@ def test_vllm_context_length_fits_the_flags():
     assert (w // 28) * (h // 28) == 2691
     assert needed_model_len(15, 2116800, 15 * (256 + 6)) == 47104 > 15 * 2691 > 32768
     # A real prompt at that cap (3 screenshots, 2 answers of 256 tokens so far, and the 256 to come) fits.
-    big = M.load_policy("tiny", max_pixels=2116800)
+    from dataclasses import replace
+    big = replace(policy, image_processor=M.qwen_image_processor(max_pixels=2116800), pixels={})
     shot = _img(1920, 1080, 4)
     answer = list(range(100, 356))  # 256 ordinary token ids
     enc = M.encode_chat(big, uitars_messages("Open the file manager. " * 20, [shot] * 3, [answer] * 2, max_images=3))

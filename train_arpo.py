@@ -540,8 +540,8 @@ def lr_at(it: int, args: Args) -> float:
     iterations (lr * (it + 1) / warmup), then --lr-schedule over the rest, towards 0 at --iterations
     (never 0 itself: the last iteration still learns). A function of the iteration alone, so a
     resumed run continues the schedule where it stopped. ARPO keeps lr constant without warm-up;
-    a small model trained at a high lr needs the decay to keep what it learned (a run at lr 1e-3
-    learned a task to 0.92 and lost it in its last iterations without one)."""
+    a small model trained from scratch at a high lr needs the decay to keep what it learned (at a
+    constant lr 1e-3 the tiny model can learn a task to 0.92 and lose it in the last iterations)."""
     w = args.lr_warmup
     if it < w:
         return args.lr * (it + 1) / w
@@ -885,7 +885,8 @@ def eval_only(pool: VMPool, tasks: list, policy, args: Args, run: str, iteration
     """--eval-only: eval_it<N>.json (or --eval-out) and the episodes beside it in eval_it<N>/
     (`python view.py runs/<name>/eval_it<N>` shows what was clicked)."""
     out = args.eval_out or os.path.join(run, f"eval_it{iteration:06d}.json")
-    folder = os.path.splitext(out)[0]
+    root, ext = os.path.splitext(out)
+    folder = root if ext else out + "_episodes"  # never the JSON's own path
     shutil.rmtree(folder, ignore_errors=True)  # a second eval of the same checkpoint replaces the first
     result = evaluate_policy(pool, tasks, model_policy(policy, args, args.eval_temperature), args,
                              save_to=folder if args.save_trajectories else None)

@@ -34,8 +34,9 @@ Also written: <out>/learning_arpo.png (fresh success per iteration, every seed) 
 
 Interface for --method explore (bench/learning_explore.py, the ScreenExplorer half):
     import learning_explore; rc = learning_explore.main(args)
-    args: this script's argparse.Namespace (method, seeds, minutes, out, vms, and the rest below;
-    ignore what does not apply). It prints its own table and, last, its line
+    args: this script's argparse.Namespace (method, seeds, minutes, out = runs/learning/explore by
+    default, vms, settle, iterations (0 = what --minutes leaves), and the rest below; ignore what
+    does not apply). It prints its own table and, last, its line
     `learning_explore: ... seeds N: pass` (or `: FAIL`), and returns 0 on pass, 1 on FAIL.
 """
 from __future__ import annotations
@@ -350,7 +351,7 @@ def parse_args(argv=None):
     p.add_argument("--method", choices=["arpo", "explore"], default="arpo")
     p.add_argument("--seeds", type=int, default=2, help="independent runs (warm start, train, evals), seeds 0..N-1")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-time budget per seed; sets the iterations")
-    p.add_argument("--out", default=os.path.join(ROOT, "runs", "learning"), help="where the runs go")
+    p.add_argument("--out", default="", help="where the runs go (default: runs/learning/<method>)")
     p.add_argument("--vms", type=int, default=4, help="local desktops")
     p.add_argument("--group-size", type=int, default=4, help="rollouts per task (one GRPO group)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds a window gets to appear after acting")
@@ -368,6 +369,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    a.out = a.out or os.path.join(ROOT, "runs", "learning", a.method)  # the two methods never share seed folders
     if a.warm_start_only:
         w = warm_start(a.warm_start_only, 0, TASK_IDS.split(","), a.warm_epochs, a.warm_lr)
         print(f"warm start written to {a.warm_start_only} ({w['seconds']:.0f}s, NLL per answer "

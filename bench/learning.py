@@ -14,10 +14,11 @@ No weights can be downloaded, so the policy is the tiny random Qwen2.5-VL of the
    Saved as an ordinary checkpoint folder (`train_arpo.py --model <folder>` loads it).
 2. Before: `train_arpo.py --eval-only --model <warm start>` at temperature 1, --eval-rollouts per task.
 3. Train: `train_arpo.py --model <warm start> --select-tasks K ...` as a subprocess, as a user runs
-   it: ARPO's task selection first, then GRPO with replay, lr 7e-4 with a 10% warm-up and a linear
-   decay over --iterations (64; fewer if the --minutes budget leaves less, fixed before training).
-   The peak and the decay are what keep the format: at 1e-3 decaying over 121 iterations, the
-   answers' closing tokens after a coordinate drifted (parse rate 0.73 in the second quarter).
+   it: ARPO's task selection first, then GRPO with replay, lr 5e-4 with a 10% warm-up and a linear
+   decay over --iterations (120; fewer if the --minutes budget leaves less, fixed before training).
+   The peak lr is what keeps the format: at 1e-3 (121 iterations) and at 7e-4 (64) the tokens
+   after a coordinate drifted while the lr was high (parse rate 0.73 and 0.80 in a quarter of the
+   run), although success rose (eval after 0.92 and 0.57 / 0.40).
 4. After: the same eval on the selected tasks, of the checkpoint chosen by a rule fixed in advance:
    the run's LAST checkpoint (the lr has decayed to ~0 there, so it is the policy the run settled on;
    not the best of several, which would select on the eval's own noise).
@@ -358,9 +359,9 @@ def parse_args(argv=None):
     p.add_argument("--vms", type=int, default=4, help="local desktops")
     p.add_argument("--group-size", type=int, default=4, help="rollouts per task (one GRPO group)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds a window gets to appear after acting")
-    p.add_argument("--iterations", type=int, default=64,
+    p.add_argument("--iterations", type=int, default=120,
                    help="training iterations, fewer if --minutes leaves less time; 0 = as many as it leaves")
-    p.add_argument("--lr", type=float, default=7e-4, help="peak learning rate (warm-up 10%%, then linear decay)")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (warm-up 10%%, then linear decay)")
     p.add_argument("--epochs", type=int, default=1, help="train_arpo.py --epochs")
     p.add_argument("--select-tasks", type=int, default=16, help="ARPO's task selection: K rollouts a task; 0 = off")
     p.add_argument("--eval-rollouts", type=int, default=24, help="rollouts per task in each eval (T=1)")

@@ -89,7 +89,8 @@ def weights_differ(folder_a, folder_b) -> float:
 
 def test_smoke_then_resume(speaker, tmp_path):
     rd = tmp_path / "smoke"
-    p = ok(run("--vms", 2, "--model", speaker, "--iterations", 2, "--steps", 2, "--run-name", rd, *FAST))
+    p = ok(run("--vms", 2, "--model", speaker, "--iterations", 2, "--steps", 2, "--run-name", rd, "--lr-warmup", 2,
+               "--lr-schedule", "linear", *FAST))
     assert json.loads((rd / "args.json").read_text())["steps"] == 2
     lines = metrics(rd)
     assert [m["iteration"] for m in lines] == [0, 1]
@@ -116,6 +117,8 @@ def test_smoke_then_resume(speaker, tmp_path):
     # The actor's and the world model's optimizers are the release's AdamW (betas 0.9, 0.95).
     state = torch.load(rd / "ckpt" / "state.pt", weights_only=False)
     assert {g["betas"] for k in ("optimizer", "wm_opt") for g in state[k]["param_groups"]} == {(0.9, 0.95)}
+    # The warm-up (2 updates from lr / 2) is what the optimizer stepped with, and what was logged.
+    assert [m["actor/lr"] for m in lines] == [2e-5, 4e-5] and state["optimizer"]["param_groups"][0]["lr"] == 4e-5
 
     p = ok(run("--resume", rd, "--iterations", 3))
     assert "resumed" in p.stdout
@@ -222,6 +225,17 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
     # Nothing opened, the screen never changed: one screen, no diversity, no window.
     assert (still["windows"], still["distinct_screens"], still["diversity"]) == (0, 1, 0.0), still
     assert json.loads((tmp_path / "eval.json").read_text())["opener"]["summary"]["windows"] >= 1
+    # What each step did is in eval.json (screen pixels), and every episode is saved as a trajectory
+    # view.py reads: the double-click on the icon, then the two moves, with the screens they saw.
+    assert [a["action"] for a in opener["actions"]] == [
+        {"type": "double_click", "x": x, "y": y}, {"type": "move", "x": 700, "y": 400}, {"type": "move", "x": 700, "y": 400}]
+    assert opener["round"] == 0 and all(a["valid"] and a["screen"] == [1280, 720] for a in opener["actions"])
+    import view
+    trajs = view.load_run(str(tmp_path / "opener"))["trajectories"]
+    steps = trajs[0][0]["steps"]
+    assert [s["action"] for s in steps] == [a["action"] for a in opener["actions"]]
+    assert all((tmp_path / "opener" / "trajectories" / "it000000" / s["screenshot"]).exists() for s in steps)
+    assert len(view.load_run(str(tmp_path / "still"))["trajectories"][0][0]["steps"]) == 3
 
 
 def _free_port():
@@ -299,6 +313,22 @@ def test_score_rewards_curiosity_before_the_world_model_learns():
         assert torch.allclose(r.image_world_model, want.expand(8), atol=1e-5), (train_first, r.image_world_model, want)
         assert torch.allclose(r.total, r.image_world_model)
     assert T.parse_args(["--wm-train-first"])[0].wm_train_first and not T.Args().wm_train_first
+
+
+def test_actor_lr_schedule_by_hand():
+    # 10 iterations, first update at iteration 2 -> 8 updates (u = 0..7); warm-up 2: u = 0 -> 1/2,
+    # u = 1 -> 2/2; then linear over n - warmup = 6: f = (u - 2) / 6 -> 1, 5/6, 4/6, 3/6, 2/6, 1/6.
+    a = T.Args(iterations=10, lr=0.6, lr_warmup=2, lr_schedule="linear", update_actor_delay=2)
+    want = [0.6, 0.6, 0.3, 0.6, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]  # iterations 0, 1: no update, lr as given
+    assert [round(T.actor_lr(i, a), 9) for i in range(10)] == want
+    # cosine, no warm-up, 4 updates: f = 0, 1/4, 2/4, 3/4 -> (1 + cos(pi f)) / 2 = 1, 0.8536, 0.5, 0.1464
+    a = T.Args(iterations=4, lr=1.0, lr_schedule="cosine", update_actor_delay=0)
+    assert [round(T.actor_lr(i, a), 4) for i in range(4)] == [1.0, 0.8536, 0.5, 0.1464]
+    # Two generations of 4, delay 1: generation 1 updates at 1, 2, 3 (warm-up 1, then f = 0, 1/2);
+    # generation 2 (its own optimizer) updates at 4..7 from its start (warm-up 1, then f = 0, 1/3, 2/3).
+    a = T.Args(iterations=4, generations=2, lr=1.0, lr_warmup=1, lr_schedule="linear", update_actor_delay=1)
+    assert [round(T.actor_lr(i, a), 4) for i in range(8)] == [1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 0.6667, 0.3333]
+    assert T.actor_lr(3, T.Args(iterations=4, lr=2e-5)) == 2e-5  # the default: the paper's constant lr
 
 
 def test_optimizers_are_the_releases_adamw():

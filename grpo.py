@@ -10,20 +10,27 @@ One update, top to bottom (see `update_policy`):
     clipped surrogate per token, aggregated, accumulated over micro-batches  ->  clip grad  ->  step
 
 Where this departs from the papers (on purpose, each one small):
-1. The loss is DAPO-style "clip-higher" (separate eps_low / eps_high, ARPO uses 0.2 / 0.3) and the
-   KL term is the k3 estimator of DeepSeekMath, applied only when beta > 0 (ScreenExplorer: 0.04,
-   ARPO: 0, no reference model at all).
+1. The loss is DAPO-style "clip-higher" (separate eps_low / eps_high, ARPO uses 0.2 / 0.3) with
+   optional dual clip (ARPO's verl: c = 3.0 for negative advantages), and the KL term is the k3
+   estimator of DeepSeekMath, applied only when beta > 0 (ScreenExplorer: 0.04, ARPO: 0, no
+   reference model at all).
 2. Two aggregations: "seq-mean-token-mean" (GRPO as written: mean over tokens, then over
    sequences) and "token-mean" (DAPO: one mean over all tokens of the batch, so long trajectories
-   weigh more). Sequences with no target token are left out of the sequence mean.
-3. With the default single optimizer step per rollout the update is exactly on-policy: the ratio is
-   1 and clipping never fires. `mini_batch_size` / `epochs` give verl-style several steps per
-   rollout, where old log-probs are fixed before the first step and clipping matters.
-4. Replay injection replaces the (first) lowest-scoring member of a failed group, where ARPO picks
-   one at random; in a group that qualifies (std < 0.05) every member scores about the same.
+   weigh more). Sequences with no target token are left out of the sequence mean; Sample.weight
+   lets the pieces of one cut trajectory count as that one sequence.
+3. With a single optimizer step per rollout the update is exactly on-policy: the ratio is 1 and
+   clipping never fires. `mini_batch_size` / `epochs` give verl-style several steps per rollout
+   (ARPO's default: two), where old log-probs are fixed before the first step and clipping
+   matters; `shuffle` mixes the samples first, as ScreenExplorer's release does.
+4. Replay injection replaces the (first) lowest-scoring member of a failed group. ARPO's paper
+   says a random member, its code the first one; in a group that qualifies (std < 0.05, mean <
+   0.2) the members score about the same, and taking the lowest keeps a rare partial success
+   (e.g. one 0.1 among seven 0s, std 0.035) that a random or first pick could throw away.
 5. Old log-probs are recomputed by the trainer by default, not taken from the sampler (vLLM's
-   numbers differ slightly from HF's, and sampling at temperature != 1 or top_p < 1 draws from
-   another distribution; mixing the two would bias the ratio). verl does the same. Samples may
+   numbers differ slightly from HF's; top_p < 1 draws from a truncated distribution that the
+   trainer does not reproduce). verl does the same, and logs the gap (our `logp_gap`). Every
+   log-prob is scored at the sampling temperature with the never-sampled vision tokens removed,
+   so at top_p 1 the trainer's numbers ARE the sampler's (Generation.logprobs). Samples may
    still carry the sampler's log-probs (Sample.old_logps, collated to (B, T)), and
    update_policy(..., old_logps="sampler") uses them instead.
 """
@@ -142,7 +149,10 @@ class Sample:
     """One training sequence: a prompt + completion (ScreenExplorer step) or a whole multi-turn
     trajectory (ARPO). target_mask is 1 on the tokens the policy produced (the loss's tokens).
     old_logps, if given, has one log-prob per target token, in order (e.g. the sampler's
-    Generation.logprobs); update_policy uses them only with old_logps="sampler"."""
+    Generation.logprobs); update_policy uses them only with old_logps="sampler". weight: what
+    this sequence counts for in the "seq-mean-token-mean" mean over sequences; a trajectory cut
+    into pieces (ARPO past --max-images) gives each piece its share of the trajectory's target
+    tokens, so the pieces together count as the one sequence they came from."""
     input_ids: list[int]
     target_mask: list[int]
     pixel_values: torch.Tensor | None  # (N_patches, D) of all this sample's images, in order
@@ -151,6 +161,7 @@ class Sample:
     advantage: float = 0.0
     group: int | str = 0
     old_logps: list[float] | None = None
+    weight: float = 1.0
 
 
 def step_sample(prompt, completion_ids: Sequence[int], reward: float = 0.0, group: int | str = 0,
@@ -185,7 +196,7 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
     """Right-pad samples into one batch. Images of all samples are concatenated in sample order,
     which is the order the model's placeholder tokens appear in when reading the batch row-major.
 
-    Also carries rewards (B,) and advantages (B,), and old_logps (B, T) -- each sample's per-target
+    Also carries rewards (B,), advantages (B,), weights (B,), and old_logps (B, T) -- each sample's per-target
     values put at its target positions, 0 elsewhere, aligned with input_ids as per_token_logps is --
     when every sample has them (None otherwise)."""
     B, T = len(samples), max(len(s.input_ids) for s in samples)
@@ -218,12 +229,21 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
         "image_grid_thw": torch.cat(thw) if thw else None,  # (N_img, 3)
         "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),  # (B,)
         "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),  # (B,)
+        "weights": torch.tensor([s.weight for s in samples], dtype=torch.float32),  # (B,)
         "old_logps": old_logps,  # (B, T) or None
     }
 
 
-def per_token_logps(model, batch: dict) -> torch.Tensor:
+def per_token_logps(model, batch: dict, temperature: float | None = None) -> torch.Tensor:
     """logps[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) on completion tokens, 0 elsewhere: (B, T).
+
+    p = softmax(logits / temperature) without the ids in batch["suppressed"]: the distribution the
+    tokens were sampled from (verl and ARPO divide by T when scoring the old, the new and the
+    reference policy), so a run sampling at T != 1 trains the policy it sampled from, and the
+    sampler's Generation.logprobs are these numbers. temperature None: batch["temperature"] if the
+    batch carries one (update_policy puts both there, as verl's meta_info does, so a ref_fn scores
+    the same distribution), else 1; <= 0 (greedy) scores at 1. top-p is not reproduced (nor in
+    verl): sample with top_p 1 when the ratio must be exact.
 
     The vocabulary projection is what eats memory: a 4k-token screenshot prompt at V = 151,936 is
     2.5 GB of float32 logits per sample, twice that with a log_softmax beside it. Only the
@@ -249,6 +269,13 @@ def per_token_logps(model, batch: dict) -> torch.Tensor:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # unwrap peft
     hidden = base.model(**kwargs).last_hidden_state  # (B, T, H)
     logits = base.lm_head(hidden[keep])  # (N_completion, V)
+    temperature = batch.get("temperature", 1.0) if temperature is None else temperature
+    # ALGO: the sampling distribution's logits. In place (as verl): no second (N, V) buffer, and
+    # lm_head's backward does not need its output.
+    if temperature > 0 and temperature != 1.0:
+        logits = logits.div_(temperature)  # (N_completion, V)
+    if batch.get("suppressed"):
+        logits = logits.index_fill_(1, torch.tensor(batch["suppressed"], device=dev), float("-inf"))  # (N_completion, V)
     lp = selective_log_softmax(logits, kwargs["input_ids"][target])  # (N_completion,)
     # Row-major order of `keep` and `target` is the same, so masked_scatter puts each value back.
     return torch.zeros(target.shape, dtype=lp.dtype, device=dev).masked_scatter(target, lp)  # (B, T)
@@ -259,19 +286,28 @@ def per_token_logps(model, batch: dict) -> torch.Tensor:
 
 
 def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float = 0.2,
-              eps_high: float = 0.28, beta: float = 0.0, agg: str = "seq-mean-token-mean"):
+              eps_high: float = 0.28, beta: float = 0.0, agg: str = "seq-mean-token-mean",
+              dual_clip: float | None = None, seq_weights=None):
     """Clipped GRPO surrogate. logps, old_logps, ref_logps, mask: (B, T); advantages (B,) or (B, T).
 
     per token: -min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A)
                + beta * (exp(ref - logps) - (ref - logps) - 1),        ratio = exp(logps - old_logps)
+    dual_clip = c > 1 (dual-clip PPO, arXiv 1912.09729; ARPO: 3.0; None = off, the DESIGN.md
+    contract): where A < 0 the policy-gradient part is min(that, -c * A), i.e. -max(min(ratio * A,
+    clip(ratio) * A), c * A), so a token whose ratio ran far above 1 on a bad action cannot make
+    the loss (and its gradient) unbounded; those tokens get zero gradient, as in verl's
+    compute_policy_loss. seq_weights (B,): each sequence's weight in the "seq-mean-token-mean" mean
+    (Sample.weight; None = 1 each, the DESIGN.md contract); "token-mean" ignores them.
     Returns (loss, metrics); metrics are floats: kl (masked mean of the k3 term), clip_low /
     clip_high (share of target tokens whose clipped branch is the active one, so their gradient
-    is zero: A < 0 with ratio < 1 - eps_low, resp. A > 0 with ratio > 1 + eps_high), ratio_mean,
-    adv_mean / adv_std (over sequences for (B,) advantages, over target tokens for (B, T)),
-    tokens, and the mean policy-gradient part pg_loss.
+    is zero: A < 0 with ratio < 1 - eps_low, resp. A > 0 with ratio > 1 + eps_high), clip_dual
+    (A < 0 with ratio > c), ratio_mean, adv_mean / adv_std (over sequences for (B,) advantages,
+    over target tokens for (B, T)), tokens, and the mean policy-gradient part pg_loss.
     """
     if agg not in ("seq-mean-token-mean", "token-mean"):
         raise ValueError(f"unknown aggregation {agg!r}; use 'seq-mean-token-mean' or 'token-mean'.")
+    if dual_clip is not None and dual_clip and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be above 1 (ARPO: 3.0), or None to switch it off; got {dual_clip}.")
     m = mask.to(logps.dtype)  # (B, T)
     adv = advantages.to(logps.dtype)  # (B,) or (B, T)
     A = adv[:, None] if adv.dim() == 1 else adv  # (B, 1) or (B, T)
@@ -282,6 +318,9 @@ def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float
     ratio = torch.exp(log_ratio)  # ALGO: importance ratio pi / pi_old, (B, T)
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)  # ALGO: (B, T)
     pg = -torch.min(ratio * A, clipped * A)  # ALGO: pessimistic (clipped) surrogate, (B, T)
+    if dual_clip:
+        # ALGO: dual clip: for A < 0 the loss is capped at c * |A| (verl: clip_ratio_c), (B, T)
+        pg = torch.where(A < 0, torch.min(pg, -dual_clip * A), pg)
     per_token = pg  # (B, T)
     kl = torch.zeros_like(pg)  # (B, T)
     if ref_logps is not None:
@@ -294,7 +333,9 @@ def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float
     if agg == "seq-mean-token-mean":
         seq = (per_token * m).sum(1) / n_tok.clamp(min=1)  # ALGO: each sequence's token mean, (B,)
         has = (n_tok > 0).to(seq.dtype)  # (B,)
-        loss = (seq * has).sum() / has.sum().clamp(min=1)  # ALGO: mean over sequences
+        if seq_weights is not None:
+            has = has * seq_weights.to(seq.dtype)  # (B,)
+        loss = (seq * has).sum() / has.sum().clamp(min=1e-12)  # ALGO: (weighted) mean over sequences
     else:
         loss = (per_token * m).sum() / m.sum().clamp(min=1)  # ALGO: one mean over all tokens
 
@@ -303,6 +344,7 @@ def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float
         A_full = A.expand_as(m)  # (B, T)
         low = ((ratio < 1 - eps_low) & (A_full < 0)).to(m.dtype)  # (B, T)
         high = ((ratio > 1 + eps_high) & (A_full > 0)).to(m.dtype)  # (B, T)
+        dual = ((ratio > dual_clip) & (A_full < 0)).to(m.dtype) if dual_clip else torch.zeros_like(m)  # (B, T)
         adv_vals = adv if adv.dim() == 1 else adv[m.bool()]  # (B,) or (N,)
         metrics = {
             "loss": float(loss),
@@ -310,6 +352,7 @@ def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float
             "kl": float((kl * m).sum() / N),
             "clip_low": float((low * m).sum() / N),
             "clip_high": float((high * m).sum() / N),
+            "clip_dual": float((dual * m).sum() / N),
             "ratio_mean": float((ratio * m).sum() / N),
             "adv_mean": float(adv_vals.mean()) if adv_vals.numel() else 0.0,
             "adv_std": float(adv_vals.std()) if adv_vals.numel() > 1 else 0.0,
@@ -323,19 +366,22 @@ def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float
 
 
 def _unwrap(policy_or_model):
-    """(model, pad_id) from a model.Policy or a bare model."""
+    """(model, pad_id, ids sampling never emits) from a model.Policy, or (model, 0, []) from a bare model."""
     model = getattr(policy_or_model, "model", None)
     if isinstance(model, torch.nn.Module) and hasattr(policy_or_model, "tokenizer"):
         pad = getattr(policy_or_model.tokenizer, "pad_token_id", None)
-        return model, 0 if pad is None else int(pad)
+        suppressed = policy_or_model.suppressed_ids() if hasattr(policy_or_model, "suppressed_ids") else []
+        return model, 0 if pad is None else int(pad), list(suppressed)
     # Padding is right-sided and masked out of attention and loss, so its id does not matter.
-    return policy_or_model, 0
+    return policy_or_model, 0, []
 
 
-def _units(mask: torch.Tensor, agg: str) -> float:
-    """What the loss is a mean over: sequences with a target token, or target tokens."""
-    n_tok = mask.sum(1)  # (B,)
-    return float((n_tok > 0).sum()) if agg == "seq-mean-token-mean" else float(n_tok.sum())
+def _units(batch: dict, agg: str) -> float:
+    """What the loss is a mean over: (the weights of) sequences with a target token, or target tokens."""
+    n_tok = batch["completion_mask"].sum(1)  # (B,)
+    if agg == "seq-mean-token-mean":
+        return float(((n_tok > 0).float() * batch["weights"]).sum())
+    return float(n_tok.sum())
 
 
 def _clip_and_step(model, optimizer, max_grad_norm) -> tuple[float, bool]:
@@ -356,22 +402,28 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
                   ref_fn: Callable[[dict], torch.Tensor] | None = None, max_grad_norm: float = 1.0,
                   agg: str = "seq-mean-token-mean", mini_batch_size: int | None = None,
                   epochs: int = 1, on_micro_batch: Callable[[int], None] | None = None,
-                  old_logps: str | bool = "recompute") -> dict:
+                  old_logps: str | bool = "recompute", temperature: float = 1.0,
+                  dual_clip: float | None = None, shuffle: random.Random | None = None) -> dict:
     """One GRPO update on a rollout; returns metrics averaged over its optimizer steps.
 
     samples carry .advantage already (assign_advantages). By default the whole rollout is one
     optimizer step, accumulated over micro-batches of `micro_batch_size` (memory knob only: the
     loss is scaled so the gradient equals the full-batch one). `mini_batch_size` splits the rollout
     into several steps and `epochs` repeats them; old log-probs are fixed before the first step.
+    `shuffle` (a seeded random.Random) shuffles the samples before they are cut into mini-batches
+    (ScreenExplorer's release shuffles; verl reorders by length), so one step is not one time slice
+    or one group; None keeps their order. `temperature`: the sampling temperature, at which every
+    log-prob is scored (per_token_logps). `dual_clip`: grpo_loss's c (ARPO: 3.0; None: off).
     Reference for beta > 0: `ref_fn(batch) -> (B, T)` (e.g. a frozen copy), or, for a peft model,
     the same weights with the LoRA adapter disabled. beta == 0 computes no reference at all.
     `on_micro_batch(n)` is called after each micro-batch's backward with its n samples (a progress bar).
     old_logps: "recompute" (default; departure 5 in the module docstring) scores the rollout with
     the trainer's own forward pass; "sampler" (or True) uses the log-probs the samples carry
     (Sample.old_logps), e.g. to measure the sampler/trainer mismatch. Those are log-probs of the
-    distribution actually sampled from, so they equal the policy's only at temperature 1, top_p 1.
+    distribution actually sampled from (Generation.logprobs): the trainer's at the same
+    temperature, up to top_p < 1 and the removed vision tokens.
     """
-    model, pad_id = _unwrap(policy_or_model)
+    model, pad_id, suppressed = _unwrap(policy_or_model)
     samples = list(samples)
     if not samples:
         return {}
@@ -387,6 +439,8 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
         raise ValueError("beta > 0 needs a reference policy: pass ref_fn, or train with LoRA (--lora-rank) "
                          "so the adapter can be switched off.")
     model.train()  # gradient checkpointing only runs in train mode; dropout is 0 in our configs
+    if shuffle is not None:
+        shuffle.shuffle(samples)  # our copy of the list: the caller's order stays
     # Each optimizer step takes one mini-batch of samples (all of them by default), accumulated
     # over micro-batches; `steps` holds the indices into `batches` of each step's micro-batches.
     batches, steps = [], []
@@ -394,16 +448,32 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
         steps.append([])
         for mb in micro_batches(mini, micro_batch_size):
             steps[-1].append(len(batches))
-            batches.append(collate(mb, pad_id))
+            # What the sampler did to the logits travels with the batch (verl: meta_info), so every
+            # forward that scores it (old, new, a ref_fn's) scores the sampling distribution.
+            batches.append({**collate(mb, pad_id), "temperature": float(temperature), "suppressed": suppressed})
     # On-policy shortcut: with one step in total, the weights that score the tokens are the
     # weights old_logps would come from, so old = current logps, detached (a second forward
     # would return the same numbers at a third more compute). Not so with the sampler's numbers.
     single = len(steps) == 1 and epochs == 1 and not from_sampler
+    gap = [0.0, 0]  # sum of |trainer - sampler| old log-probs over target tokens, and their count
+
+    def note_gap(trainer_old, b):
+        # verl logs the same (rollout_probs_diff): how far the sampler's numbers are from the
+        # trainer's for the same weights and tokens, e.g. vLLM vs HF, or a temperature mismatch.
+        if b["old_logps"] is not None and not from_sampler:
+            on = b["completion_mask"].bool()  # (B, T)
+            on[:, 0] = False  # per_token_logps leaves position 0 out
+            d = (trainer_old.detach().float().cpu() - b["old_logps"])[on].abs()  # (N_target,)
+            gap[0], gap[1] = gap[0] + float(d.sum()), gap[1] + d.numel()
+
     with torch.no_grad():
         if from_sampler:
             old = [b["old_logps"] for b in batches]  # [(B, T)], carried from the sampler
         else:
             old = [None if single else per_token_logps(model, b) for b in batches]  # [(B, T)]
+            for o, b in zip(old, batches):
+                if o is not None:
+                    note_gap(o, b)
         ref = [None] * len(batches)
         if beta != 0.0:
             for i, b in enumerate(batches):
@@ -413,21 +483,24 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
                     with model.disable_adapter():  # LoRA off = the starting policy
                         ref[i] = per_token_logps(model, b)  # (B, T)
 
-    avg_keys = ("pg_loss", "kl", "clip_low", "clip_high", "ratio_mean")
+    avg_keys = ("pg_loss", "kl", "clip_low", "clip_high", "clip_dual", "ratio_mean")
     totals: dict[str, float] = {}
     optimizer.zero_grad(set_to_none=True)
     for _ in range(max(1, epochs)):
         for step in steps:
-            units = sum(_units(batches[i]["completion_mask"], agg) for i in step)
+            units = sum(_units(batches[i], agg) for i in step)
             sums = dict.fromkeys(("loss", "tokens") + avg_keys, 0.0)
             for i in step:
                 b = batches[i]
                 logps = per_token_logps(model, b)  # (B, T)
                 dev = logps.device
+                if single:
+                    note_gap(logps, b)
                 loss, m = grpo_loss(logps, logps.detach() if single else old[i].to(dev),
                                     b["advantages"].to(dev), b["completion_mask"].to(dev),
-                                    None if ref[i] is None else ref[i].to(dev), eps_low, eps_high, beta, agg)
-                w = _units(b["completion_mask"], agg) / max(units, 1.0)
+                                    None if ref[i] is None else ref[i].to(dev), eps_low, eps_high, beta, agg,
+                                    dual_clip, b["weights"].to(dev))
+                w = _units(b, agg) / units if units > 0 else 0.0
                 (loss * w).backward()  # ALGO: this micro-batch's share of the step's mean loss
                 if on_micro_batch is not None:
                     on_micro_batch(len(b["advantages"]))
@@ -446,13 +519,15 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
     adv = torch.tensor([float(s.advantage) for s in samples])  # (N,)
     metrics.update(adv_mean=float(adv.mean()), adv_std=float(adv.std()) if len(adv) > 1 else 0.0,
                    steps=float(n_steps), tokens=totals["tokens"] / max(1, epochs))
+    if gap[1]:
+        metrics["logp_gap"] = gap[0] / gap[1]
     return metrics
 
 
 def distill_step(policy_or_model, optimizer, samples: Sequence[Sample], micro_batch_size: int = 4,
                  max_grad_norm: float = 1.0) -> dict:
     """Experience-stream distillation: one SFT step, NLL averaged over all target tokens."""
-    model, pad_id = _unwrap(policy_or_model)
+    model, pad_id, _ = _unwrap(policy_or_model)
     batches = [collate(mb, pad_id) for mb in micro_batches(list(samples), micro_batch_size)]
     total = sum(float(b["completion_mask"][:, 1:].sum()) for b in batches)
     if total == 0:
@@ -505,7 +580,9 @@ class ReplayBuffer:
     def inject(self, task_id, trajectories: list, scores: Sequence[float], std_below: float = 0.05,
                mean_below: float = 0.2) -> tuple[list, list[float], bool]:
         """If the group failed alike (std < std_below and mean < mean_below), replace its lowest
-        scorer with a stored success so GRPO sees a non-zero advantage. Returns new lists + flag."""
+        scorer (the first of them on a tie) with a stored success so GRPO sees a non-zero
+        advantage. ARPO's code replaces the first member, its paper a random one: the lowest keeps
+        a partial success the group may hold (departure 4). Returns new lists + flag."""
         trajectories, scores = list(trajectories), [float(s) for s in scores]
         if not scores:
             return trajectories, scores, False

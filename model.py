@@ -22,7 +22,9 @@ CPU machine).
 
 Where we depart from the papers (the prompts' departures are in chat.py):
   - Sampling never emits the vision placeholder tokens (`<|image_pad|>` & co.): a random model
-    would otherwise write them into its answer and desynchronise images and placeholders.
+    would otherwise write them into its answer and desynchronise images and placeholders. The
+    trainer leaves them out of its softmax too (Policy.suppressed_ids), so it trains the
+    distribution that is sampled.
 """
 from __future__ import annotations
 
@@ -88,13 +90,21 @@ class Policy:
     # id(image) -> (weakref to it, pixel_values, grid) of live screenshots (chat._process_images)
     pixels: dict = field(default_factory=dict, repr=False)
 
+    def suppressed_ids(self) -> list[int]:
+        """The ids sampling never emits (VISION_TOKENS). The trainer removes them too (grpo's
+        per_token_logps), so it scores exactly the distribution the tokens were drawn from."""
+        return [self.tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
+
 
 @dataclass
 class Generation:
     text: str                   # the completion, special tokens removed
     prompt: Encoded             # what the model was given
     completion_ids: list[int]   # sampled ids, up to and including the stop token, no padding
-    logprobs: list[float]       # log-prob of each sampled id under the sampling distribution
+    # log-prob of each sampled id under the distribution it was drawn from: softmax(logits / T),
+    # top-p renormalised, vision tokens removed; the same on the vLLM path (processed_logprobs),
+    # and what grpo.per_token_logps gives at the same T when top_p is 1.
+    logprobs: list[float]
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,9 +395,9 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
 
     temperature 0 means greedy. logprobs[i] is log pi(token_i | prefix) under the distribution the
     token was actually drawn from: the model's softmax at `temperature`, restricted to the top-p
-    nucleus and with the vision placeholder tokens removed. At temperature 1 and top_p 1 that is
-    the policy's own log-prob (what GRPO's ratio needs, up to the removed tokens' ~0 mass); for
-    greedy it is the temperature-1 log-prob of the argmax.
+    nucleus and with the vision placeholder tokens removed. At top_p 1 that is exactly what the
+    trainer scores at the same temperature (grpo.per_token_logps); for greedy it is the
+    temperature-1 log-prob of the argmax.
     """
     if policy.engine is not None:
         return policy.engine.generate(policy, batch_messages, max_new_tokens, temperature, top_p)
@@ -403,7 +413,7 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
         else dict(do_sample=False)  # top_k=0: no top-k cut (HF's default is 50)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, **sampling, eos_token_id=stop, pad_token_id=policy.tokenizer.pad_token_id,
-        suppress_tokens=[_special(policy, t) for t in VISION_TOKENS],
+        suppress_tokens=policy.suppressed_ids(),
         output_scores=True, return_dict_in_generate=True, use_cache=True)
     was_training = policy.model.training
     policy.model.eval()

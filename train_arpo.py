@@ -10,10 +10,12 @@ One iteration, top to bottom (`run_iteration`):
     reset every VM -> pick tasks (live VMs // group size) -> task setup on each VM ->
     rollout: at each step ONE batched generate over all unfinished VMs, parse the UI-TARS answer,
       act, next screenshot; an episode ends at finished()/call_user()/an unparseable answer/max steps ->
-    score: the task's evaluator on the VM (infeasible tasks: 1 iff the last action is call_user) ->
+    score, as OSWorld's DesktopEnv.evaluate: a last call_user() (FAIL) scores 1 on an infeasible
+      task and 0 on a feasible one; otherwise 0, resp. the task's evaluator on the VM ->
     replay: an all-failed group gets one member swapped for a stored success of the same task ->
     reward = score - format penalty -> advantages per group, broadcast to every assistant token ->
-    one GRPO update on whole trajectories -> store this iteration's successes -> log, checkpoint.
+    GRPO update on whole trajectories (ARPO's schedule: the batch shuffled into two optimizer steps,
+    dual clip, log-probs at the sampling temperature) -> store this iteration's successes -> log, checkpoint.
 Tasks come in a seeded shuffled round robin. Every rollout goes through a `policy_fn(observations)
 -> answers` (default: one batched model.generate), so a scripted policy can stand in (the tests do).
 Output: runs/<name>/ with args.json, metrics.jsonl (one line per iteration), trajectories/, ckpt/.
@@ -28,14 +30,25 @@ Where this departs from ARPO (paper + its released code), on purpose:
    that answer ends the episode); `--format-penalty` sets the 0.5, `--no-stop-on-format-error` lets the
    episode go on (the penalty is still paid once per trajectory).
 4. The replay buffer is saved in every checkpoint and restored on resume (ARPO's is lost). Injection
-   replaces the lowest scorer of the failed group (grpo.ReplayBuffer), ARPO the first member.
-5. One optimizer step per iteration by default (`--mini-batch` splits it into several, as ARPO's
-   config does), no learning-rate warm-up (ARPO: 5 %), HF generate on CPU / vLLM on a GPU.
-6. The whole trajectory is re-encoded once for training with the last `--max-images` screenshots; with
-   max steps <= max images (the default 15/15, as ARPO) that is exactly the context each step saw.
-7. Evaluation: "standard" counts an episode that runs out of steps as ending in FAIL (so infeasible
-   tasks pass by timing out), "hard" does not (ARPO's OSWorld-Hard). Training rewards use the hard rule,
-   as ARPO's training environment did. A feasible task is scored by its checks under both.
+   replaces the lowest scorer of the failed group (grpo.ReplayBuffer); ARPO's paper says a random
+   member, its code replaces the first. The members of a group that qualifies score about the same;
+   the lowest keeps a rare partial success that the first or a random pick could throw away.
+5. The update follows ARPO's verl config (examples/osworld_full_arpo.sh): its global_batch_size 8
+   counts tasks and EasyR1 multiplies it by the 8 rollouts, so 16 tasks x 8 make two optimizer
+   steps of 64 trajectories; `--mini-batch 0` does the same at any scale (half the batch per step),
+   on a seeded shuffle of it (verl reorders the batch by length; ScreenExplorer's release shuffles).
+   Dual clip c = 3.0, clip 0.2 / 0.3, no learning-rate warm-up (ARPO: lr_warmup_ratio 0.0). Every
+   log-prob is scored at the sampling temperature, as verl does. HF generate on CPU / vLLM on a GPU,
+   where the context length comes from --max-images, --max-pixels, --max-steps, --max-new-tokens
+   (ARPO leaves vLLM at the model's own).
+6. Training contexts: with max steps <= max images (the default 15/15, as ARPO) a trajectory is one
+   sequence, exactly the context each step saw, as ARPO trains. With more steps (ARPO never has
+   them) each later answer becomes its own sequence with the screenshots it saw (episode_samples),
+   weighted so the trajectory still counts once.
+7. Scoring is OSWorld's (outcome_scores). Evaluation: "standard" counts an episode that runs out of
+   steps as ending in FAIL (so an infeasible task passes by timing out and a feasible one scores 0),
+   "hard" does not (ARPO's OSWorld-Hard). Training rewards use the hard rule, as ARPO's training
+   environment did.
 8. Left out: KL to a reference model (beta 0, as ARPO; `--beta` works with LoRA only), multi-GPU
    training (ARPO: FSDP over 8 GPUs; this script trains on one device). Logging: metrics.jsonl
    always, plus Weights & Biases (--wandb) and TensorBoard (--tensorboard) when asked for (progress.py).
@@ -44,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -59,7 +73,7 @@ from PIL import Image
 import progress
 import rundir
 from env import Task, TaskError, VMError, VMPool, load_tasks, parse_action, smart_resize
-from grpo import ReplayBuffer, assign_advantages, trajectory_sample, update_policy
+from grpo import ReplayBuffer, group_advantages, trajectory_sample, update_policy
 from chat import encode_chat, uitars_messages
 from model import Generation, generate, load_policy, save_policy, sync_weights
 
@@ -95,7 +109,7 @@ class Args:
     iterations: int = arg(100, "training iterations (each: one rollout of every group + one update)")
     max_steps: int = arg(15, "steps per episode at most (ARPO: 15); a task's own max_steps may lower it")
     max_images: int = arg(15, "screenshots kept in the prompt (ARPO: 15); older ones stay as text")
-    temperature: float = arg(1.0, "sampling temperature in training (ARPO: 1.0)")
+    temperature: float = arg(1.0, "sampling temperature in training; the update scores log-probs at it too (ARPO: 1.0)")
     top_p: float = arg(1.0, "nucleus sampling in training")
     stop_on_format_error: bool = arg(True, "an unparseable answer ends the episode, as in ARPO's code")
     settle: float = arg(0.5, "seconds the screen gets to settle after the actions (ARPO/OSWorld: 0.5)")
@@ -106,8 +120,10 @@ class Args:
     eps_high: float = arg(0.3, "upper clip range of the ratio (clip-higher; ARPO: 0.3)")
     beta: float = arg(0.0, "KL coefficient to the starting policy (ARPO: 0; needs --lora-rank)")
     loss_agg: str = arg("seq-mean-token-mean", "loss aggregation: seq-mean-token-mean or token-mean")
-    micro_batch: int = arg(1, "trajectories per forward/backward (memory knob only)")
-    mini_batch: int = arg(0, "trajectories per optimizer step; 0 = one step per iteration")
+    micro_batch: int = arg(1, "sequences per forward/backward (memory knob only)")
+    mini_batch: int = arg(0, "sequences per optimizer step; 0 = ARPO's schedule: the batch in two steps "
+                             "(ARPO: 16 tasks x 8 rollouts, 8 tasks x 8 per step)")
+    dual_clip: float = arg(3.0, "dual-clip c: a negative advantage's loss is capped at c * |A| (ARPO: 3.0; 0 = off)")
     max_grad_norm: float = arg(1.0, "gradient clipping")
     # replay buffer and task selection
     replay: bool = arg(True, "ARPO's replay buffer of successes (--no-replay: the GRPO ablation)")
@@ -166,6 +182,10 @@ def check_args(args: Args) -> None:
     if args.beta != 0 and args.lora_rank == 0:
         raise SystemExit("--beta > 0 needs a reference policy: add --lora-rank 64 (the adapter-free model "
                          "is the reference), or keep --beta 0 as ARPO does.")
+    if args.dual_clip != 0 and not args.dual_clip > 1:
+        raise SystemExit("--dual-clip must be above 1 (ARPO uses 3.0), or 0 to switch it off.")
+    if args.mini_batch < 0 or args.micro_batch < 1:
+        raise SystemExit("--mini-batch must be 0 (ARPO's two steps per iteration) or more, and --micro-batch at least 1.")
     if min(args.max_steps, args.max_images, args.max_new_tokens, args.eval_rollouts, args.ckpt_every) < 1:
         raise SystemExit("--max-steps, --max-images, --max-new-tokens, --eval-rollouts and --ckpt-every "
                          "must be at least 1.")
@@ -184,6 +204,7 @@ class Episode:
     iteration: int = 0
     screenshots: list = field(default_factory=list)   # PIL images (PNG bytes once stored for replay)
     assistant: list = field(default_factory=list)     # per step: sampled token ids, or text (scripted)
+    logprobs: list = field(default_factory=list)      # per step: the sampler's log-prob per id, or None (scripted)
     texts: list = field(default_factory=list)         # per step: the answer as text
     thoughts: list = field(default_factory=list)      # per step: the parsed Thought ("" if unparseable)
     actions: list = field(default_factory=list)       # per step: Action dict in screen pixels, or None
@@ -310,12 +331,13 @@ def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
         for i, o, out in zip(who, obs, outs):
             e = eps[i]
             if isinstance(out, Generation):  # the model: keep the sampled ids, parse in the image it saw
-                text, content, seen = out.text, list(out.completion_ids), out.prompt.image_sizes[-1]
+                text, content, seen, lps = out.text, list(out.completion_ids), out.prompt.image_sizes[-1], out.logprobs
             else:                            # a scripted stand-in: text, in o.image_size coordinates
-                text, content, seen = str(out), str(out), o.image_size
+                text, content, seen, lps = str(out), str(out), o.image_size, None
             parsed = parse_action(text, "uitars", o.screen, seen)
             e.texts.append(text)
             e.assistant.append(content)
+            e.logprobs.append(None if lps is None else [float(x) for x in lps])
             e.thoughts.append(parsed.thought if parsed else "")
             e.actions.append(parsed.action.to_dict() if parsed else None)
             e.format_ok.append(parsed is not None)
@@ -348,23 +370,29 @@ def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
 
 
 def outcome_scores(infeasible: bool, actions: list, end: str | None, evaluator_score: float | None = None):
-    """ALGO: (hard, standard) score of one finished episode. Feasible: the evaluator's score under
-    both. Infeasible (OSWorld's rule, decided client side): 1 iff the last action is `fail`
-    (call_user()); the standard protocol also counts an episode that ran out of steps
-    (end == "max_steps") as ending in FAIL. actions: Action dicts per step (None: unparseable)."""
-    if not infeasible:
-        return float(evaluator_score), float(evaluator_score)
+    """ALGO: (hard, standard) score of one finished episode, by OSWorld's `DesktopEnv.evaluate`:
+    if the last action is FAIL (call_user()), an infeasible task scores 1 and a feasible one 0,
+    whatever its checks say; otherwise an infeasible task scores 0 and a feasible one its
+    evaluator's score. The two protocols differ only in what "the last action" is: the standard one
+    replaces it by FAIL when the episode ran out of steps (end == "max_steps"), the hard one (ARPO's
+    OSWorld-Hard, and ARPO's training environment) keeps what the agent did. So a timeout passes an
+    infeasible task and fails a feasible one under standard only. An unparseable last answer is no
+    FAIL (ARPO's environment turns it into DONE). actions: Action dicts per step (None: unparseable)."""
+    def score(last):
+        if infeasible:
+            return 1.0 if last == "fail" else 0.0
+        return 0.0 if last == "fail" else float(evaluator_score)
     last = actions[-1]["type"] if actions and actions[-1] else None
-    hard = 1.0 if last == "fail" else 0.0
-    return hard, 1.0 if last == "fail" or end == "max_steps" else 0.0
+    return score(last), score("fail" if end == "max_steps" else last)
 
 
 def score_episodes(pool: VMPool, eps: list, args: Args, timeout: float) -> None:
     """Fill score (hard), score_standard and reward of every finished episode, in place.
 
-    Feasible tasks: the evaluator's checks on the VM (in parallel). Infeasible tasks, client side:
-    1 iff the last action is `fail` (call_user()); under the standard protocol an episode that ran
-    out of steps counts its last action as FAIL.
+    Feasible tasks: the evaluator's checks on the VM (in parallel), overruled by a last FAIL.
+    Infeasible tasks, client side: 1 iff the last action is `fail` (call_user()). Under the
+    standard protocol an episode that ran out of steps counts its last action as FAIL
+    (outcome_scores has the whole rule).
     """
     # All VMs are evaluated at once after the last episode ended; a finished VM's screen no longer
     # changes, so this scores the same as ARPO's evaluate-as-soon-as-done, in one round trip.
@@ -503,12 +531,35 @@ def pick_tasks(ids: list[str], state: dict, n: int, seed: int) -> list[str]:
     return out
 
 
-def episode_sample(policy, ep: Episode, args: Args):
-    """ALGO: a whole trajectory as ONE training sequence: the conversation re-encoded, the sampled
-    answer ids verbatim, target_mask over every assistant turn; the reward rides along."""
-    msgs = uitars_messages(ep.task.instruction, [_image(s) for s in ep.screenshots], ep.assistant,
-                           max_images=args.max_images)
-    return trajectory_sample(encode_chat(policy, msgs, add_generation_prompt=False), ep.reward, ep.group)
+def episode_samples(policy, ep: Episode, args: Args, advantage: float = 0.0) -> list:
+    """ALGO: a trajectory as training sequences, every answer in the context it was sampled in: the
+    conversation re-encoded, the sampled answer ids verbatim, the sampler's log-probs alongside.
+
+    With at most --max-images steps (ARPO: 15 and 15) that is ONE sequence, target_mask over every
+    assistant turn, as ARPO trains. Past that, answer i saw only screenshots i-K+1..i (K = max
+    images): the first K answers still share one sequence, and every later answer is a sequence of
+    its own, its prompt exactly as sampled and only its answer a target. Each piece's weight is its
+    share of the trajectory's target tokens, so under seq-mean-token-mean the pieces count as one
+    sequence and the loss is the one the whole trajectory would give."""
+    shots = [_image(s) for s in ep.screenshots]
+    n, K = len(ep.assistant), args.max_images
+    lps = ep.logprobs if len(ep.logprobs) == n and all(lp is not None for lp in ep.logprobs) else None
+    im_start = policy.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    pieces = []
+    for end in [min(n, K)] + list(range(K + 1, n + 1)):  # answers [0, end) in context; the last one or all targets
+        msgs = uitars_messages(ep.task.instruction, shots[:end], ep.assistant[:end], max_images=K)
+        enc = encode_chat(policy, msgs, add_generation_prompt=False)
+        first = 0 if end <= K else end - 1  # the first answer this piece trains
+        if first:  # earlier answers are context here: only the last assistant turn is a target
+            last_turn = max(i for i, t in enumerate(enc.input_ids) if t == im_start)
+            enc.target_mask = [0] * last_turn + enc.target_mask[last_turn:]
+        old = [x for lp in lps[first:end] for x in lp] if lps is not None else None
+        pieces.append(trajectory_sample(enc, ep.reward, ep.group, old))
+    total = sum(sum(p.target_mask) for p in pieces)
+    for p in pieces:
+        p.advantage = advantage
+        p.weight = sum(p.target_mask) / total if total else 1.0 / len(pieces)
+    return pieces
 
 
 def apply_replay(buffer: ReplayBuffer, members: list[Episode], group: int) -> tuple[list, dict | None]:
@@ -521,8 +572,9 @@ def apply_replay(buffer: ReplayBuffer, members: list[Episode], group: int) -> tu
     if not injected:
         return members, None
     k = next(i for i, (a, b) in enumerate(zip(members, new)) if a is not b)  # the replaced member
-    # The stored success joins this group: its own reward, normalised against today's members.
-    ep = replace(from_record(new[k]), group=group, replayed=True)
+    # The stored success joins this group: its own reward, normalised against today's members. Its
+    # sampler log-probs are an older policy's: dropped, so logp_gap compares like with like.
+    ep = replace(from_record(new[k]), group=group, replayed=True, logprobs=[])
     return members[:k] + [ep] + members[k + 1:], {
         "task": ep.task.id, "group": group, "replaced_vm": members[k].vm, "from_iteration": ep.iteration,
         "from_vm": ep.vm, "score": ep.score, "reward": ep.reward}
@@ -546,7 +598,17 @@ def replay_groups(buffer: ReplayBuffer | None, fresh: list[Episode], task_ids: l
     return batch, injections, stats
 
 
-def iteration_metrics(it, task_ids, eps, fresh, batch, samples, upd, times, args: Args) -> dict:
+def flat_groups(groups: list, advantages: list[float]) -> int:
+    """ARPO's "invalid groups", those with no learning signal: every advantage 0 (group_advantages
+    gives that to equal rewards or a lone member). The update's own rule, so a group whose
+    rewards differ by a hair counts as learning, as it does in the update (ARPO: std < 0.01)."""
+    by_group: dict = {}
+    for g, a in zip(groups, advantages):
+        by_group.setdefault(g, []).append(a)
+    return sum(all(a == 0 for a in advs) for advs in by_group.values())
+
+
+def iteration_metrics(it, task_ids, eps, fresh, batch, pieces, adv, upd, times, args: Args) -> dict:
     """One metrics.jsonl line: rewards, success, format, the update's numbers, the time split."""
     def mean(xs):
         return float(np.mean(xs)) if len(xs) else 0.0
@@ -561,11 +623,15 @@ def iteration_metrics(it, task_ids, eps, fresh, batch, samples, upd, times, args
         "format_rate": mean([ok for e in fresh for ok in e.format_ok]),  # share of steps that parsed
         "steps_mean": mean([len(e.actions) for e in fresh]),
         "batch": [{"task": e.task.id, "group": e.group, "vm": e.vm, "replayed": e.replayed,
-                   "from_iteration": e.iteration, "reward": e.reward, "advantage": s.advantage,
-                   "target_tokens": int(sum(s.target_mask)), "steps": len(e.actions)}
-                  for e, s in zip(batch, samples)],
-        **{k: upd.get(k, 0.0) for k in ("loss", "pg_loss", "kl", "clip_low", "clip_high", "ratio_mean",
-                                        "grad_norm", "tokens")},
+                   "from_iteration": e.iteration, "reward": e.reward, "advantage": a,
+                   "target_tokens": int(sum(sum(p.target_mask) for p in ps)), "steps": len(e.actions),
+                   "sequences": len(ps)}
+                  for e, a, ps in zip(batch, adv, pieces)],
+        **{k: upd.get(k, 0.0) for k in ("loss", "pg_loss", "kl", "clip_low", "clip_high", "clip_dual",
+                                        "ratio_mean", "grad_norm", "tokens", "steps")},
+        # trainer vs sampler log-probs of this iteration's sampled tokens (0 on the HF path; vLLM
+        # numerics show here), over the micro-batches whose sequences all carry the sampler's numbers
+        **({"logp_gap": upd["logp_gap"]} if "logp_gap" in upd else {}),
         **{f"time_{k}": v for k, v in times.items()},
         "vm_wait_share": vm_time / times["total"] if times["total"] else 0.0}
 
@@ -599,24 +665,29 @@ def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
         for e in fresh:
             if e.score > tr.replay.success_threshold:  # ALGO: success = score > 0.1; PNG-encode only those
                 tr.replay.add(e.task.id, to_record(e), e.score)
-    # -- ALGO: advantages per group, broadcast to every assistant token; one GRPO update
+    # -- ALGO: advantages per group of trajectories, broadcast to every assistant token; the GRPO
+    # update in ARPO's schedule (two shuffled mini-batches by default, dual clip, scored at the
+    # sampling temperature)
     upd = {}
     with timed(times, "update"):
-        samples = [episode_sample(tr.policy, e, args) for e in batch]
-        assign_advantages(samples)
+        adv = group_advantages([e.reward for e in batch], [e.group for e in batch]).tolist()  # (N,)
+        pieces = [episode_samples(tr.policy, e, args, a) for e, a in zip(batch, adv)]
+        samples = [p for ps in pieces for p in ps]
         if samples:
+            mini = args.mini_batch or math.ceil(len(samples) / 2)  # ALGO: ARPO: 2 steps per batch
             with progress.bar(len(samples), "update") as pb:
                 upd = update_policy(tr.policy, tr.optimizer, samples, micro_batch_size=args.micro_batch,
                                     eps_low=args.eps_low, eps_high=args.eps_high, beta=args.beta,
-                                    max_grad_norm=args.max_grad_norm, agg=args.loss_agg,
-                                    mini_batch_size=args.mini_batch or None, on_micro_batch=pb.update)
+                                    max_grad_norm=args.max_grad_norm, agg=args.loss_agg, mini_batch_size=mini,
+                                    on_micro_batch=pb.update, temperature=args.temperature,
+                                    dual_clip=args.dual_clip or None,
+                                    shuffle=random.Random(f"{args.seed}-update-{it}"))  # the same on a resume
             sync_weights(tr.policy)  # vLLM generates with the new weights from the next step on
     times["total"] = time.perf_counter() - t0
-    m = iteration_metrics(it, task_ids, eps, fresh, batch, samples, upd, times, args)
+    m = iteration_metrics(it, task_ids, eps, fresh, batch, pieces, adv, upd, times, args)
     m.update(groups=group_stats, replay_injections=injections, n_injections=len(injections),
              replay_size=len(tr.replay) if tr.replay is not None else 0,
-             # ARPO's "invalid groups": equal rewards, so zero advantages and no learning signal
-             zero_std_groups=sum(g["std"] < 0.01 for g in group_stats))
+             zero_std_groups=flat_groups([e.group for e in batch], adv))
     m["dropped"] += len(setup_errors)
     if setup_errors:
         m["setup_errors"] = {str(k): v for k, v in setup_errors.items()}
@@ -647,7 +718,8 @@ def summary_line(m: dict) -> str:
             f"±{m['reward_std']:.2f} | success {m['success_rate']:.2f} | format {m['format_rate']:.2f} | "
             f"replay +{m['n_injections']}{''.join(' ' + i['task'] for i in m['replay_injections'])} "
             f"({m['replay_size']} stored) | flat groups {m['zero_std_groups']}/{len(m['groups'])} | kl {m['kl']:.4f} clip "
-            f"{m['clip_low']:.2f}/{m['clip_high']:.2f} | {m['time_total']:.1f}s (reset {m['time_reset']:.1f} "
+            f"{m['clip_low']:.2f}/{m['clip_high']:.2f}/{m['clip_dual']:.2f} ({m['steps']:.0f} steps) | "
+            f"{m['time_total']:.1f}s (reset {m['time_reset']:.1f} "
             f"gen {m['time_generation']:.1f} env {m['time_env']:.1f} eval {m['time_evaluate']:.1f} "
             f"upd {m['time_update']:.1f}; VM wait {100 * m['vm_wait_share']:.0f}%)")
 
@@ -690,11 +762,16 @@ def make_policy(args: Args, ckpt: tuple[dict, str] | None):
                 raise SystemExit(f"the checkpoint's adapter does not fit this model ({bad[0][:150]}); "
                                  "resume with the --model and --lora-rank the run was started with.")
     if args.engine == "vllm":
-        from model import VLLMEngine
+        from vllm_engine import VLLMEngine, needed_model_len
         import tempfile  # vLLM loads weights from disk: the starting ones, or a fresh copy of ours
         fresh_copy = os.path.join(tempfile.mkdtemp(prefix="arpo-vllm-"), "w")
         path = args.model if os.path.isdir(args.model) and ckpt is None else fresh_copy
-        policy.engine = VLLMEngine(policy, path, max_images=args.max_images)
+        try:  # the longest prompt of this run: --max-images screenshots, every answer of an episode
+            length = needed_model_len(args.max_images, args.max_pixels, args.max_steps * (args.max_new_tokens + 6),
+                                      limit=policy.model.config.text_config.max_position_embeddings)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        policy.engine = VLLMEngine(policy, path, max_model_len=length, max_images=args.max_images)
     return policy
 
 
@@ -758,7 +835,7 @@ def start_vms(args: Args) -> VMPool:
 def eval_only(pool: VMPool, tasks: list, policy, args: Args, run: str, iteration: int) -> None:
     result = evaluate_policy(pool, tasks, model_policy(policy, args, args.eval_temperature), args)
     result.update(model=args.model, run=run, iteration=iteration, protocols={
-        "standard": "an episode that runs out of steps counts its last action as FAIL",
+        "standard": "an episode that runs out of steps counts its last action as FAIL (OSWorld)",
         "hard": "the last action is what the agent did (OSWorld-Hard in ARPO)"})
     out = args.eval_out or os.path.join(run, f"eval_it{iteration:06d}.json")
     with open(out, "w") as f:

@@ -873,7 +873,8 @@ if __name__ == "__main__":
                 with timed(times, "update"), progress.bar(len(samples), "update") as pb:
                     m = grpo.update_policy(policy, optimizer, samples, args.micro_batch, args.eps_low, args.eps_high,
                                            args.beta, ref_fn, args.max_grad_norm, mini_batch_size=args.mini_batch,
-                                           on_micro_batch=pb.update)
+                                           on_micro_batch=pb.update, temperature=args.temperature,
+                                           shuffle=random.Random(f"{args.seed}-update-{it}"))
                     actor.update({f"actor/{k}": v for k, v in m.items()})
                 with timed(times, "sync"):
                     M.sync_weights(policy)  # the generator samples the next iteration from the new weights

@@ -13,20 +13,47 @@ Run through `train_explore.py --engine vllm` / `train_arpo.py --engine vllm` (GP
 
 UNTESTED: vLLM needs CUDA, so this cannot run on a CPU machine. Written against vLLM's documented
 LLM API (generate with multi_modal_data; apply_model / collective_rpc to load weights) and kept
-small so that it is easy to fix. (The two small helpers below are tested through model.py.)
+small so that it is easy to fix. (The small helpers below are tested on CPU: _collapse_image_pads
+through model.py, needed_model_len in tests/test_model.py.)
 
 Where this departs from the papers: nothing algorithmic, this is plumbing. The engine runs in the
-trainer's own process, so a weight sync is a tensor copy, not a transfer over a socket; its
-log-probs are the raw model's (see VLLMEngine.generate), equal to HF's at temperature 1, top_p 1.
+trainer's own process, so a weight sync is a tensor copy, not a transfer over a socket. Its
+log-probs mean what HF generate's mean (model.Generation.logprobs): the sampling distribution,
+after temperature, top-p and the vision-token ban (vLLM's logprobs_mode="processed_logprobs";
+the default "raw_logprobs" would be the model's before temperature). Its context length is
+derived from the run's flags (needed_model_len); ARPO's release leaves vLLM at the model's own.
 """
 from __future__ import annotations
 
+import math
 import os
 
 from PIL import Image
 
 from chat import _image_parts, encode_chats
 from model import VISION_TOKENS, Generation, Policy, _special, merged_weights, save_policy
+
+
+def needed_model_len(max_images: int, max_pixels: int, answer_tokens: int, prompt_tokens: int = 2048,
+                  limit: int | None = None) -> int:
+    """The longest prompt + answer a run can send vLLM, in tokens, from its flags.
+
+    A screenshot costs at most max_pixels / (28 * 28) tokens (one per 28x28 px after the 2x2
+    merge; smart_resize keeps h * w <= max_pixels) plus its <|vision_start|>, <|vision_end|> and
+    the turn's 5 ChatML tokens; answer_tokens is every answer the context can hold (ARPO: all
+    max_steps answers of max_new_tokens, plus 6 ChatML tokens per turn); prompt_tokens covers the
+    system prompt, the instruction and the rest. ARPO's setting (15 screenshots of 1920x1080 at
+    max_pixels 2,116,800: 2,691 tokens each, at most 2,700; 15 answers of 256 tokens) comes to
+    47,104, well above a fixed 32,768. Rounded up to a multiple of 1024. Over `limit` (the
+    model's position embeddings), ValueError in one sentence.
+    """
+    per_image = max_pixels // (28 * 28) + 2 + 5
+    need = max_images * per_image + answer_tokens + prompt_tokens
+    need = math.ceil(need / 1024) * 1024
+    if limit is not None and need > limit:
+        raise ValueError(f"{max_images} screenshots of up to {max_pixels} pixels need {need} tokens of context, "
+                         f"more than this model's {limit}; lower --max-images or --max-pixels.")
+    return need
 
 
 def _collapse_image_pads(ids: list[int], pad: int) -> list[int]:
@@ -43,7 +70,13 @@ class VLLMEngine:
     """
 
     def __init__(self, policy: Policy, path: str, gpu_memory_utilization: float = 0.35,
-                 max_model_len: int = 32768, max_images: int = 15):
+                 max_model_len: int | None = None, max_images: int = 15, answer_tokens: int = 4096):
+        # max_model_len None: derived from max_images, the policy's max_pixels and answer_tokens
+        # (the answers a prompt can hold), so the longest prompt a run sends always fits.
+        if max_model_len is None:
+            ip = policy.image_processor  # transformers 5 keeps max_pixels as size.longest_edge; 4.x as an attribute
+            max_pixels = getattr(ip, "max_pixels", None) or getattr(ip.size, "longest_edge", None) or ip.size["longest_edge"]
+            max_model_len = needed_model_len(max_images, int(max_pixels), answer_tokens)
         # The engine core in THIS process, so weights pass to it as tensors, not over a socket.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -52,9 +85,18 @@ class VLLMEngine:
             raise SystemExit("--engine vllm needs vLLM on a CUDA machine (pip install vllm); "
                              "use --engine hf otherwise.") from None
         save_policy(policy, path)  # vLLM loads from disk; a merged LoRA policy loads as a plain model
-        self.llm = LLM(model=path, dtype=str(policy.dtype).replace("torch.", ""),
-                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       limit_mm_per_prompt={"image": max_images}, enable_prefix_caching=True)
+        try:
+            # processed_logprobs: log-probs of the distribution sampled from (temperature, top-p,
+            # logit bias applied), the meaning Generation.logprobs has on the HF path too.
+            self.llm = LLM(model=path, dtype=str(policy.dtype).replace("torch.", ""),
+                           gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                           limit_mm_per_prompt={"image": max_images}, enable_prefix_caching=True,
+                           logprobs_mode="processed_logprobs")
+        except TypeError as e:
+            if "logprobs_mode" not in str(e):
+                raise
+            raise SystemExit("--engine vllm needs a vLLM with logprobs_mode='processed_logprobs' "
+                             "(pip install -U vllm), or use --engine hf.") from None
 
     def generate(self, policy, batch_messages, max_new_tokens, temperature, top_p):
         from vllm import SamplingParams
@@ -80,8 +122,7 @@ class VLLMEngine:
         for enc, out in zip(encs, outs):
             c = out.outputs[0]
             ids = list(c.token_ids)
-            # vLLM's logprobs are the RAW model's (before temperature/top-p) unless the engine is
-            # built with logprobs_mode="processed_logprobs"; equal to HF's at temperature 1, top_p 1.
+            # Processed log-probs (see __init__): the sampled token's under the sampling distribution.
             lps = [lp[t].logprob for t, lp in zip(ids, c.logprobs or [])]
             gens.append(Generation(text=c.text, prompt=enc, completion_ids=ids, logprobs=lps))
         return gens

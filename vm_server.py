@@ -62,10 +62,10 @@ sys.modules.setdefault("vm_server", sys.modules[__name__])
 # /setup and /evaluate (steps, checks, argv rules, HOME confinement) live in vm_tasks.py; its names
 # stay importable from here.
 from vm_tasks import (  # noqa: E402,F401
-    APP_SETTLE, ARGV_RULES, CHECK_FIELDS, DEFAULT_ALLOW, MAX_BODY, MAX_ITEMS, MAX_OUTPUT, MAX_READ, MAX_TEXT, STEP_FIELDS,
-    TEXT_EXTS, XDOTOOL_DENY, XDOTOOL_OK, BadRequest, _argv, _items, _number, _obj, _regex, _str, _under,
-    check_args, check_check, check_step, evaluate, program, resolve, run_check, run_command, run_step,
-    runnable, visible_in_home,
+    APP_SETTLE, ARGV_RULES, CHECK_FIELDS, DEFAULT_ALLOW, HOME_QUOTA, MAX_BODY, MAX_ITEMS, MAX_OUTPUT, MAX_READ, MAX_TEXT,
+    REQUEST_SECONDS, STEP_FIELDS, TEXT_EXTS, XDOTOOL_COMMANDS, BadRequest, _argv, _items, _number, _obj, _regex, _str,
+    _under, check_args, check_check, check_step, evaluate, program, resolve, run_check, run_command, run_step,
+    runnable, setup, visible_in_home,
 )
 
 # -------------------------------------------------------------------------------------------------
@@ -376,16 +376,8 @@ def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[in
         _obj({} if body is None else body, "the /reset body")
         reset(desk)
         return 200, {"ok": True}, ""
-    if path == "/setup":
-        steps = [check_step(desk, s) for s in _items(body, "/setup", "steps")]  # all valid first
-        results = [run_step(desk, s) for s in steps]
-        if any(s["type"] in ("launch", "open") for s in steps):
-            # A mapped window is not yet a ready one: the file manager lists its folder and takes
-            # the keyboard focus a moment later. The episode (and its first screenshot) should
-            # start with the app as a person would find it. (Without this, CI once typed a file
-            # name into a pcmanfm whose listing was still empty.)
-            time.sleep(APP_SETTLE)
-        return 200, {"ok": True, "results": results}, ""
+    if path == "/setup":  # every step checked and the whole request planned before any runs
+        return 200, setup(desk, body), ""
     return 200, evaluate(desk, body), ""
 
 

@@ -320,8 +320,10 @@ def test_arpo_survives_three_random_kills(desktops, tmp_path):
         "id": "notes-there", "instruction": "Look at the notes.", "setup": [], "max_steps": 2,
         "evaluator": {"conj": "and", "checks": [{"type": "file_exists", "path": "notes.txt"}]}}))
     run = str(tmp_path / "arpo")
+    # --mini-batch 2: the whole group in one optimizer step, so optimizer steps count iterations below
     fresh = ["--vms", ",".join(desktops), "--group-size", 2, "--model", "tiny", "--iterations", n, "--max-steps", 2,
-             "--max-pixels", 12544, "--max-new-tokens", 8, "--tasks", tasks, "--settle", 0.1, "--run-name", run]
+             "--max-pixels", 12544, "--max-new-tokens", 8, "--tasks", tasks, "--settle", 0.1, "--run-name", run,
+             "--mini-batch", 2]
 
     def plant(run, before):  # a killed attempt's trajectory file of the iteration about to be redone
         nxt = before["iteration"] if before else 0

@@ -96,8 +96,8 @@ def test_parsed_actions_drive_the_desktop(client):
     # 2. Text(x, y, "...") is one `type` action with x, y: the server clicks there first. Move the
     # focus away to the desktop, then type into the terminal by its coordinates: the command only
     # runs if that click landed and focused the terminal.
-    geo = client.setup([{"type": "command", "argv": ["xdotool", "search", "--name", "^xterm$",
-                                                    "getwindowgeometry"]}])["results"][0]["stdout"]
+    wid = client.setup([{"type": "command", "argv": ["xdotool", "search", "--name", "^xterm$"]}])["results"][0]["stdout"].split()[0]
+    geo = client.setup([{"type": "command", "argv": ["xdotool", "getwindowgeometry", wid]}])["results"][0]["stdout"]
     px, py = map(int, geo.split("Position:")[1].split()[0].split(","))
     gw, gh = map(int, geo.split("Geometry:")[1].split()[0].split("x"))
     client.act(Action("click", x=1100, y=650))  # empty desktop, far from the terminal

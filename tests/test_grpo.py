@@ -186,6 +186,79 @@ def test_grpo_loss_per_token_advantages_by_hand(agg, want):
         assert torch.allclose(logps.grad, want_grad, atol=1e-6)
 
 
+# Dual clip (c = 3), eps 0.2 / 0.28; row 0 A = -1, ratios [4, 2, 0.5]; row 1 A = +1, ratios [4, 1, 0.5]
+# row 0: token 0: max(4, 1.28) = 4, capped at c * |A| = 3 (DUAL)        -> 3
+#        token 1: max(2, 1.28) = 2 < 3                                  -> 2
+#        token 2: max(0.5, 0.8) = 0.8 (clip LOW), < 3                   -> 0.8     row mean 5.8 / 3
+# row 1: token 0: -min(4, 1.28) = -1.28 (clip HIGH; no dual clip for A > 0)
+#        token 1: -1;  token 2 masked                                            row mean -2.28 / 2
+# seq-mean-token-mean: (1.9333333 - 1.14) / 2 = 0.3966667;  token-mean: (5.8 - 2.28) / 5 = 0.704
+# without the dual clip row 0 is (4 + 2 + 0.8) / 3: 0.5633333 and 0.904
+# clip_dual = clip_low = clip_high = 1 / 5
+# gradient (seq weights 1/6, 1/4): only unclipped tokens, -ratio * A * weight:
+#   row 0: [0 (dual), -2 * -1 / 6 = 1/3, 0 (low)];  row 1: [0 (high), -1 / 4, 0 (masked)]
+DUAL_RATIOS = torch.tensor([[4.0, 2.0, 0.5], [4.0, 1.0, 0.5]])
+
+
+@pytest.mark.parametrize("agg,want,off", [("seq-mean-token-mean", 0.3966667, 0.5633333), ("token-mean", 0.704, 0.904)])
+def test_grpo_loss_dual_clip_by_hand(agg, want, off):
+    logps = (OLD + torch.log(DUAL_RATIOS)).requires_grad_(True)
+    adv = torch.tensor([-1.0, 1.0])
+    loss, m = grpo_loss(logps, OLD, adv, MASK, agg=agg, dual_clip=3.0)
+    assert loss.item() == pytest.approx(want, abs=1e-6)
+    assert (m["clip_dual"], m["clip_low"], m["clip_high"]) == pytest.approx((0.2, 0.2, 0.2))
+    assert grpo_loss(logps, OLD, adv, MASK, agg=agg)[0].item() == pytest.approx(off, abs=1e-6)  # default off
+    if agg == "seq-mean-token-mean":
+        loss.backward()
+        assert torch.allclose(logps.grad, torch.tensor([[0.0, 1 / 3, 0.0], [0.0, -0.25, 0.0]]), atol=1e-6)
+    with pytest.raises(ValueError, match="above 1"):
+        grpo_loss(logps, OLD, adv, MASK, dual_clip=0.5)
+
+
+def test_grpo_loss_dual_clip_matches_verls_formula():
+    # verl's compute_policy_loss, written out: pg1 = -A r, pg2 = -A clip(r), pg3 = -A c;
+    # higher = max(pg1, pg2); lower = min(higher, pg3); where(A < 0, lower, higher); token mean.
+    g = torch.Generator().manual_seed(0)
+    logps, old = torch.randn(4, 9, generator=g), torch.randn(4, 9, generator=g)
+    adv = torch.randn(4, 9, generator=g) * 2  # (B, T)
+    mask = (torch.rand(4, 9, generator=g) > 0.2).float()
+    r = torch.exp(logps - old)
+    higher = torch.max(-adv * r, -adv * r.clamp(0.8, 1.3))
+    final = torch.where(adv < 0, torch.min(higher, -adv * 3.0), higher)
+    verl = (final * mask).sum() / mask.sum()
+    loss, m = grpo_loss(logps, old, adv, mask, eps_low=0.2, eps_high=0.3, agg="token-mean", dual_clip=3.0)
+    assert loss.item() == pytest.approx(verl.item(), abs=1e-6) and m["clip_dual"] > 0
+
+
+def test_grpo_loss_sequence_weights_by_hand():
+    # Row means of the first hand-computed case: row 0 (A = +1) (-1 - 1.28 - 0.5) / 3 = -0.9266667,
+    # row 1 (A = -1) (1 + 0.8) / 2 = 0.9. Weights [0.25, 0.75] (or [1, 3]: only their ratio counts):
+    # 0.25 * -0.9266667 + 0.75 * 0.9 = 0.4433333. token-mean ignores weights: -0.196.
+    for w in ([0.25, 0.75], [1.0, 3.0]):
+        loss, _ = grpo_loss(_logps(), OLD, ADV, MASK, seq_weights=torch.tensor(w))
+        assert loss.item() == pytest.approx(0.4433333, abs=1e-6)
+    assert grpo_loss(_logps(), OLD, ADV, MASK, agg="token-mean", seq_weights=torch.tensor([0.25, 0.75]))[0].item() \
+        == pytest.approx(-0.196, abs=1e-6)
+    # A sequence of 5 target tokens cut into pieces of 3 and 2, weighted 3/5 and 2/5, is the same
+    # loss and gradient as the whole (what ARPO's per-turn pieces rely on), also next to another row.
+    g = torch.Generator().manual_seed(1)
+    lp, old = torch.randn(1, 5, generator=g) * 0.3, torch.randn(1, 5, generator=g) * 0.3
+    other_lp, other_old = torch.randn(1, 5, generator=g) * 0.3, torch.randn(1, 5, generator=g) * 0.3
+    whole = torch.cat([lp, other_lp]).requires_grad_(True)  # (2, 5)
+    l1, _ = grpo_loss(whole, torch.cat([old, other_old]), torch.tensor([-0.7, 1.2]), torch.ones(2, 5), dual_clip=3.0)
+    l1.backward()
+    cut = torch.stack([torch.cat([lp[0, :3], torch.zeros(2)]), torch.cat([lp[0, 3:], torch.zeros(3)]),
+                       other_lp[0]]).requires_grad_(True)  # (3, 5)
+    cut_old = torch.stack([torch.cat([old[0, :3], torch.zeros(2)]), torch.cat([old[0, 3:], torch.zeros(3)]), other_old[0]])
+    cut_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]])
+    l2, _ = grpo_loss(cut, cut_old, torch.tensor([-0.7, -0.7, 1.2]), cut_mask, dual_clip=3.0,
+                      seq_weights=torch.tensor([0.6, 0.4, 1.0]))
+    l2.backward()
+    assert l2.item() == pytest.approx(l1.item(), abs=1e-6)
+    grad = torch.cat([cut.grad[0, :3], cut.grad[1, :2]])
+    assert torch.allclose(grad, whole.grad[0], atol=1e-6) and torch.allclose(cut.grad[2], whole.grad[1], atol=1e-6)
+
+
 def test_grpo_loss_rejects_unknown_aggregation():
     with pytest.raises(ValueError, match="seq-mean-token-mean"):
         grpo_loss(_logps(), OLD, ADV, MASK, agg="sum")
@@ -283,6 +356,10 @@ def test_replay_inject_conditions():
     # lowest scorer among nearly equal ones: [0.02, 0.0, 0.01] std 0.01, mean 0.01 -> index 1
     trajs, scores, injected = rb.inject("t", ["a", "b", "c"], [0.02, 0.0, 0.01])
     assert injected and trajs == ["a", "success", "c"] and scores == [0.02, 1.0, 0.01]
+    # ARPO's code replaces the FIRST member; a lone partial success there (std 0.0354 < 0.05,
+    # mean 0.0125) would be lost. We keep it and replace the first of the zeros.
+    trajs, scores, injected = rb.inject("t", list("abcdefgh"), [0.1] + [0.0] * 7)
+    assert injected and trajs == ["a", "success"] + list("cdefgh") and scores[:2] == [0.1, 1.0]
     # std too large: [0, 0.1] has std 0.0707 >= 0.05 (mean 0.05 is low enough) -> untouched
     assert rb.inject("t", ["a", "b"], [0.0, 0.1]) == (["a", "b"], [0.0, 0.1], False)
     # mean too high: [0.2, 0.2] std 0 but mean 0.2 is not < 0.2 -> untouched
@@ -523,6 +600,65 @@ def test_update_policy_with_sampler_old_logps(policy):
         grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, old_logps="sampler")
     with pytest.raises(ValueError, match="'recompute' or 'sampler'"):
         grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, old_logps="vllm")
+
+
+def test_update_policy_dual_clip_caps_negative_advantages(policy):
+    # Carried old log-probs 2 below the trainer's: every ratio is e^2 = 7.389056, far above c = 3.
+    # row 0 (A = +1, 4 targets): -min(7.389056, 1.28) = -1.28 (clip HIGH)
+    # rows 1, 2 (A = -0.5, 8 and 12 targets): max(3.694528, 0.64) = 3.694528, capped at 3 * 0.5 = 1.5 (DUAL)
+    # seq-mean-token-mean: (-1.28 + 1.5 + 1.5) / 3 = 0.573333 (without the cap: 2.036352)
+    # clip_dual = 20 / 24 = 0.833333, clip_high = 4 / 24 = 0.166667
+    samples = [_explore_step(policy, 60 + 10 * i, 60, i, 3 + 4 * i) for i in range(3)]  # 4, 8, 12 targets
+    for s, a in zip(samples, [1.0, -0.5, -0.5]):
+        s.advantage = a
+    _with_recomputed_old_logps(policy.model, samples, shift=-2.0)
+    for dual, want in ((3.0, 0.573333), (None, 2.036352)):
+        net = copy.deepcopy(policy.model)
+        met = grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, micro_batch_size=2,
+                                 old_logps="sampler", dual_clip=dual)
+        assert met["loss"] == pytest.approx(want, abs=1e-5)
+        assert met["clip_dual"] == pytest.approx(0.833333 if dual else 0.0, abs=1e-5)
+        assert met["clip_high"] == pytest.approx(0.166667, abs=1e-5) and met["clip_low"] == 0.0
+
+
+def test_update_policy_shuffles_mini_batches_with_the_given_generator(policy):
+    samples = [_explore_step(policy, 60 + 10 * i, 60, i, 2 + i) for i in range(4)]
+    for s, a in zip(samples, [1.0, 1.0, -1.0, -1.0]):
+        s.advantage = a
+    order = list(samples)
+
+    def run(shuffle):
+        net = copy.deepcopy(policy.model)
+        met = grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.5), samples, micro_batch_size=2,
+                                 mini_batch_size=2, shuffle=shuffle)
+        return met, torch.cat([p.detach().flatten() for p in net.parameters()])
+    met, plain = run(None)
+    assert met["steps"] == 2
+    # Unshuffled, step 1 is the two positive samples; a seed that splits them gives other weights.
+    _, a = run(random.Random(3))
+    _, b = run(random.Random(3))
+    assert (a - b).abs().max() == 0  # seeded: the same mini-batches again
+    assert (a - plain).abs().max() > 1e-4
+    assert samples == order  # the caller's list is not reordered
+
+
+def test_trainer_scores_the_sampling_temperature(policy):
+    # Sampled at T = 0.7: the trainer's log-probs of the sampled tokens at the same T are the
+    # sampler's (Generation.logprobs), token by token; scored at T = 1 they are ~0.6 nats off.
+    torch.manual_seed(0)
+    prompts = [M.explore_messages(_image(64, 48, 5)), [{"role": "user", "content": "hello"}]]
+    gens = M.generate(policy, prompts, max_new_tokens=16, temperature=0.7)
+    samples = [grpo.step_sample(g.prompt, g.completion_ids, old_logps=g.logprobs) for g in gens]
+    gaps = {}
+    for t in (0.7, 1.0):  # lr 0: the policy stays as it sampled
+        met = grpo.update_policy(policy, torch.optim.SGD(policy.model.parameters(), lr=0.0), samples, temperature=t)
+        gaps[t] = met["logp_gap"]
+    assert gaps[0.7] < 1e-4 and gaps[1.0] > 0.2, gaps
+    with torch.no_grad():
+        b = {**collate(samples), "suppressed": policy.suppressed_ids()}
+        lp = grpo.per_token_logps(policy.model, b, temperature=0.7)  # (B, T)
+    on = b["completion_mask"].bool()
+    assert torch.allclose(lp[on], b["old_logps"][on], atol=1e-4)
 
 
 def test_distill_step_reports_the_mean_nll_of_the_target_tokens(policy):

@@ -30,6 +30,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -466,23 +467,33 @@ def test_paths_in_argv_still_work_inside_home(armed):
 
 
 def test_a_path_is_checked_again_when_its_step_runs(armed):
-    """Steps are all checked before any runs, so a later step's path is judged before the earlier
-    steps change what it leads to. Here a folder holds a symlink that points out of HOME (the agent
-    can make one with its terminal; the fixture plays the agent): moving the folder is fine, but the
-    write through the moved symlink must be refused when it runs, and so must a check through it."""
+    """A folder holds a symlink that points out of HOME (the agent can make one with its terminal;
+    the test plays the agent). Moving that folder is refused when the request is checked (cp/mv
+    move no symlinks), so nothing runs. If the agent's own process moves it while a request runs,
+    the write (and a check) through the moved symlink is refused when its step comes to run."""
     vm, outside = armed
     os.makedirs(os.path.join(vm.home, "box"))
     os.symlink(outside, os.path.join(vm.home, "box", "inner"))
     r = vm_call(vm, "POST", "/setup", {"steps": [
         {"type": "command", "argv": ["mv", "box", "trap"]},
         {"type": "write_file", "path": "trap/inner/escaped.txt", "content": "pwned"}]})
-    assert 400 <= r.status_code < 500 and "outside" in r.json()["error"], r.text
-    assert os.path.isdir(os.path.join(vm.home, "trap")) and os.listdir(outside) == []  # the mv ran, the write did not
+    assert 400 <= r.status_code < 500 and "symlink" in r.json()["error"], r.text
+    assert os.path.isdir(os.path.join(vm.home, "box")) and not os.path.exists(os.path.join(vm.home, "trap"))
+    # the agent's background `sleep 0.5; mv box trap`, racing a request that passed its checks
+    mover = threading.Timer(0.5, os.rename, (os.path.join(vm.home, "box"), os.path.join(vm.home, "trap")))
+    mover.start()
+    r = vm_call(vm, "POST", "/setup", {"steps": [
+        {"type": "sleep", "seconds": 1.5}, {"type": "write_file", "path": "trap/inner/escaped.txt", "content": "pwned"}]})
+    mover.join()
+    assert 400 <= r.status_code < 500 and "outside" in r.json()["error"] and "steps 1-1 ran" in r.json()["error"], r.text
+    assert os.listdir(outside) == []
     open(os.path.join(outside, "secret.txt"), "w").write("root:x:0:0")
     os.rename(os.path.join(vm.home, "trap"), os.path.join(vm.home, "box"))
+    mover = threading.Timer(0.5, os.rename, (os.path.join(vm.home, "box"), os.path.join(vm.home, "trap")))
+    mover.start()
     r = vm_call(vm, "POST", "/evaluate", {"checks": [
-        {"type": "command", "argv": ["mv", "box", "trap"]},
-        {"type": "file_contains", "path": "trap/inner/secret.txt", "text": "root"}]})
+        {"type": "command", "argv": ["sleep", "1.5"]}, {"type": "file_contains", "path": "trap/inner/secret.txt", "text": "root"}]})
+    mover.join()
     assert 400 <= r.status_code < 500 and "outside" in r.json()["error"], r.text  # no oracle on files outside
 
 

@@ -129,6 +129,29 @@ def test_image_caps(images):
     assert w * h <= 56 * 56 and w % 28 == 0 and h % 28 == 0
 
 
+def test_vllm_context_length_fits_the_flags(policy):
+    # vLLM is CUDA-only; its context length is a pure function of the flags, checked here.
+    from actions import smart_resize
+    from chat import uitars_messages
+    from vllm_engine import needed_model_len
+    # ARPO: a 1920x1080 screen at max_pixels 2,116,800 is resized to 1932x1092 = 69 x 39 = 2,691
+    # tokens. Bound per screenshot: 2,116,800 // 784 = 2,700 + 7 ChatML/vision tokens = 2,707;
+    # 15 of them 40,605, + 15 answers of 256 + 6 = 3,930, + 2,048 prompt = 46,583 -> 47,104 (46 x 1024),
+    # where a fixed 32,768 held fewer than 15 x 2,691 = 40,365 image tokens.
+    h, w = smart_resize(1080, 1920, max_pixels=2116800)
+    assert (w // 28) * (h // 28) == 2691
+    assert needed_model_len(15, 2116800, 15 * (256 + 6)) == 47104 > 15 * 2691 > 32768
+    # A real prompt at that cap (3 screenshots, 2 answers of 256 tokens so far, and the 256 to come) fits.
+    from dataclasses import replace
+    big = replace(policy, image_processor=M.qwen_image_processor(max_pixels=2116800), pixels={})
+    shot = _img(1920, 1080, 4)
+    answer = list(range(100, 356))  # 256 ordinary token ids
+    enc = M.encode_chat(big, uitars_messages("Open the file manager. " * 20, [shot] * 3, [answer] * 2, max_images=3))
+    assert len(enc.input_ids) + 256 <= needed_model_len(3, 2116800, 3 * (256 + 6))
+    with pytest.raises(ValueError, match="lower --max-images or --max-pixels"):
+        needed_model_len(15, 2116800, 15 * 262, limit=32768)
+
+
 def test_encode_matches_chat_template(policy, images):
     msgs = [{"role": "user", "content": [{"type": "image", "image": images[0]}, {"type": "text", "text": "Go."}]},
             {"role": "assistant", "content": "Thought: ok\nAction: wait()"},

@@ -11,7 +11,8 @@
   run) end in one sentence and leave no run folder;
 - task selection with a scripted stand-in policy (the task suite's solutions, as UI-TARS text) keeps
   exactly the tasks it solved at least once;
-- standard vs hard evaluation: an infeasible task that times out passes standard and fails hard;
+- standard vs hard evaluation (OSWorld's rule): a timeout passes an infeasible task and fails a
+  feasible one under standard only; the rule itself by hand for every ending;
 - the reward, task order and VM grouping rules with hand-computed numbers.
 """
 from __future__ import annotations
@@ -141,16 +142,36 @@ def test_rewards_and_protocols_by_hand():
     assert (formatted.score, formatted.score_standard, formatted.reward) == (0.0, 0.0, -0.5)
 
 
-def test_outcome_scores_by_hand():
+@pytest.mark.parametrize("infeasible, actions, end, checks, hard, standard", [
+    # feasible, the checks pass (1.0) or half pass (0.5): OSWorld's DesktopEnv.evaluate
+    (False, ["click", "done"], "done", 1.0, 1.0, 1.0),       # finished(): the checks decide
+    (False, ["click", "done"], "done", 0.5, 0.5, 0.5),
+    (False, ["click", "fail"], "fail", 1.0, 0.0, 0.0),       # call_user(): 0 whatever the checks say
+    (False, ["click", "click"], "max_steps", 1.0, 1.0, 0.0),  # timeout: standard turns it into FAIL
+    (False, ["click", "click"], "max_steps", 0.5, 0.5, 0.0),
+    (False, ["click", None], "format", 1.0, 1.0, 1.0),       # unparseable end: no FAIL (ARPO: DONE)
+    (False, [], None, 0.0, 0.0, 0.0),
+    # infeasible: FAIL is the success; no checks run
+    (True, ["wait", "done"], "done", None, 0.0, 0.0),        # claimed success
+    (True, ["wait", "fail"], "fail", None, 1.0, 1.0),        # declared infeasible
+    (True, ["wait", "wait"], "max_steps", None, 0.0, 1.0),   # timeout: passes standard only
+    (True, ["wait", None], "format", None, 0.0, 0.0),
+    (True, [], None, None, 0.0, 0.0),                         # did nothing
+])
+def test_outcome_scores_by_hand(infeasible, actions, end, checks, hard, standard):
     # The pure rule score_episodes (and tests/test_tasks.py) use: (hard, standard).
-    fail, wait, done = {"type": "fail"}, {"type": "wait"}, {"type": "done"}
-    assert T.outcome_scores(True, [wait, fail], "fail") == (1.0, 1.0)        # declared infeasible
-    assert T.outcome_scores(True, [wait, wait], "max_steps") == (0.0, 1.0)   # timed out: standard only
-    assert T.outcome_scores(True, [wait, done], "done") == (0.0, 0.0)        # claimed success
-    assert T.outcome_scores(True, [wait, None], "format") == (0.0, 0.0)      # ended unparseable
-    assert T.outcome_scores(True, [], None) == (0.0, 0.0)                    # did nothing
-    assert T.outcome_scores(False, [fail], "fail", 0.5) == (0.5, 0.5)        # feasible: the evaluator's
-    assert T.outcome_scores(False, [wait], "max_steps", 1) == (1.0, 1.0)
+    acts = [None if a is None else {"type": a} for a in actions]
+    assert T.outcome_scores(infeasible, acts, end, checks) == (hard, standard)
+
+
+def test_flat_groups_are_the_ones_the_update_learns_nothing_from():
+    # Group 0: rewards 1.0 and 0.99 (std 0.0071, "flat" by ARPO's std < 0.01) still get advantages
+    # +-0.707 (0.005 / (0.00707 + eps 1e-6)) and are learned from; group 1 (equal rewards) and group 2 (one member) get 0.
+    from grpo import group_advantages
+    groups, rewards = [0, 0, 1, 1, 2], [1.0, 0.99, 0.5, 0.5, 1.0]
+    adv = group_advantages(rewards, groups).tolist()
+    assert adv[:2] == pytest.approx([0.707, -0.707], abs=1e-3) and adv[2:] == [0.0, 0.0, 0.0]
+    assert T.flat_groups(groups, adv) == 2
 
 
 def test_task_order_and_groups():
@@ -189,7 +210,7 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
     assert buffer.add(task.id, stored, eps[0].score)
     # Its tokens as a training sample: what the update must see for the replayed member.
-    want_tokens = sum(T.episode_sample(tiny, T.from_record(stored), args).target_mask)
+    want_tokens = sum(sum(p.target_mask) for p in T.episode_samples(tiny, T.from_record(stored), args))
 
     # No weight decay: any change of the weights below comes from the GRPO gradient.
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
@@ -218,7 +239,7 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     back = ReplayBuffer()
     back.load_state_dict(state["replay"])
     again = T.from_record(back.sample(task.id))
-    assert sum(T.episode_sample(tiny, again, args).target_mask) == want_tokens
+    assert sum(sum(p.target_mask) for p in T.episode_samples(tiny, again, args)) == want_tokens
 
     # --no-replay: the same all-failed group trains as it is, with zero advantages.
     tr.replay = None
@@ -226,6 +247,43 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     assert m["n_injections"] == 0 and not any(b["replayed"] for b in m["batch"])
     assert [b["advantage"] for b in m["batch"]] == [0.0, 0.0] and m["grad_norm"] == 0.0
     assert len(buffer) == 1
+
+
+def test_every_answer_is_trained_in_the_context_and_at_the_temperature_it_was_sampled(pool, tmp_path):
+    # 3 steps with --max-images 1 at temperature 0.7: answer i saw only screenshot i. The trainer's
+    # log-probs of every sampled token (old, before the update) must be the sampler's, and ARPO's
+    # schedule makes two optimizer steps of the batch (lr 0 here: the weights stay as sampled).
+    policy = load_policy("tiny", seed=0, max_pixels=SMALL)
+    task = TASKS["calc-open"]
+    args = small_args(max_steps=3, max_images=1, temperature=0.7, stop_on_format_error=False)
+    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=0.0)
+    tr = T.Trainer(args, pool, policy, opt, None, T.model_policy(policy, args, args.temperature), str(tmp_path), [task])
+    torch.manual_seed(0)
+    m, eps = T.run_iteration(tr, 0, lambda n: [task.id] * n)
+    assert [b["steps"] for b in m["batch"]] == [3, 3]
+    # The first K = 1 answers share a sequence, each later answer is its own: 3 sequences each.
+    assert [b["sequences"] for b in m["batch"]] == [3, 3]
+    assert m["logp_gap"] < 1e-4, m["logp_gap"]
+    assert m["steps"] == 2 and "clip_dual" in m
+
+    # The trajectory re-encoded once with its last screenshot only trains answers 0 and 1 in a
+    # context they never saw: nats away from what was sampled.
+    from grpo import collate, per_token_logps
+    ep = eps[0]
+    pieces = T.episode_samples(policy, ep, args)
+    assert [sum(p.target_mask) for p in pieces] == [len(a) for a in ep.assistant]
+    assert sum(p.weight for p in pieces) == pytest.approx(1.0)
+    whole = T.encode_chat(policy, T.uitars_messages(task.instruction, ep.screenshots, ep.assistant, max_images=1),
+                          add_generation_prompt=False)
+    one = T.trajectory_sample(whole, old_logps=[x for lp in ep.logprobs for x in lp])
+    gaps = []
+    for samples in (pieces, [one]):
+        b = {**collate(samples), "temperature": 0.7, "suppressed": policy.suppressed_ids()}
+        with torch.no_grad():
+            lp = per_token_logps(policy.model, b)  # (B, T)
+        on = b["completion_mask"].bool()
+        gaps.append(float((lp[on] - b["old_logps"][on]).abs().mean()))
+    assert gaps[0] < 1e-4 and gaps[1] > 0.1, gaps
 
 
 def test_a_success_is_not_replayed_into_a_group_of_the_same_iteration(pool, tiny, tmp_path):
@@ -297,15 +355,21 @@ def test_select_tasks_keeps_exactly_the_solved_ones(pool, tmp_path):
     assert sel["successes"] == {"calc-open": 1, "clock-open": 0, "infeasible-email": 2}
 
 
-def test_timed_out_infeasible_task_passes_standard_fails_hard(pool):
-    tasks = [TASKS["infeasible-browser"], TASKS["infeasible-email"]]
-    plans = {"infeasible-browser": [{"type": "wait"}] * 5, "infeasible-email": [{"type": "fail"}]}
-    res = T.evaluate_policy(pool, tasks, scripted(lambda tid, n: plans[tid]), small_args(max_steps=2))
-    assert res["standard"]["per_task"] == {"infeasible-browser": 1.0, "infeasible-email": 1.0}
-    assert res["hard"]["per_task"] == {"infeasible-browser": 0.0, "infeasible-email": 1.0}
-    assert (res["standard"]["overall"], res["hard"]["overall"]) == (1.0, 0.5)
+def test_a_timeout_passes_an_infeasible_task_and_fails_a_feasible_one_under_standard_only(pool):
+    # OSWorld's standard protocol turns a timed-out episode's last action into FAIL: a win for an
+    # infeasible task, a 0 for a feasible one whatever its checks say (here they pass: the
+    # calculator is open). The hard protocol scores what the agent did.
+    tasks = [TASKS["infeasible-browser"], TASKS["infeasible-email"], TASKS["calc-open"]]
+    plans = {"infeasible-browser": [{"type": "wait"}] * 5, "infeasible-email": [{"type": "fail"}],
+             "calc-open": SOLUTIONS["calc-open"] + [{"type": "wait"}] * 5}
+    steps = len(SOLUTIONS["calc-open"]) + 1
+    res = T.evaluate_policy(pool, tasks, scripted(lambda tid, n: plans[tid]), small_args(max_steps=steps))
+    assert res["standard"]["per_task"] == {"infeasible-browser": 1.0, "infeasible-email": 1.0, "calc-open": 0.0}
+    assert res["hard"]["per_task"] == {"infeasible-browser": 0.0, "infeasible-email": 1.0, "calc-open": 1.0}
+    assert (res["standard"]["overall"], res["hard"]["overall"]) == (2 / 3, 2 / 3)
     ends = {d["task"]: (d["end"], d["steps"]) for d in res["details"]}
-    assert ends == {"infeasible-browser": ("max_steps", 2), "infeasible-email": ("fail", 1)}
+    assert ends == {"infeasible-browser": ("max_steps", steps), "infeasible-email": ("fail", 1),
+                    "calc-open": ("max_steps", steps)}
     assert "overall" in T.eval_table(res) and json.dumps(res)
 
 
@@ -362,6 +426,9 @@ def _free_port():
     (["--task-ids", "nope"], "unknown task id(s) ['nope']"),
     (["--tasks", "/no/such/tasks"], "/no/such/tasks: no such task file"),
     (["--model", "tiny", "--vms", "http://127.0.0.1:{port}"], "None of the 1 VM(s) answered /health"),
+    # vLLM's context length comes from the flags: 15 ARPO-sized screenshots exceed the tiny model's 8192
+    (["--model", "tiny", "--engine", "vllm"], "more than this model's 8192; lower --max-images or --max-pixels"),
+    (["--dual-clip", "0.5"], "--dual-clip must be above 1"),
 ])
 def test_user_errors_end_in_one_sentence(flags, says, tmp_path):
     flags = [f.format(port=_free_port()) for f in flags]

@@ -9,8 +9,13 @@ Endpoints (JSON; errors are 4xx/5xx {"error": "<one sentence>"}; see README "VM 
     GET /health, GET /screenshot[?format=png|jpeg&quality=Q], GET /windows, POST /action, POST /reset,
     POST /setup {"steps": [...]}, POST /evaluate {"conj": "and"|"or", "checks": [...]}.
 With a token every endpoint needs `Authorization: Bearer <token>`; binding to anything but loopback
-without one is refused. Requests execute one at a time (there is one mouse and one keyboard).
-`--port 0` picks a free port; the first stdout line is `vm_server: serving http://HOST:PORT ...`.
+without one is refused, and without one only a loopback Host and no cross-origin browser request
+is served (a web page or DNS rebinding cannot reach the desktop). Requests execute one at a time
+(there is one mouse and one keyboard). Each request must arrive whole within --request-timeout
+seconds, a GET may not carry a body, and at most MAX_CONNECTIONS connections are open (the one
+waiting longest for its request makes room for a new one). `--port 0` picks a free port; the
+first stdout line is `vm_server: serving http://HOST:PORT ...`. With --xvfb the whole desktop,
+this server included, runs inside bubblewrap (desktop.sandbox; --no-sandbox turns it off).
 
 Where this departs from OSWorld's in-VM server (the papers' environment):
   - No endpoint runs code sent by the client: setup/evaluate are a handful of typed steps, the
@@ -42,7 +47,6 @@ import json
 import os
 import pwd
 import re
-import shutil
 import signal
 import socket
 import struct

@@ -92,11 +92,12 @@ class ServedDesktop:
 
 
 def start_vm_server(*args: str, xvfb: bool = True, token: str | None = "", timeout: float = 60,
-                    env=None) -> ServedDesktop:
+                    env=None, server: str = SERVER) -> ServedDesktop:
     """Start vm_server.py (--xvfb unless xvfb=False; extra CLI `args`) and wait for its ready
-    line. token="" draws a random token; token=None starts it without one."""
+    line. token="" draws a random token; token=None starts it without one. `server`: another
+    copy of vm_server.py (bench/hostile_vm.py runs an older revision beside this one)."""
     token = secrets.token_hex(8) if token == "" else token
-    cmd = [sys.executable, SERVER, "--port", "0", *(["--xvfb"] if xvfb else []), *args]
+    cmd = [sys.executable, server, "--port", "0", *(["--xvfb"] if xvfb else []), *args]
     cmd += ["--token", token] if token else []
     err = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty server never blocks on it
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,

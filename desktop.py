@@ -9,9 +9,9 @@ them together, and `sandbox`, which runs all of it inside bubblewrap.
 
 The sandbox: `vm_server.py --xvfb` re-runs itself under `bwrap` before it starts anything, so the
 server, Xvfb, the session and every app (the agent's terminal included) see the host's files
-read-only, a private /tmp and /dev, their own PID, IPC and UTS namespaces, and run as an
-unprivileged user without capabilities; the desktop's HOME (and its XDG_RUNTIME_DIR) is the one
-writable place, and everything dies with the server. The network is shared, so the HTTP port
+read-only (the users' homes, /root and /home, empty), a private /tmp and /dev, their own PID, IPC
+and UTS namespaces, and run as an unprivileged user without capabilities; the desktop's HOME (and
+its XDG_RUNTIME_DIR) is the one writable place, and everything dies with the server. The network is shared, so the HTTP port
 stays on the host's loopback. `--no-sandbox` runs without it. Xt's per-user resource files
 (`~/XTerm`, `~/XCalc`, `~/.Xdefaults-<host>`) are switched off in the desktop's environment:
 they are code (a translations resource types into the shell).
@@ -246,8 +246,12 @@ def local_desktop(screen: tuple[int, int], allow: frozenset, tmp: str | None = N
 # -------------------------------------------------------------------------------------------------
 # The sandbox: the desktop and its server inside bubblewrap
 
-SANDBOX_LINE = ("vm_server: sandbox: bubblewrap (host filesystem read-only, private /tmp and /dev, only this "
-                "desktop's HOME writable, own PID namespace, an unprivileged user without capabilities)")
+SANDBOX_LINE = ("vm_server: sandbox: bubblewrap (host filesystem read-only, /root and /home hidden, private /tmp "
+                "and /dev, only this desktop's HOME writable, own PID namespace, an unprivileged user without "
+                "capabilities)")
+
+
+HIDDEN = ("/root", "/home")  # the users' homes (keys, tokens, shell history): empty and read-only inside
 
 
 def bwrap_argv(bwrap: str, tmp: str, command: list[str]) -> list[str]:
@@ -258,29 +262,42 @@ def bwrap_argv(bwrap: str, tmp: str, command: list[str]) -> list[str]:
     otherwise write the host's sysctls and hostname, and xterm refuses to start as a root without
     CAP_CHOWN. The network namespace is shared on purpose: the server's HTTP port must stay
     reachable on loopback (and the host reaches the X display through its abstract socket, as the
-    tests do). Reads of the host's files are not hidden, only writes are impossible."""
+    tests do). The rest of the host stays readable, read-only, except the users' homes (HIDDEN)."""
     home, run = os.path.join(tmp, "home"), os.path.join(tmp, "run")
     uid, gid = (65534, 65534) if os.getuid() == 0 else (os.getuid(), os.getgid())
+    hidden = [d for d in HIDDEN if os.path.isdir(d)]
     cmd = [bwrap, "--ro-bind", "/", "/",      # the host, read-only
            "--dev", "/dev",                   # null, zero, random, tty, a private pts and shm; no disks
            "--proc", "/proc",                 # the processes of our own PID namespace only
            # bwrap covers these itself where it sees them writable; some kernels (gVisor) hide that
            "--ro-bind-try", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
            "--tmpfs", "/tmp"]                 # a private /tmp, gone with the sandbox
-    # What we run from must stay visible if it lives under /tmp (a checkout or venv there).
-    for path in dict.fromkeys(p for p in [os.path.dirname(os.path.abspath(__file__)), *sys.path, sys.prefix]
-                              if p.startswith("/tmp/") and os.path.isdir(p)):
-        cmd += ["--ro-bind", path, path]
+    for d in hidden:
+        cmd += ["--tmpfs", d]
+    # What we run from stays visible if it lives under one of those (a checkout, a venv, pyenv).
+    needed = sorted(p for p in {os.path.dirname(os.path.abspath(__file__)), *sys.path, sys.prefix, sys.base_prefix}
+                    if os.path.isdir(p) and any(p.startswith(d + "/") for d in ["/tmp", *hidden]))
+    for i, path in enumerate(needed):
+        if not any(path.startswith(outer + "/") for outer in needed[:i]):  # a folder once, not its subfolders
+            cmd += ["--ro-bind", path, path]
     cmd += ["--ro-bind", tmp, tmp,            # the template, read-only: a reset always restores a clean HOME
             "--bind", home, home,             # the one writable place that outlives the sandbox
-            "--bind", run, run,               # XDG_RUNTIME_DIR
-            "--unshare-user", "--disable-userns", "--uid", str(uid), "--gid", str(gid),
+            "--bind", run, run]               # XDG_RUNTIME_DIR
+    for d in hidden:                          # after the binds, which may need mount points in them
+        cmd += ["--remount-ro", d]
+    # --disable-userns (bubblewrap >= 0.8): no nested user namespace, whose root could mount things
+    nested = ["--disable-userns"] if "--disable-userns" in _bwrap_help(bwrap) else []
+    cmd += ["--unshare-user", *nested, "--uid", str(uid), "--gid", str(gid),
             "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             "--die-with-parent",              # bwrap, and with it everything inside, dies with the launcher
             "--cap-drop", "ALL",
             "--chdir", home, "--setenv", "TMPDIR", "/tmp", "--setenv", "VM_SERVER_SANDBOX", tmp,
             "--", *command]
     return cmd
+
+
+def _bwrap_help(bwrap: str) -> str:
+    return subprocess.run([bwrap, "--help"], capture_output=True, text=True).stdout
 
 
 def sandbox(argv: list[str]) -> int:

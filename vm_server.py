@@ -9,8 +9,8 @@ Endpoints (JSON; errors are 4xx/5xx {"error": "<one sentence>"}; see README "VM 
     GET /health, GET /screenshot[?format=png|jpeg&quality=Q], GET /windows, POST /action, POST /reset,
     POST /setup {"steps": [...]}, POST /evaluate {"conj": "and"|"or", "checks": [...]}.
 With a token every endpoint needs `Authorization: Bearer <token>`; binding to anything but loopback
-without one is refused, and without one only a loopback Host and no cross-origin browser request
-is served (a web page or DNS rebinding cannot reach the desktop). Requests execute one at a time
+without one is refused, and a server without one answers only requests with a loopback Host and
+no foreign Origin (a web page in a local browser, or DNS rebinding, cannot reach the desktop). Requests execute one at a time
 (there is one mouse and one keyboard). Each request must arrive whole within --request-timeout
 seconds, a GET may not carry a body, and at most MAX_CONNECTIONS connections are open (the one
 waiting longest for its request makes room for a new one). `--port 0` picks a free port; the

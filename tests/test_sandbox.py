@@ -4,11 +4,11 @@ Run: python -m pytest -q tests/test_sandbox.py     (~40 s; needs bwrap, `bash se
 
 - The agent opens the Terminal through POST /action (a double-click on its icon) and types
   commands that write into the host's /tmp, the real /root, / and the desktop's folder outside
-  HOME, then one that writes into HOME. Nothing appears on the host; the HOME file does; the
-  desktop still works. What /dev, /proc, /sys and `id` look like from that terminal is checked too.
+  HOME, read a file in /root, then write into HOME. Nothing appears on the host, nothing is read;
+  the HOME file appears; the desktop still works. What /dev, /proc, /sys and `id` look like from that terminal is checked too.
 - From the host's side (/proc/<pid>/...): every process of the desktop, the server included, is in
   its own PID namespace, without capabilities, not root, with the host read-only, /tmp private,
-  HOME writable, /proc/sys read-only.
+  /root hidden, HOME writable, /proc/sys read-only.
 - A crash of the server inside takes the whole sandbox with it and the launcher removes the folder;
   a `kill -9` of the launcher is tests/test_vm_server.py::test_parallel_desktops_are_isolated_and_stop_cleanly.
 - The modes: the server says once on stderr which one it runs in; without bwrap it stops with one
@@ -101,8 +101,11 @@ def test_the_agents_terminal_cannot_touch_the_host(vm_desktop):
     vm, u = vm_desktop, f"sandbox-{uuid.uuid4().hex[:10]}"
     folder = os.path.dirname(vm.home)  # the desktop's folder: template/, home/, run/
     targets = [f"/tmp/{u}", f"/root/{u}", f"/{u}", os.path.join(folder, u), os.path.join(folder, "template", u)]
+    secret = f"/root/{u}-secret"  # a user's file the agent must not read either
     assert vm_call(vm, "POST", "/reset").status_code == 200
     try:
+        with open(secret, "w") as f:
+            f.write("the user's secret\n")
         before = screenshot(vm)
         x, y = desktop.desktop_icons()["Terminal"]
         assert vm_call(vm, "POST", "/action", {"type": "double_click", "x": x, "y": y}).status_code == 200
@@ -110,8 +113,8 @@ def test_the_agents_terminal_cannot_touch_the_host(vm_desktop):
         time.sleep(0.5)  # the shell prints its prompt
         opened = screenshot(vm)
         assert changed(before, opened)
-        cmd = (f"touch {' '.join(targets)}; ls /dev > ~/dev.txt; ls /proc > ~/proc.txt; ls /sys > ~/sys.txt; "
-               f"id -u > ~/uid.txt; echo x > ~/ok\n")
+        cmd = (f"touch {' '.join(targets)}; cat {secret} > ~/leak.txt; ls /dev > ~/dev.txt; ls /proc > ~/proc.txt; "
+               f"ls /sys > ~/sys.txt; id -u > ~/uid.txt; echo x > ~/ok\n")
         assert vm_call(vm, "POST", "/action", {"type": "type", "text": cmd}).status_code == 200
         ok = os.path.join(vm.home, "ok")
         wait_for(lambda: os.path.exists(ok) and open(ok).read() == "x\n", "~/ok written from the Terminal")
@@ -119,6 +122,7 @@ def test_the_agents_terminal_cannot_touch_the_host(vm_desktop):
 
         assert [t for t in targets if os.path.lexists(t)] == []  # nothing on the host
         read = lambda name: open(os.path.join(vm.home, name)).read().split()  # noqa: E731
+        assert read("leak.txt") == []  # /root is an empty folder inside
         dev = set(read("dev.txt"))
         assert "null" in dev and dev <= SANDBOX_DEV, dev - SANDBOX_DEV
         pids = [int(p) for p in read("proc.txt") if p.isdigit()]
@@ -128,7 +132,7 @@ def test_the_agents_terminal_cannot_touch_the_host(vm_desktop):
         assert read("uid.txt") != ["0"]  # not root inside
         assert vm_call(vm, "GET", "/health").json()["ok"] is True
     finally:
-        for t in targets:  # should the sandbox ever fail, leave nothing behind
+        for t in [*targets, secret]:  # should the sandbox ever fail, leave nothing behind
             if os.path.lexists(t):
                 os.unlink(t)
         vm_call(vm, "POST", "/reset")
@@ -150,6 +154,7 @@ def test_every_process_of_the_desktop_is_confined(vm_desktop):
         assert m["/tmp"][1] == "tmpfs" and "rw" in m["/tmp"][0]
         assert m["/dev"][1] == "tmpfs"
         assert "rw" in m[vm.home][0] and "ro" in m[os.path.dirname(vm.home)][0]
+        assert m["/root"][1] == "tmpfs" and "ro" in m["/root"][0]  # the users' homes: hidden
     # and the X server works: the host's xdotool reaches it, and it moves the pointer we asked for
     assert vm_call(vm, "POST", "/action", {"type": "move", "x": 77, "y": 55}).status_code == 200
     out = subprocess.run(["xdotool", "getmouselocation", "--shell"], env={**os.environ, "DISPLAY": vm.display},

@@ -208,7 +208,7 @@ def planned_iterations(a, elapsed: float, eval_seconds: float) -> int:
 
 def run_seed(seed: int, a) -> dict:
     t0 = time.perf_counter()
-    root = os.path.join(a.out, "explore", f"seed{seed}")
+    root = os.path.join(a.out, f"seed{seed}")
     os.makedirs(root, exist_ok=True)
     log = os.path.join(root, "console.log")
     open(log, "w").close()
@@ -256,7 +256,7 @@ def curve_png(results: list[dict], path: str, smooth: int = 5) -> None:
         v = top * k / 4
         d.line([xy(0, v), xy(n - 1, v)], fill=(225, 225, 225))
         d.text((8, xy(0, v)[1] - 6), f"{v:.2f}", fill="black")
-    d.text((Lm, 8), "ScreenExplorer, tiny Qwen2.5-VL from a random-action warm start: exploration reward", fill="black")
+    d.text((Lm, 8), "ScreenExplorer, tiny Qwen2.5-VL from a random-action warm start - exploration reward", fill="black")
     d.text((Lm, H - 22), f"RL iteration (0..{n - 1}); mean reward per step, moving mean of {smooth}", fill="black")
     colours = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189)]
     for k, (r, ys) in enumerate(zip(results, curves)):
@@ -306,7 +306,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=2, help="independent runs (warm start, evals, RL), seeds 0..N-1")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-time budget per seed (sets --iterations when 0)")
-    p.add_argument("--out", default=os.path.join(ROOT, "runs", "learning"), help="where the runs go")
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "learning", "explore"),
+                   help="where the runs go: <out>/seed<k>/{warm,before,rl,after}, learning_explore.json/.png")
     p.add_argument("--vms", type=int, default=4, help="local desktops")
     p.add_argument("--settle", type=float, default=2.0, help="seconds the screen gets to react after acting")
     p.add_argument("--iterations", type=int, default=0, help="RL iterations; 0 = what --minutes leaves")

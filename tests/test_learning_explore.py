@@ -81,7 +81,7 @@ def test_bench_end_to_end_smallest(tmp_path):
     assert p.returncode in (0, 1), p.stdout[-2000:] + p.stderr[-2000:]  # 1: FAIL, as expected of 1 iteration
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith("learning_explore: before ") and last.endswith(("seeds 1: pass", "seeds 1: FAIL")), last
-    seed = tmp_path / "explore" / "seed0"
+    seed = tmp_path / "seed0"
     assert (seed / "warm" / "config.json").exists() and (seed / "rl" / "models" / "E1" / "config.json").exists()
     before = json.loads((seed / "before" / "eval.json").read_text())
     assert before["policy"]["summary"]["episodes"] == 1 and before["random"]["summary"]["episodes"] == 1

@@ -47,11 +47,14 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import transformers  # noqa: E402
 
 import grpo  # noqa: E402
 import model as M  # noqa: E402
 from chat import encode_chat, explore_messages  # noqa: E402
 from env import VMPool, smart_resize  # noqa: E402
+
+transformers.utils.logging.disable_progress_bar()  # the warm start's save: no progress bar in the table
 
 # The random baseline's action types (train_explore.random_chooser), scroll split by direction.
 KINDS = ("Click", "DoubleClick", "RightClick", "Move", "ScrollUp", "ScrollDown")

@@ -83,6 +83,7 @@ import model as M
 import rewards as R
 import progress
 import rundir
+from actions import cursor_after
 from env import Action, Parsed, VMPool, parse_action
 
 # -----------------------------------------------------------------------------------------------
@@ -268,13 +269,14 @@ class Step:
 
 
 def policy_chooser(policy, a: Args):
-    """images -> [(text, Parsed | None, Generation)] with ONE batched generate for all desktops."""
-    def choose(images):
+    """(images, pointers) -> [(text, Parsed | None, Generation)] with ONE batched generate for all
+    desktops. A pointer is where that desktop's mouse is: DragTo(x, y) drags from there."""
+    def choose(images, cursors):
         gens = M.generate(policy, [M.explore_messages(im) for im in images], a.max_new_tokens, a.temperature,
                           a.top_p)
         # Coordinates are in the resized image the model saw; parse_action maps them to the screen.
-        return [(g.text, parse_action(g.text, "explore", im.size, g.prompt.image_sizes[0]), g)
-                for g, im in zip(gens, images)]
+        return [(g.text, parse_action(g.text, "explore", im.size, g.prompt.image_sizes[0], cursor=c), g)
+                for g, im, c in zip(gens, images, cursors)]
     return choose
 
 
@@ -282,7 +284,7 @@ def random_chooser(rng: random.Random):
     """The eval baseline: uniformly random pointer actions anywhere on the screen."""
     kinds = ("click", "double_click", "right_click", "move", "scroll")
 
-    def choose(images):
+    def choose(images, cursors=None):
         out = []
         for im in images:
             kind = rng.choice(kinds)
@@ -301,6 +303,9 @@ def rollout(pool: VMPool, live: set, choose, a: Args, times: dict, watch=None) -
         shots = pool.map("screenshot", ["png" if i in live else None for i in range(pool.size)])
     current = {i: r.value for i, r in enumerate(shots) if i in live and r.ok and r.value is not None}
     live.intersection_update(current)
+    # Each desktop's mouse, for DragTo: /reset leaves it at the centre (the eval resets before each
+    # episode, training every --reset-every iterations; between resets this is an approximation).
+    cursor = {i: (im.width // 2, im.height // 2) for i, im in current.items()}
     buffer = []
     for t in progress.track(range(a.steps), "rollout"):
         vms = sorted(current)
@@ -308,7 +313,7 @@ def rollout(pool: VMPool, live: set, choose, a: Args, times: dict, watch=None) -
             break
         with timed(times, "generate"):
             # One call for all desktops: on a GPU a batch of 8 costs about what one prompt does.
-            choices = choose([current[i] for i in vms])
+            choices = choose([current[i] for i in vms], [cursor[i] for i in vms])
         actions = [None] * pool.size
         for i, (_, parsed, _) in zip(vms, choices):
             actions[i] = parsed.action if parsed else None  # a format failure executes nothing
@@ -334,6 +339,8 @@ def rollout(pool: VMPool, live: set, choose, a: Args, times: dict, watch=None) -
             # that is a negative advantage, which is how GRPO teaches the format.
             buffer.append(Step(i, t, current[i], after[i].value, text, None if error else parsed, gen, error))
             current[i] = after[i].value  # the after-screen is the next step's before-screen
+            if error is None:
+                cursor[i] = cursor_after(parsed.action if parsed else None, cursor[i])
         if watch is not None and current:
             watch(sorted(current))
     return buffer
@@ -858,8 +865,10 @@ if __name__ == "__main__":
             r, wm_metrics = score(buffer, flags, tools, wm, wm_opt, args, times)
 
             # ALGO: GRPO with the whole buffer as ONE group: each step's reward against every step's
-            samples = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), group=0)
-                       for k, s in enumerate(buffer)]
+            # (The sampler's log-probs ride along only so the update can log actor/logp_gap, how far
+            # they are from the trainer's own: the update recomputes its old log-probs.)
+            samples = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), group=0,
+                                        old_logps=s.gen.logprobs) for k, s in enumerate(buffer)]
             adv = grpo.assign_advantages(samples)  # (N,)
             actor = dict.fromkeys(("actor/loss", "actor/kl", "actor/clip_low", "actor/clip_high", "actor/grad_norm",
                                    "actor/lr"))

@@ -98,6 +98,8 @@ def test_smoke_then_resume(speaker, tmp_path):
         assert all(k in m for k in KEYS + ["wm/loss", "actor/kl", "actor/clip_low", "actor/clip_high",
                                            "time/generate", "time/screenshot", "time/act", "time/update"]), m.keys()
         assert m["actor/updated"] == 1 and m["vms"] == 2 and m["steps"] == 4
+        # The trainer scores the tokens as the sampler drew them (temperature, vision tokens off).
+        assert m["actor/logp_gap"] < 1e-3, m["actor/logp_gap"]
     assert sum(line.startswith("it ") for line in p.stdout.splitlines()) == 2  # one console line per iteration
     # Trajectories: one PNG + one JSON line per step, and each line's reward is its components'
     # sum times the format reward (what rewards.py defines), i.e. the rows were put back in place.
@@ -204,12 +206,13 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
     from task_solutions import ICONS
 
     def chooser(first: Action):
-        def choose(images):
+        def choose(images, cursors):
             calls.append(len(images))
+            pointers.append(list(cursors))
             act = first if len(calls) % 3 == 1 else Action("move", x=700, y=400)  # 3 steps per episode
             return [(json.dumps(act.to_dict()), Parsed(act, ""), None) for _ in images]
         return choose
-    calls = []
+    calls, pointers = [], []
     x, y = ICONS["Terminal"]
     choosers = {"opener": chooser(Action("double_click", x=x, y=y)), "still": chooser(Action("move", x=600, y=300))}
     pool = VMPool([vm_desktop.url], token=vm_desktop.token, timeout=30)
@@ -220,6 +223,9 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
         pool.reset()
         pool.close()
     opener, still = report["opener"]["episodes"][0], report["still"]["episodes"][0]
+    # The pointer each step starts from (DragTo drags from it): the centre after the reset, then
+    # wherever the previous action left the mouse.
+    assert pointers[:3] == [[(640, 360)], [(x, y)], [(700, 400)]], pointers
     assert opener["windows"] >= 1 and any("xterm" in t for t in opener["window_titles"]), opener
     assert opener["distinct_screens"] >= 2 and opener["diversity"] > 0.1
     # Nothing opened, the screen never changed: one screen, no diversity, no window.
@@ -269,11 +275,11 @@ def test_dead_desktop_drops_out_of_the_rollout():
         args = T.Args(steps=3, settle=0.1)
         base = T.random_chooser(random.Random(0))
 
-        def choose(images):
+        def choose(images, cursors):
             if len(images) == 2 and calls:  # second step: desktop 1 dies before its action lands
                 pool.local[1].stop()
             calls.append(len(images))
-            return base(images)
+            return base(images, cursors)
 
         calls, live = [], {0, 1}
         buffer = T.rollout(pool, live, choose, args, {})

@@ -49,7 +49,11 @@ Where this departs from ARPO (paper + its released code), on purpose:
    steps as ending in FAIL (so an infeasible task passes by timing out and a feasible one scores 0),
    "hard" does not (ARPO's OSWorld-Hard). Training rewards use the hard rule, as ARPO's training
    environment did.
-8. Left out: KL to a reference model (beta 0, as ARPO; `--beta` works with LoRA only), multi-GPU
+8. Knobs ARPO does not have, for small models trained from scratch (bench/learning.py): a learning-rate
+   warm-up and decay (--lr-warmup, --lr-schedule; ARPO: constant), several passes over each batch
+   (--epochs; ARPO: one), and a sampling seed of its own (--sample-seed), so an evaluation draws fresh
+   samples from a checkpoint while the task order stays the run's. Their defaults are ARPO's.
+9. Left out: KL to a reference model (beta 0, as ARPO; `--beta` works with LoRA only), multi-GPU
    training (ARPO: FSDP over 8 GPUs; this script trains on one device). Logging: metrics.jsonl
    always, plus Weights & Biases (--wandb) and TensorBoard (--tensorboard) when asked for (progress.py).
 """
@@ -116,6 +120,10 @@ class Args:
     # reward, loss, update
     format_penalty: float = arg(0.5, "reward -= this if any answer of the trajectory did not parse (ARPO: 0.5 * 1)")
     lr: float = arg(1e-6, "AdamW learning rate (ARPO: 1e-6)")
+    lr_warmup: int = arg(0, "iterations of linear learning-rate warm-up from lr / N (ARPO: none)")
+    lr_schedule: str = arg("constant", "learning rate after the warm-up: constant (ARPO), linear or cosine "
+                                       "(decay towards 0 at --iterations)")
+    epochs: int = arg(1, "passes of the optimizer over each iteration's batch (old log-probs fixed first)")
     eps_low: float = arg(0.2, "lower clip range of the ratio")
     eps_high: float = arg(0.3, "upper clip range of the ratio (clip-higher; ARPO: 0.3)")
     beta: float = arg(0.0, "KL coefficient to the starting policy (ARPO: 0; needs --lora-rank)")
@@ -141,7 +149,8 @@ class Args:
     resume: str = arg("", "a run folder to continue (flags given now override the saved ones)")
     ckpt_every: int = arg(1, "checkpoint every N iterations (and at the end)")
     save_trajectories: bool = arg(True, "write every episode's screenshots + steps into the run folder")
-    seed: int = arg(0, "seed of task order, sampling and the tiny model's weights")
+    seed: int = arg(0, "seed of task order, the update's shuffle, the replay buffer and the tiny model's weights")
+    sample_seed: int = arg(-1, "seed of sampling answers (training and --eval-only); -1 = --seed")
     wandb: bool = arg(False, "also log every metric to Weights & Biases (pip install wandb; WANDB_PROJECT names the project)")
     tensorboard: bool = arg(False, "also log every metric to TensorBoard in runs/<name>/tb (pip install tensorboard)")
 
@@ -189,6 +198,10 @@ def check_args(args: Args) -> None:
     if min(args.max_steps, args.max_images, args.max_new_tokens, args.eval_rollouts, args.ckpt_every) < 1:
         raise SystemExit("--max-steps, --max-images, --max-new-tokens, --eval-rollouts and --ckpt-every "
                          "must be at least 1.")
+    if args.lr_schedule not in ("constant", "linear", "cosine"):
+        raise SystemExit("--lr-schedule must be constant, linear or cosine.")
+    if args.lr_warmup < 0 or args.epochs < 1:
+        raise SystemExit("--lr-warmup must be 0 or more and --epochs at least 1.")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -459,8 +472,11 @@ def select_tasks(pool: VMPool, tasks: list, k: int, policy_fn, args: Args) -> tu
     return [t for t in tasks if counts[t.id] > 0], counts
 
 
-def evaluate_policy(pool: VMPool, tasks: list, policy_fn, args: Args) -> dict:
-    """Success rate (mean score, as OSWorld reports it) per task and overall, under both protocols."""
+def evaluate_policy(pool: VMPool, tasks: list, policy_fn, args: Args, save_to: str | None = None) -> dict:
+    """Success rate (mean score, as OSWorld reports it) per task and overall, under both protocols,
+    and per episode what it did (details: every step's action, whether it parsed, the answer text).
+    save_to: a folder that gets the episodes as a run's trajectories (view.py reads it), one
+    "iteration" per task in the order given, one "vm" per rollout of it."""
     times = {}
     t0 = time.perf_counter()
     eps, lost = run_jobs(pool, [t for t in tasks for _ in range(args.eval_rollouts)], policy_fn, args, times)
@@ -474,7 +490,13 @@ def evaluate_policy(pool: VMPool, tasks: list, policy_fn, args: Args) -> dict:
         all_s = [getattr(e, key) for e in eps]
         out[proto] = {"overall": sum(all_s) / len(all_s) if all_s else None, "per_task": per_task}
     out["details"] = [{"task": e.task.id, "vm": e.vm, "end": e.end, "steps": len(e.actions),
-                       "score_standard": e.score_standard, "score_hard": e.score} for e in eps]
+                       "score_standard": e.score_standard, "score_hard": e.score, "actions": e.actions,
+                       "format_ok": e.format_ok, "texts": e.texts} for e in eps]
+    steps = [ok for e in eps for ok in e.format_ok]
+    out["format_rate"] = sum(steps) / len(steps) if steps else None  # share of answers that parsed
+    if save_to:
+        for k, t in enumerate(tasks):
+            save_episodes(save_to, k, [replace(e, vm=n) for n, e in enumerate(x for x in eps if x.task.id == t.id)])
     return out
 
 
@@ -511,6 +533,24 @@ def plan_groups(live: list[int], group_size: int) -> list[list[int]]:
     if n == 0:  # a smaller group still gives GRPO a baseline; a lone VM gets replay or nothing
         return [live] if live else []
     return [live[g * group_size:(g + 1) * group_size] for g in range(n)]
+
+
+def lr_at(it: int, args: Args) -> float:
+    """The learning rate of iteration `it` (0-based): a linear warm-up over the first --lr-warmup
+    iterations (lr * (it + 1) / warmup), then --lr-schedule over the rest, towards 0 at --iterations
+    (never 0 itself: the last iteration still learns). A function of the iteration alone, so a
+    resumed run continues the schedule where it stopped. ARPO keeps lr constant without warm-up;
+    a small model trained from scratch at a high lr needs the decay to keep what it learned (at a
+    constant lr 1e-3 the tiny model can learn a task to 0.92 and lose it in the last iterations)."""
+    w = args.lr_warmup
+    if it < w:
+        return args.lr * (it + 1) / w
+    if args.lr_schedule == "constant":
+        return args.lr
+    frac = (it - w) / max(1, args.iterations - w)  # 0 at the first iteration after the warm-up, < 1 at the last
+    if args.lr_schedule == "linear":
+        return args.lr * (1 - frac)
+    return args.lr * 0.5 * (1 + math.cos(math.pi * frac))  # cosine
 
 
 def pick_tasks(ids: list[str], state: dict, n: int, seed: int) -> list[str]:
@@ -592,8 +632,14 @@ def replay_groups(buffer: ReplayBuffer | None, fresh: list[Episode], task_ids: l
             injections += [inj] if inj else []
         batch += members
         r = torch.tensor([e.reward for e in members])  # (G,)
-        stats.append({"group": g, "task": tid, "n": len(members), "scores": [e.score for e in members],
-                      "rewards": r.tolist(), "mean": float(r.mean()), "std": float(r.std()) if len(r) > 1 else 0.0,
+        # `scores` are this iteration's fresh rollouts only, so a success rate read from them is the
+        # policy's; a replayed member's score is listed apart. `rewards` (and mean, std) are what the
+        # update normalised, fresh and replayed members alike, labelled member by member in `members`.
+        stats.append({"group": g, "task": tid, "n": len(members),
+                      "scores": [e.score for e in members if not e.replayed],
+                      "replayed_scores": [e.score for e in members if e.replayed],
+                      "rewards": r.tolist(), "members": ["replayed" if e.replayed else "fresh" for e in members],
+                      "mean": float(r.mean()), "std": float(r.std()) if len(r) > 1 else 0.0,
                       "replayed": any(e.replayed for e in members)})
     return batch, injections, stats
 
@@ -641,6 +687,9 @@ def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
     args, pool = tr.args, tr.pool
     times = dict.fromkeys(("reset", "generation", "env", "evaluate", "update"), 0.0)
     t0 = time.perf_counter()
+    lr = lr_at(it, args)
+    for group in tr.optimizer.param_groups:
+        group["lr"] = lr
     # -- reset, pick one task per group, setup
     with timed(times, "reset"):
         live = reset_vms(pool)
@@ -675,17 +724,17 @@ def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
         samples = [p for ps in pieces for p in ps]
         if samples:
             mini = args.mini_batch or math.ceil(len(samples) / 2)  # ALGO: ARPO: 2 steps per batch
-            with progress.bar(len(samples), "update") as pb:
+            with progress.bar(len(samples) * args.epochs, "update") as pb:
                 upd = update_policy(tr.policy, tr.optimizer, samples, micro_batch_size=args.micro_batch,
                                     eps_low=args.eps_low, eps_high=args.eps_high, beta=args.beta,
                                     max_grad_norm=args.max_grad_norm, agg=args.loss_agg, mini_batch_size=mini,
-                                    on_micro_batch=pb.update, temperature=args.temperature,
+                                    epochs=args.epochs, on_micro_batch=pb.update, temperature=args.temperature,
                                     dual_clip=args.dual_clip or None,
                                     shuffle=random.Random(f"{args.seed}-update-{it}"))  # the same on a resume
             sync_weights(tr.policy)  # vLLM generates with the new weights from the next step on
     times["total"] = time.perf_counter() - t0
     m = iteration_metrics(it, task_ids, eps, fresh, batch, pieces, adv, upd, times, args)
-    m.update(groups=group_stats, replay_injections=injections, n_injections=len(injections),
+    m.update(lr=lr, groups=group_stats, replay_injections=injections, n_injections=len(injections),
              replay_size=len(tr.replay) if tr.replay is not None else 0,
              zero_std_groups=flat_groups([e.group for e in batch], adv))
     m["dropped"] += len(setup_errors)
@@ -833,15 +882,31 @@ def start_vms(args: Args) -> VMPool:
 
 
 def eval_only(pool: VMPool, tasks: list, policy, args: Args, run: str, iteration: int) -> None:
-    result = evaluate_policy(pool, tasks, model_policy(policy, args, args.eval_temperature), args)
+    """--eval-only: eval_it<N>.json (or --eval-out) and the episodes beside it in eval_it<N>/
+    (`python view.py runs/<name>/eval_it<N>` shows what was clicked)."""
+    out = args.eval_out or os.path.join(run, f"eval_it{iteration:06d}.json")
+    root, ext = os.path.splitext(out)
+    folder = root if ext else out + "_episodes"  # never the JSON's own path
+    shutil.rmtree(folder, ignore_errors=True)  # a second eval of the same checkpoint replaces the first
+    result = evaluate_policy(pool, tasks, model_policy(policy, args, args.eval_temperature), args,
+                             save_to=folder if args.save_trajectories else None)
     result.update(model=args.model, run=run, iteration=iteration, protocols={
         "standard": "an episode that runs out of steps counts its last action as FAIL (OSWorld)",
         "hard": "the last action is what the agent did (OSWorld-Hard in ARPO)"})
-    out = args.eval_out or os.path.join(run, f"eval_it{iteration:06d}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     print(eval_table(result))
     print(f"eval written to {out}")
+
+
+def seed_all(args: Args) -> None:
+    """Sampling draws from torch's generator, seeded by --sample-seed; task order (pick_tasks), the
+    replay buffer and the tiny model's weights have Randoms of their own seeded by --seed. So an
+    eval can take fresh samples of a checkpoint, and two runs can share a task order and differ
+    in their samples, or the other way round."""
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed if args.sample_seed < 0 else args.sample_seed)
 
 
 def main(argv=None) -> None:
@@ -852,9 +917,7 @@ def main(argv=None) -> None:
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    seed_all(args)
     # A resumed run trains on the task list it trained on (after --select-tasks), unless told otherwise.
     # The tasks before the run folder: a bad --tasks or --task-ids leaves nothing behind.
     resumed_ids = ckpt[0]["tasks"] if ckpt is not None and not args.eval_only and "task_ids" not in given else None

@@ -174,6 +174,29 @@ def test_flat_groups_are_the_ones_the_update_learns_nothing_from():
     assert T.flat_groups(groups, adv) == 2
 
 
+def test_lr_schedule_by_hand():
+    """lr_at: warm-up lr * (it + 1) / W, then towards 0 at --iterations, never 0 itself."""
+    lin = small_args(lr=1.0, lr_warmup=2, lr_schedule="linear", iterations=10)
+    # warm-up 0.5, 1.0; then 1 - (it - 2) / 8
+    assert [T.lr_at(i, lin) for i in (0, 1, 2, 6, 9)] == [0.5, 1.0, 1.0, 0.5, 0.125]
+    cos = small_args(lr=2.0, lr_warmup=0, lr_schedule="cosine", iterations=4)
+    # 2 * 0.5 * (1 + cos(pi * it / 4)): 2, 1.7071, 1, 0.2929
+    assert [T.lr_at(i, cos) for i in range(4)] == pytest.approx([2.0, 1.70711, 1.0, 0.29289], abs=1e-5)
+    const = small_args(lr=3e-4, lr_warmup=3)
+    assert [T.lr_at(i, const) for i in (0, 2, 50)] == pytest.approx([1e-4, 3e-4, 3e-4])
+
+
+def test_sample_seed_drives_sampling_and_leaves_the_task_order():
+    T.seed_all(small_args(seed=0, sample_seed=7))
+    a = torch.rand(3)
+    T.seed_all(small_args(seed=5, sample_seed=7))  # another --seed, the same --sample-seed
+    assert torch.equal(a, torch.rand(3))
+    T.seed_all(small_args(seed=0))  # -1: sampling follows --seed
+    b = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(b, torch.rand(3)) and not torch.equal(a, b)
+
+
 def test_task_order_and_groups():
     state = {"epoch": 0, "pos": 0}
     ids = ["a", "b", "c"]
@@ -218,7 +241,9 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     before = tiny.model.lm_head.weight.detach().clone()
     m, fresh = T.run_iteration(tr, 1, lambda n: [task.id] * n)
     # The random tiny policy failed both rollouts -> the group is all-failed -> one member replaced.
-    assert [g["scores"] for g in m["groups"]] == [[1.0, 0.0]]
+    # groups[].scores are the fresh rollouts only; the replayed success is listed apart, labelled
+    assert [(g["scores"], g["replayed_scores"]) for g in m["groups"]] == [([0.0], [1.0])]
+    assert sorted(m["groups"][0]["members"]) == ["fresh", "replayed"] and m["success_rate"] == 0.0
     assert m["n_injections"] == 1
     inj = m["replay_injections"][0]
     assert (inj["task"], inj["from_iteration"], inj["score"]) == ("calc-open", 0, 1.0)
@@ -249,13 +274,29 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     assert len(buffer) == 1
 
 
+def test_epochs_and_the_lr_schedule_in_a_real_iteration(pool, tmp_path):
+    """--epochs 3 with one trajectory per optimizer step: 2 trajectories x 3 passes = 6 steps; the
+    optimizer runs at lr_at(iteration) (warm-up: iteration 1 of 4 -> lr / 2), logged as `lr`."""
+    task = TASKS["calc-open"]
+    policy = load_policy("tiny", seed=1, max_pixels=SMALL)  # its own: this test trains it
+    args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1, epochs=3, mini_batch=1, lr=1e-3, lr_warmup=4)
+    # VM 0 solves, VM 1 says finished() at once: rewards 1 and 0, so both advantages are nonzero
+    fn = scripted(lambda tid, n: SOLUTIONS[tid] if n == 0 else [])
+    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=args.lr)
+    tr = T.Trainer(args, pool, policy, opt, None, fn, str(tmp_path), [task])
+    m, _ = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    assert m["groups"][0]["scores"] == [1.0, 0.0]
+    assert m["steps"] == 6 and m["lr"] == 5e-4 and opt.param_groups[0]["lr"] == 5e-4
+
+
 def test_every_answer_is_trained_in_the_context_and_at_the_temperature_it_was_sampled(pool, tmp_path):
     # 3 steps with --max-images 1 at temperature 0.7: answer i saw only screenshot i. The trainer's
     # log-probs of every sampled token (old, before the update) must be the sampler's, and ARPO's
     # schedule makes two optimizer steps of the batch (lr 0 here: the weights stay as sampled).
     policy = load_policy("tiny", seed=0, max_pixels=SMALL)
     task = TASKS["calc-open"]
-    args = small_args(max_steps=3, max_images=1, temperature=0.7, stop_on_format_error=False)
+    # lr 0 in the args: run_iteration sets the optimizer's lr from them (lr_at) every iteration
+    args = small_args(max_steps=3, max_images=1, temperature=0.7, stop_on_format_error=False, lr=0.0)
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=0.0)
     tr = T.Trainer(args, pool, policy, opt, None, T.model_policy(policy, args, args.temperature), str(tmp_path), [task])
     torch.manual_seed(0)
@@ -355,7 +396,7 @@ def test_select_tasks_keeps_exactly_the_solved_ones(pool, tmp_path):
     assert sel["successes"] == {"calc-open": 1, "clock-open": 0, "infeasible-email": 2}
 
 
-def test_a_timeout_passes_an_infeasible_task_and_fails_a_feasible_one_under_standard_only(pool):
+def test_a_timeout_passes_an_infeasible_task_and_fails_a_feasible_one_under_standard_only(pool, tmp_path):
     # OSWorld's standard protocol turns a timed-out episode's last action into FAIL: a win for an
     # infeasible task, a 0 for a feasible one whatever its checks say (here they pass: the
     # calculator is open). The hard protocol scores what the agent did.
@@ -363,7 +404,8 @@ def test_a_timeout_passes_an_infeasible_task_and_fails_a_feasible_one_under_stan
     plans = {"infeasible-browser": [{"type": "wait"}] * 5, "infeasible-email": [{"type": "fail"}],
              "calc-open": SOLUTIONS["calc-open"] + [{"type": "wait"}] * 5}
     steps = len(SOLUTIONS["calc-open"]) + 1
-    res = T.evaluate_policy(pool, tasks, scripted(lambda tid, n: plans[tid]), small_args(max_steps=steps))
+    res = T.evaluate_policy(pool, tasks, scripted(lambda tid, n: plans[tid]), small_args(max_steps=steps),
+                            save_to=str(tmp_path / "eval"))
     assert res["standard"]["per_task"] == {"infeasible-browser": 1.0, "infeasible-email": 1.0, "calc-open": 0.0}
     assert res["hard"]["per_task"] == {"infeasible-browser": 0.0, "infeasible-email": 1.0, "calc-open": 1.0}
     assert (res["standard"]["overall"], res["hard"]["overall"]) == (2 / 3, 2 / 3)
@@ -371,6 +413,18 @@ def test_a_timeout_passes_an_infeasible_task_and_fails_a_feasible_one_under_stan
     assert ends == {"infeasible-browser": ("max_steps", steps), "infeasible-email": ("fail", 1),
                     "calc-open": ("max_steps", steps)}
     assert "overall" in T.eval_table(res) and json.dumps(res)
+    # What each episode did: its actions, whether each answer parsed, the answers themselves
+    acts = {d["task"]: [a["type"] for a in d["actions"]] for d in res["details"]}
+    assert acts == {"infeasible-browser": ["wait"] * steps, "infeasible-email": ["fail"],
+                    "calc-open": [a["type"] for a in SOLUTIONS["calc-open"]] + ["wait"]}
+    assert all(d["format_ok"] == [True] * d["steps"] and len(d["texts"]) == d["steps"] for d in res["details"])
+    assert res["format_rate"] == 1.0
+    # ... and saved as trajectories, one "iteration" per task, that view.py reads and reports
+    import view
+    trajs = view.load_trajectories(str(tmp_path / "eval"))
+    assert sorted(trajs) == [0, 1, 2] and [len(t[0]["steps"]) for t in trajs.values()] == [steps, 1, steps]
+    assert trajs[1][0]["steps"][0]["action"]["type"] == "fail" and trajs[1][0]["final"]["score"] == 1.0
+    assert os.path.exists(view.build_report(str(tmp_path / "eval")))
 
 
 def test_a_dead_vm_drops_out_of_its_group_and_the_run_goes_on(pool, tiny):
@@ -388,8 +442,8 @@ def test_a_dead_vm_drops_out_of_its_group_and_the_run_goes_on(pool, tiny):
     m, eps = T.run_iteration(tr, 0, lambda n: [task.id] * n)
     assert eps[1].end == "dropped" and eps[0].end == "done" and eps[0].score == 1.0
     assert (m["episodes"], m["dropped"]) == (1, 1)
-    assert m["groups"] == [{"group": 0, "task": "calc-open", "n": 1, "scores": [1.0], "rewards": [1.0],
-                            "mean": 1.0, "std": 0.0, "replayed": False}]
+    assert m["groups"] == [{"group": 0, "task": "calc-open", "n": 1, "scores": [1.0], "replayed_scores": [],
+                            "rewards": [1.0], "members": ["fresh"], "mean": 1.0, "std": 0.0, "replayed": False}]
     assert [b["vm"] for b in m["batch"]] == [0]  # the lost trajectory is not trained on
     # The next iteration's reset restarts the dead desktop: both VMs play again.
     m, eps = T.run_iteration(tr, 1, lambda n: [task.id] * n)

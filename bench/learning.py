@@ -1,0 +1,394 @@
+"""Benchmark: does it learn? A Qwen2.5-VL trained from scratch on real desktops, before vs after RL.
+
+    python bench/learning.py --method arpo                   # 2 seeds, 20 minutes each, on a 2-core CPU
+    python bench/learning.py --method arpo --seeds 1 --minutes 8
+    python bench/learning.py --method explore                # ScreenExplorer (bench/learning_explore.py)
+    python bench/learning.py --warm-start-only runs/warm     # only the ARPO warm start (the quickstart)
+
+No weights can be downloaded, so the policy is the tiny random Qwen2.5-VL of the real class
+(`--model tiny`, screenshots at --max-pixels 12544: 140x84, 15 visual tokens). Per seed, for ARPO:
+
+1. Warm start, with NO task knowledge: supervised on real screenshots of the desktop, each task
+   prompt answered with `left_double` on each desktop icon exactly once per epoch (UI-TARS format),
+   so every prompt starts with the same uniform prior over the 7 icons and every answer parses.
+   Saved as an ordinary checkpoint folder (`train_arpo.py --model <folder>` loads it).
+2. Before: `train_arpo.py --eval-only --model <warm start>` at temperature 1, --eval-rollouts per task.
+3. Train: `train_arpo.py --model <warm start> --select-tasks K ...` as a subprocess, as a user runs
+   it: ARPO's task selection first, then GRPO with replay, lr 5e-4 with a 10% warm-up and a linear
+   decay over --iterations (120; fewer if the --minutes budget leaves less, fixed before training).
+   The peak lr is what keeps the format: at 1e-3 (121 iterations) and at 7e-4 (64) the tokens
+   after a coordinate drifted while the lr was high (parse rate 0.73 and 0.80 in a quarter of the
+   run), although success rose (eval after 0.92 and 0.57 / 0.40).
+4. After: the same eval on the selected tasks, of the checkpoint chosen by a rule fixed in advance:
+   the run's LAST checkpoint (the lr has decayed to ~0 there, so it is the policy the run settled on;
+   not the best of several, which would select on the eval's own noise).
+5. Statistics, per seed: successes after vs before (evaluator score > 0.1, hard protocol: with
+   one step per episode every episode ends by running out of steps, which the standard protocol
+   scores 0 on a feasible task), one-sided Fisher exact test (`fisher_one_sided`, exact
+   hypergeometric tail). The same for fresh training rollouts (early window vs late window of
+   metrics.jsonl, replayed members excluded). Parse rate: the share of answers that parsed, in
+   both evals and in every quarter of training; "throughout" = the lowest of these.
+
+Last line, in the issue's form (the worst seed: the smallest gain, the largest p, the lowest parse):
+    learning_arpo: before 0.18 after 0.71 gain +0.53 p 0.0000 parse 0.99 seeds 2: pass
+Pass = in every seed: gain >= 0.25, p < 0.01, parse >= 0.85, wall time <= --minutes.
+Also written: <out>/learning_arpo.png (fresh success per iteration, every seed) and
+<out>/learning_arpo.json (every number of the table). `python view.py <out>/seed0/train` shows a run.
+
+Interface for --method explore (bench/learning_explore.py, the ScreenExplorer half):
+    import learning_explore; rc = learning_explore.main(args)
+    args: this script's argparse.Namespace (method, seeds, minutes, out = runs/learning/explore by
+    default, vms, settle, iterations (0 = what --minutes leaves), and the rest below; ignore what
+    does not apply). It prints its own table and, last, its line
+    `learning_explore: ... seeds N: pass` (or `: FAIL`), and returns 0 on pass, 1 on FAIL.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The project first: bench/ has files named like the project's (vision_windows.py). learning_explore
+# is found in bench/ after it (the script's own folder is on the path when run as a script).
+sys.path.insert(0, ROOT)
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+
+TASK_IDS = "calc-open,clock-open,terminal-open,editor-open"
+MAX_PIXELS = 12544  # 1280x720 -> 140x84: 15 visual tokens a screenshot
+SUCCESS = 0.1       # ARPO's success threshold (train_arpo --success-threshold)
+
+# ------------------------------------------------------------------------------------------------
+# Statistics (pure functions; tests/test_learning.py checks them by hand)
+
+
+def fisher_one_sided(k_before: int, n_before: int, k_after: int, n_after: int) -> float:
+    """P(after >= k_after successes) if before and after had the same success rate: the upper tail
+    of the hypergeometric distribution given all k_before + k_after successes (Fisher's exact test,
+    one-sided). Exact, from binomial coefficients."""
+    k, n = k_before + k_after, n_before + n_after
+    if n_after == 0 or k == 0:
+        return 1.0
+    total = math.comb(n, k)
+    tail = sum(math.comb(n_after, j) * math.comb(n_before, k - j)
+               for j in range(k_after, min(k, n_after) + 1))
+    return tail / total
+
+
+def windows(metrics: list[dict], size: int) -> tuple[list[float], list[float]]:
+    """Fresh rollouts' scores (groups[].scores: replayed members are apart) of the first and the
+    last `size` iterations."""
+    def scores(ms):
+        return [s for m in ms for g in m.get("groups", []) for s in g.get("scores", [])]
+    size = max(1, min(size, len(metrics) // 2))
+    return scores(metrics[:size]), scores(metrics[-size:])
+
+
+def verdict(seeds: list[dict], min_gain: float = 0.25, max_p: float = 0.01, min_parse: float = 0.85,
+            max_seconds: float = 1200.0) -> tuple[dict, bool]:
+    """The worst seed's numbers and whether every seed met every target. Each seed: before, after,
+    p, parse, seconds."""
+    worst = min(seeds, key=lambda s: s["after"] - s["before"])
+    line = {"before": worst["before"], "after": worst["after"], "gain": worst["after"] - worst["before"],
+            "p": max(s["p"] for s in seeds), "parse": min(s["parse"] for s in seeds)}
+    ok = all(s["after"] - s["before"] >= min_gain and s["p"] < max_p and s["parse"] >= min_parse
+             and s["seconds"] <= max_seconds for s in seeds)
+    return line, ok
+
+
+def final_line(method: str, line: dict, n_seeds: int, ok: bool) -> str:
+    return (f"learning_{method}: before {line['before']:.2f} after {line['after']:.2f} gain {line['gain']:+.2f} "
+            f"p {line['p']:.4f} parse {line['parse']:.2f} seeds {n_seeds}: {'pass' if ok else 'FAIL'}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The warm start: the UI-TARS format, every prompt x every icon, no task knowledge
+
+
+def icon_points(image_size: tuple[int, int], screen: tuple[int, int]) -> list[tuple[int, int]]:
+    """The desktop icons' centres in the image the model sees (its coordinates live there)."""
+    from desktop import desktop_icons
+    return [(round(x * image_size[0] / screen[0]), round(y * image_size[1] / screen[1]))
+            for x, y in desktop_icons(screen).values()]
+
+
+def warm_start(out: str, seed: int, task_ids: list[str], epochs: int, lr: float, vms_screen=(1280, 720)) -> dict:
+    """SFT the tiny model on (task prompt, real desktop screenshot) -> left_double on an icon, each
+    prompt with each icon once per epoch, in a seeded order. Saved to `out` (save_policy)."""
+    import torch
+
+    from chat import encode_chat, uitars_messages
+    from env import VMPool, load_tasks, smart_resize
+    from grpo import distill_step, trajectory_sample
+    from model import load_policy, save_policy
+
+    t0 = time.perf_counter()
+    tasks = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
+    pool = VMPool(1, timeout=60, screen=vms_screen)
+    try:  # the desktop as every episode starts: after a reset
+        pool.reset()
+        shot = pool.screenshots()[0]
+        if not shot.ok:
+            raise SystemExit(f"the desktop did not give a screenshot ({shot.error}); run `bash setup.sh` first.")
+        img = shot.value
+    finally:
+        pool.close()
+    policy = load_policy("tiny", seed=seed, max_pixels=MAX_PIXELS)
+    h, w = smart_resize(img.height, img.width, max_pixels=MAX_PIXELS)
+    points = icon_points((w, h), img.size)
+    pairs = [(tid, p) for tid in task_ids for p in points]  # every prompt x every icon
+    samples = {}
+    for tid, (x, y) in pairs:
+        # The thought restates the instruction, as UI-TARS's thoughts restate the goal: it says
+        # nothing about which icon, but it puts the task right before the action tokens, where a
+        # 2-layer model can condition on it (with a fixed thought it learns to ignore the prompt,
+        # and RL then moves every prompt towards whichever icon succeeded first).
+        answer = f"Thought: {tasks[tid].instruction}\nAction: left_double(start_box='({x},{y})')"
+        msgs = uitars_messages(tasks[tid].instruction, [img], [answer], max_images=1)
+        samples[(tid, (x, y))] = trajectory_sample(encode_chat(policy, msgs, add_generation_prompt=False))
+    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    rng = random.Random(seed)
+    nll = []
+    for _ in range(epochs):
+        order = list(pairs)
+        rng.shuffle(order)
+        for i in range(0, len(order), len(points)):  # one optimizer step per 7 pairs
+            batch = [samples[k] for k in order[i:i + len(points)]]
+            m = distill_step(policy, opt, batch, micro_batch_size=len(points))
+            nll.append(m["nll"] * m["tokens"] / len(batch))  # per answer, not per token
+    save_policy(policy, out)
+    return {"seconds": time.perf_counter() - t0, "nll_first": nll[0], "nll_last": sum(nll[-4:]) / len(nll[-4:]),
+            "pairs": len(pairs), "epochs": epochs, "image": [w, h]}
+
+
+# ------------------------------------------------------------------------------------------------
+# The runs: train_arpo.py as a subprocess, as a user would run it
+
+
+def common_flags(a) -> list[str]:
+    return ["--vms", str(a.vms), "--group-size", str(a.group_size), "--max-steps", "1",
+            "--max-new-tokens", "40", "--settle", str(a.settle), "--max-pixels", str(MAX_PIXELS),
+            "--temperature", "1.0", "--vm-timeout", "60"]
+
+
+def train_arpo(flags: list[str], log: str, timeout: float | None = None) -> int:
+    """Run train_arpo.py with these flags; its console goes to `log`. Returns the exit code."""
+    with open(log, "a") as f:
+        f.write("$ python train_arpo.py " + " ".join(flags) + "\n")
+        f.flush()
+        try:
+            return subprocess.run([sys.executable, os.path.join(ROOT, "train_arpo.py"), *flags], cwd=ROOT,
+                                  stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            f.write("(killed: over its time)\n")
+            return 124
+
+
+def eval_numbers(path: str, task_ids: list[str]) -> dict:
+    """Successes, episodes, parse rate and per-task success of an --eval-only JSON, on task_ids."""
+    with open(path) as f:
+        res = json.load(f)
+    d = [e for e in res["details"] if e["task"] in task_ids]
+    oks = [ok for e in d for ok in e["format_ok"]]
+    return {"k": sum(e["score_hard"] > SUCCESS for e in d), "n": len(d), "seconds": res["seconds"],
+            "parse": sum(oks) / len(oks) if oks else 0.0,
+            "per_task": {t: sum(e["score_hard"] > SUCCESS for e in d if e["task"] == t) /
+                         max(1, sum(e["task"] == t for e in d)) for t in task_ids}}
+
+
+def run_seed(a, seed: int) -> dict:
+    """Warm start, before, train, after for one seed; every number of the table."""
+    t0 = time.perf_counter()
+    budget = a.minutes * 60
+    out = os.path.join(a.out, f"seed{seed}")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    log = os.path.join(out, "console.log")
+    ids = TASK_IDS.split(",")
+    r = {"seed": seed}
+    warm = os.path.join(out, "warm_start")
+    r["warm"] = warm_start(warm, seed, ids, a.warm_epochs, a.warm_lr)
+    print(f"seed {seed}: warm start {r['warm']['seconds']:.0f}s, NLL per answer {r['warm']['nll_first']:.2f} -> "
+          f"{r['warm']['nll_last']:.2f} (the floor, a uniform choice of 7 icons: ln 7 = {math.log(7):.2f})", flush=True)
+    # Before: the warm start at T=1 on every task (the selected ones are read out of it later).
+    before_json = os.path.join(out, "eval_before.json")
+    rc = train_arpo(["--eval-only", "--model", warm, "--task-ids", TASK_IDS, *common_flags(a),
+                     "--eval-rollouts", str(a.eval_rollouts), "--eval-temperature", "1.0",
+                     "--sample-seed", str(1000 + seed), "--runs-dir", out, "--run-name", "before",
+                     "--eval-out", before_json], log)
+    if rc != 0:
+        raise SystemExit(f"the eval before training failed (exit {rc}); see {log}.")
+    with open(before_json) as f:
+        before_eval = json.load(f)
+    # Iterations from the time left: an iteration is about one eval wave (reset, setup, a step,
+    # score) plus its update; the selection and the eval after cost what the eval before did.
+    waves = math.ceil(len(ids) * a.eval_rollouts / a.vms)
+    per_wave = before_eval["seconds"] / max(1, waves)
+    select_s = math.ceil(len(ids) * a.select_tasks / a.vms) * per_wave
+    left = budget - (time.perf_counter() - t0) - before_eval["seconds"] - select_s - 30  # 30 s: 3 starts
+    fit = max(2, int(left / (per_wave * 1.25)))
+    iterations = min(a.iterations, fit) if a.iterations else fit
+    r["iterations"] = iterations
+    print(f"seed {seed}: eval before {before_eval['seconds']:.0f}s ({per_wave:.1f}s a wave); "
+          f"training {iterations} iterations", flush=True)
+    flags = ["--model", warm, "--task-ids", TASK_IDS, *common_flags(a), "--iterations", str(iterations),
+             "--lr", str(a.lr), "--lr-warmup", str(max(1, iterations // 10)), "--lr-schedule", "linear",
+             "--epochs", str(a.epochs), "--seed", str(seed), "--runs-dir", out, "--run-name", "train",
+             "--ckpt-every", str(max(1, iterations // 4))]
+    if a.select_tasks:
+        flags += ["--select-tasks", str(a.select_tasks)]
+    run = os.path.join(out, "train")
+    rc = train_arpo(flags, log)
+    sel_path = os.path.join(run, "selected_tasks.json")
+    selected = ids
+    if os.path.exists(sel_path):
+        with open(sel_path) as f:
+            selected = json.load(f)["selected"]
+    r["selected"] = selected
+    if rc != 0:
+        raise SystemExit(f"training failed (exit {rc}); see {log}.")
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f if line.strip()]
+    # After: the last checkpoint (the rule fixed in advance), on the selected tasks.
+    after_json = os.path.join(out, "eval_after.json")
+    rc = train_arpo(["--eval-only", "--resume", run, "--task-ids", ",".join(selected), "--eval-rollouts",
+                     str(a.eval_rollouts), "--eval-temperature", "1.0", "--sample-seed", str(2000 + seed),
+                     "--eval-out", after_json, "--vms", str(a.vms)], log)
+    if rc != 0:
+        raise SystemExit(f"the eval after training failed (exit {rc}); see {log}.")
+    b, af = eval_numbers(before_json, selected), eval_numbers(after_json, selected)
+    early, late = windows(metrics, max(1, len(metrics) // 4))
+    early_k, late_k = sum(s > SUCCESS for s in early), sum(s > SUCCESS for s in late)
+    quarter = max(1, len(metrics) // 4)
+    train_parse = [sum(m["format_rate"] for m in metrics[i:i + quarter]) / len(metrics[i:i + quarter])
+                   for i in range(0, len(metrics), quarter)]
+    r.update(before=b["k"] / max(1, b["n"]), after=af["k"] / max(1, af["n"]), n_before=b["n"], n_after=af["n"],
+             p=fisher_one_sided(b["k"], b["n"], af["k"], af["n"]),
+             per_task_before=b["per_task"], per_task_after=af["per_task"],
+             parse_before=b["parse"], parse_after=af["parse"], parse_train=train_parse,
+             parse=min([b["parse"], af["parse"], *train_parse]),
+             early=early_k / max(1, len(early)), late=late_k / max(1, len(late)), n_early=len(early),
+             n_late=len(late), p_train=fisher_one_sided(early_k, len(early), late_k, len(late)),
+             curve=[sum(s > SUCCESS for g in m["groups"] for s in g["scores"]) /
+                    max(1, sum(len(g["scores"]) for g in m["groups"])) for m in metrics],
+             seconds=time.perf_counter() - t0)
+    return r
+
+
+# ------------------------------------------------------------------------------------------------
+# Report: table, curve picture, the last line
+
+
+def table(rs: list[dict]) -> str:
+    rows = [f"{'seed':>4} {'tasks':>5} {'iters':>5} | {'eval T=1 before':>15} {'after':>11} {'p':>8} | "
+            f"{'train early':>11} {'late':>11} {'p':>8} | {'parse min':>9} | {'wall':>6}"]
+    for r in rs:
+        rows.append(f"{r['seed']:>4} {len(r['selected']):>5} {r['iterations']:>5} | "
+                    f"{r['before']:>6.2f} (n={r['n_before']:>3}) {r['after']:>5.2f} (n={r['n_after']:>3}) "
+                    f"{r['p']:>8.4f} | {r['early']:>5.2f} (n={r['n_early']:>2}) {r['late']:>5.2f} (n={r['n_late']:>2}) "
+                    f"{r['p_train']:>8.4f} | {r['parse']:>9.2f} | {r['seconds'] / 60:>5.1f}m")
+        per = ", ".join(f"{t} {r['per_task_before'][t]:.2f}->{r['per_task_after'][t]:.2f}" for t in r["selected"])
+        rows.append(f"     per task (eval): {per}")
+    return "\n".join(rows)
+
+
+def curve_png(rs: list[dict], path: str, smooth: int = 5) -> None:
+    """Fresh success per iteration (moving mean over `smooth` iterations), one line per seed, with
+    each seed's eval before and after as dots at the ends. PIL only (no matplotlib here)."""
+    from PIL import Image, ImageDraw
+    W, H, L, B, T, R = 640, 360, 50, 40, 30, 20
+    img = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(img)
+    n = max(len(r["curve"]) for r in rs)
+    def xy(i, v):
+        return L + (W - L - R) * i / max(1, n - 1), H - B - (H - B - T) * v
+    for v in (0, 0.25, 0.5, 0.75, 1.0):
+        d.line([xy(0, v), xy(n - 1, v)], fill=(225, 225, 225))
+        d.text((8, xy(0, v)[1] - 6), f"{v:.2f}", fill="black")
+    d.text((L, 8), "ARPO, tiny Qwen2.5-VL from a warm start: success of fresh rollouts (T=1)", fill="black")
+    d.text((L, H - 22), f"iteration (0..{n - 1}); dots: desktop eval before / after", fill="black")
+    colours = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189)]
+    for r, c in zip(rs, colours * 4):
+        ys = r["curve"]
+        sm = [sum(ys[max(0, i - smooth + 1):i + 1]) / len(ys[max(0, i - smooth + 1):i + 1]) for i in range(len(ys))]
+        if len(sm) > 1:
+            d.line([xy(i, v) for i, v in enumerate(sm)], fill=c, width=2)
+        for i, v in ((0, r["before"]), (n - 1, r["after"])):
+            x, y = xy(i, v)
+            d.ellipse([x - 4, y - 4, x + 4, y + 4], fill=c)
+        d.text((W - R - 60, T + 14 * rs.index(r)), f"seed {r['seed']}", fill=c)
+    img.save(path)
+
+
+def main_arpo(a) -> int:
+    os.makedirs(a.out, exist_ok=True)
+    rs, failed = [], []
+    for seed in range(a.seeds):
+        try:
+            rs.append(run_seed(a, seed))
+        except SystemExit as e:  # one seed's failure is a FAIL line, not a traceback
+            failed.append(seed)
+            print(f"seed {seed}: {e}", flush=True)
+    with open(os.path.join(a.out, "learning_arpo.json"), "w") as f:
+        json.dump(rs, f, indent=1)
+    if rs:
+        print(table(rs))
+        curve_png(rs, os.path.join(a.out, "learning_arpo.png"))
+        print(f"curves: {os.path.join(a.out, 'learning_arpo.png')}")
+    if failed or not rs:
+        print(f"learning_arpo: seeds {a.seeds} ran {len(rs)}, failed {failed}: FAIL")
+        return 1
+    line, ok = verdict(rs, max_seconds=a.minutes * 60)
+    print(final_line("arpo", line, a.seeds, ok))
+    return 0 if ok else 1
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--method", choices=["arpo", "explore"], default="arpo")
+    p.add_argument("--seeds", type=int, default=2, help="independent runs (warm start, train, evals), seeds 0..N-1")
+    p.add_argument("--minutes", type=float, default=20.0, help="wall-time budget per seed; sets the iterations")
+    p.add_argument("--out", default="", help="where the runs go (default: runs/learning/<method>)")
+    p.add_argument("--vms", type=int, default=4, help="local desktops")
+    p.add_argument("--group-size", type=int, default=4, help="rollouts per task (one GRPO group)")
+    p.add_argument("--settle", type=float, default=2.0, help="seconds a window gets to appear after acting")
+    p.add_argument("--iterations", type=int, default=120,
+                   help="training iterations, fewer if --minutes leaves less time; 0 = as many as it leaves")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (warm-up 10%%, then linear decay)")
+    p.add_argument("--epochs", type=int, default=1, help="train_arpo.py --epochs")
+    p.add_argument("--select-tasks", type=int, default=16, help="ARPO's task selection: K rollouts a task; 0 = off")
+    p.add_argument("--eval-rollouts", type=int, default=24, help="rollouts per task in each eval (T=1)")
+    p.add_argument("--warm-epochs", type=int, default=16, help="passes of the warm start over prompts x icons")
+    p.add_argument("--warm-lr", type=float, default=6e-3, help="learning rate of the warm start")
+    p.add_argument("--warm-start-only", default="", metavar="DIR",
+                   help="only build the ARPO warm start (seed 0) into DIR, for `train_arpo.py --model DIR`")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    a.out = a.out or os.path.join(ROOT, "runs", "learning", a.method)  # the two methods never share seed folders
+    if a.warm_start_only:
+        w = warm_start(a.warm_start_only, 0, TASK_IDS.split(","), a.warm_epochs, a.warm_lr)
+        print(f"warm start written to {a.warm_start_only} ({w['seconds']:.0f}s, NLL per answer "
+              f"{w['nll_last']:.2f}; a uniform choice of 7 icons: {math.log(7):.2f})")
+        return 0
+    if a.method == "explore":
+        if not os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "learning_explore.py")):
+            print("bench/learning.py --method explore: bench/learning_explore.py (the ScreenExplorer half) "
+                  "is not there yet; run --method arpo.")
+            return 2
+        import learning_explore
+        return learning_explore.main(a)
+    return main_arpo(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

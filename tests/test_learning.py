@@ -1,0 +1,98 @@
+"""Tests for bench/learning.py: its statistics by hand, and a short smoke of the whole bench.
+
+    python -m pytest -q tests/test_learning.py
+
+- fisher_one_sided, windows, verdict and the last line with hand-computed numbers;
+- the balanced warm start: every task prompt x every icon, answers that parse onto the icons;
+- smoke: `bench/learning.py --method arpo` end to end on a tiny budget (one seed, 2 desktops, 2
+  iterations, one eval rollout a task): real desktops, train_arpo.py as subprocesses, and the last
+  line in the issue's form. The numbers of so short a run mean nothing; their form and files do.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.append(os.path.join(ROOT, "bench"))  # after the project: bench/ has look-alike file names
+
+import learning as L  # noqa: E402
+
+LINE = re.compile(r"learning_arpo: before \d\.\d\d after \d\.\d\d gain [+-]\d\.\d\d p \d\.\d{4} "
+                  r"parse \d\.\d\d seeds \d+: (pass|FAIL)")
+
+
+def test_fisher_one_sided_by_hand():
+    # before 0/2, after 2/2: all 2 successes land in "after": C(2,2) C(2,0) / C(4,2) = 1/6
+    assert L.fisher_one_sided(0, 2, 2, 2) == pytest.approx(1 / 6)
+    # before 1/4, after 3/4: P(X >= 3), X ~ Hypergeom(population 8, 4 successes, 4 drawn)
+    #   = (C(4,3) C(4,1) + C(4,4) C(4,0)) / C(8,4) = (16 + 1) / 70
+    assert L.fisher_one_sided(1, 4, 3, 4) == pytest.approx(17 / 70)
+    # worse after than before: the whole upper tail from 0 successes is 1
+    assert L.fisher_one_sided(3, 4, 0, 4) == pytest.approx(1.0)
+    assert L.fisher_one_sided(0, 5, 0, 5) == 1.0 and L.fisher_one_sided(2, 5, 0, 0) == 1.0
+
+
+def test_windows_use_fresh_rollouts_only():
+    def it(scores, replayed=()):
+        return {"groups": [{"scores": list(scores), "replayed_scores": list(replayed)}]}
+    ms = [it([0, 0], [1]), it([1, 0]), it([0, 1]), it([1, 1], [1]), it([1, 1])]
+    early, late = L.windows(ms, 2)
+    assert early == [0, 0, 1, 0] and late == [1, 1, 1, 1]  # replayed successes never count
+    # a window never takes more than half the run, so early and late do not overlap
+    assert L.windows(ms, 10) == ([0, 0, 1, 0], [1, 1, 1, 1])
+
+
+def test_verdict_reports_the_worst_seed():
+    seeds = [{"before": 0.2, "after": 0.8, "p": 0.0001, "parse": 0.97, "seconds": 900},
+             {"before": 0.25, "after": 0.55, "p": 0.004, "parse": 0.9, "seconds": 1100}]
+    line, ok = L.verdict(seeds)
+    assert line == pytest.approx({"before": 0.25, "after": 0.55, "gain": 0.30, "p": 0.004, "parse": 0.9})
+    assert ok
+    assert L.final_line("arpo", line, 2, ok) == \
+        "learning_arpo: before 0.25 after 0.55 gain +0.30 p 0.0040 parse 0.90 seeds 2: pass"
+    # each target on its own fails the verdict: gain < 0.25, p >= 0.01, parse < 0.85, over time
+    for bad in ({"after": 0.45}, {"p": 0.01}, {"parse": 0.84}, {"seconds": 1201}):
+        assert not L.verdict([seeds[0], {**seeds[1], **bad}])[1], bad
+
+
+def test_warm_start_balances_prompts_and_icons():
+    """Every prompt is paired with each of the 7 icons once per epoch, answers parse onto the
+    icons on the screen, and the folder loads as an ordinary checkpoint."""
+    from desktop import desktop_icons
+    from env import parse_action
+    pts = L.icon_points((140, 84), (1280, 720))
+    assert len(pts) == len(set(pts)) == 7
+    icons = list(desktop_icons((1280, 720)).values())
+    for (x, y), (ix, iy) in zip(pts, icons):
+        p = parse_action(f"Thought: I open it.\nAction: left_double(start_box='({x},{y})')", "uitars",
+                         (1280, 720), (140, 84))
+        # within half a model pixel of the icon's centre (1280 / 140 = 9.1 screen pixels a model pixel)
+        assert p.action.type == "double_click" and abs(p.action.x - ix) <= 5 and abs(p.action.y - iy) <= 5
+
+
+def test_smoke_the_bench_end_to_end(tmp_path):
+    out = tmp_path / "learn"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "learning.py"), "--method", "arpo", "--seeds", "1",
+           "--iterations", "2", "--eval-rollouts", "1", "--select-tasks", "0", "--warm-epochs", "1",
+           "--vms", "2", "--group-size", "2", "--settle", "0.2", "--out", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = p.stdout.strip().splitlines()
+    assert lines and LINE.fullmatch(lines[-1]), p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.returncode == (0 if lines[-1].endswith("pass") else 1)
+    with open(out / "learning_arpo.json") as f:
+        (r,) = json.load(f)
+    assert r["iterations"] == 2 and r["n_before"] == 4 and r["n_after"] == 4 and len(r["curve"]) == 2
+    assert 0 <= r["p"] <= 1 and 0 <= r["parse"] <= 1
+    assert (out / "learning_arpo.png").stat().st_size > 0
+    # the warm start is an ordinary checkpoint folder; the evals saved what they clicked
+    assert (out / "seed0" / "warm_start" / "config.json").exists()
+    with open(out / "seed0" / "eval_after.json") as f:
+        assert all("actions" in d for d in json.load(f)["details"])
+    assert (out / "seed0" / "eval_after" / "trajectories").is_dir()

@@ -4,23 +4,35 @@ One Xvfb display per server, with a real session on it: openbox (window manager)
 and pcmanfm (desktop icons pinned to a fixed grid), and a HOME of its own, copied from a fresh
 template before every episode. N servers are N independent desktops on one machine, standing in
 for N VMs. Top to bottom: the icon layout (`desktop_icons`, `DESKTOP_APPS`), the HOME template
-(`template_files`), `start_xvfb`, `start_session`, `restore_home`, and `local_desktop`, which
-puts them together.
+(`template_files`), `start_xvfb`, `start_session`, `restore_home`, `local_desktop`, which puts
+them together, and `sandbox`, which runs all of it inside bubblewrap.
+
+The sandbox: `vm_server.py --xvfb` re-runs itself under `bwrap` before it starts anything, so the
+server, Xvfb, the session and every app (the agent's terminal included) see the host's files
+read-only (the users' homes, /root and /home, empty), a private /tmp and /dev, their own PID, IPC
+and UTS namespaces, and run as an unprivileged user without capabilities; the desktop's HOME (and
+its XDG_RUNTIME_DIR) is the one writable place, and everything dies with the server. The network is shared, so the HTTP port
+stays on the host's loopback. `--no-sandbox` runs without it. Xt's per-user resource files
+(`~/XTerm`, `~/XCalc`, `~/.Xdefaults-<host>`) are switched off in the desktop's environment:
+they are code (a translations resource types into the shell).
 
 Only vm_server.py imports this file, lazily, when `--xvfb` is given: without `--xvfb`, vm_server.py
 stays ONE file you copy into your own VM. vm_server.py re-exports the public names here
 (`from vm_server import desktop_icons` works). The process-tree cleanup (`kill_tree`, `reap`) stays
 in vm_server.py, because a real VM's /reset and the server's exit need it too.
-Tested through `python -m pytest -q tests/test_vm_server.py` (real Xvfb desktops).
+Tested through `python -m pytest -q tests/test_vm_server.py tests/test_sandbox.py` (real Xvfb desktops).
 
 Where this departs from the papers' environment (OSWorld: one Ubuntu VM per episode, restored
 from a snapshot): a local Xvfb desktop per server, reset by restarting its session and copying its
 HOME back from the template, instead of restoring a VM. The icon layout is pinned (not pcmanfm's
-auto-layout, which sorts by file time), so every desktop looks the same.
+auto-layout, which sorts by file time), so every desktop looks the same. A VM is its own sandbox;
+a local desktop gets bubblewrap instead, because an exploring agent types anything into its
+terminal, and without one that terminal is a shell on the trainer's machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -33,7 +45,7 @@ import time
 from PIL import ImageGrab
 
 # vm_server registers itself under this name before importing us, even when it runs as a script.
-from vm_server import Desktop, _prctl, list_windows, spawn
+from vm_server import Desktop, _prctl, descendants, list_windows, spawn
 
 # -------------------------------------------------------------------------------------------------
 # The icons and the HOME template
@@ -165,28 +177,51 @@ def start_session(desk: Desktop) -> None:
 # HOME, and the whole desktop
 
 
+def remove_tree(path: str) -> None:
+    """rmtree that also removes what a task or the agent made read-only (chmod 000 folders)."""
+    def force(func, p, _exc):
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(p), 0o755)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o755)
+            func(p)
+    shutil.rmtree(path, onerror=force)
+
+
 def restore_home(desk: Desktop) -> None:
-    def force(func, path, _exc):  # a task may have made something read-only: open it up, retry
-        os.chmod(os.path.dirname(path), 0o755)
-        if os.path.isdir(path):
-            os.chmod(path, 0o755)
-        func(path)
-    if os.path.exists(desk.home):
-        shutil.rmtree(desk.home, onerror=force)
-    shutil.copytree(os.path.join(desk.tmp, "template"), desk.home, symlinks=True)
+    """Empty HOME and copy the template into it. HOME itself stays: in the sandbox it is a mount
+    point (the one writable place), which cannot be removed."""
+    os.makedirs(desk.home, exist_ok=True)
+    os.chmod(desk.home, 0o755)  # the agent may have locked itself out (chmod 000 ~)
+    for name in os.listdir(desk.home):
+        p = os.path.join(desk.home, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            remove_tree(p)
+        else:
+            os.unlink(p)
+    shutil.copytree(os.path.join(desk.tmp, "template"), desk.home, symlinks=True, dirs_exist_ok=True)
 
 
-def local_desktop(screen: tuple[int, int], allow: frozenset) -> Desktop:
-    """--xvfb: a display, a HOME copied from a fresh template, and a session on it."""
-    missing = [p for p in ("Xvfb", "openbox", "tint2", "pcmanfm", "wmctrl", "mousepad") if not shutil.which(p)]
-    if missing:
-        sys.exit(f"vm_server: {', '.join(missing)} not installed; install the desktop with `bash setup.sh`.")
+def make_tmp() -> str:
+    """The desktop's folder: template/ (a fresh HOME), home/ (the HOME in use), run/
+    (XDG_RUNTIME_DIR). Made on the host, before the sandbox, which gets home/ and run/ writable."""
     tmp = tempfile.mkdtemp(prefix="vm_server-")
     for rel, text in template_files().items():
         os.makedirs(os.path.dirname(os.path.join(tmp, "template", rel)), exist_ok=True)
         with open(os.path.join(tmp, "template", rel), "w") as f:
             f.write(text)
     os.makedirs(os.path.join(tmp, "run"), mode=0o700)
+    os.makedirs(os.path.join(tmp, "home"))
+    return tmp
+
+
+def local_desktop(screen: tuple[int, int], allow: frozenset, tmp: str | None = None) -> Desktop:
+    """--xvfb: a display, a HOME copied from a fresh template, and a session on it. `tmp` is the
+    folder make_tmp() made (by the launcher outside the sandbox); None makes one here."""
+    missing = [p for p in ("Xvfb", "openbox", "tint2", "pcmanfm", "wmctrl", "mousepad") if not shutil.which(p)]
+    if missing:
+        sys.exit(f"vm_server: {', '.join(missing)} not installed; install the desktop with `bash setup.sh`.")
+    tmp = tmp or make_tmp()
     xvfb, display = start_xvfb(screen)
     home = os.path.join(tmp, "home")
     # Our own HOME and XDG dirs, and no session bus: parallel desktops must never share files,
@@ -196,8 +231,114 @@ def local_desktop(screen: tuple[int, int], allow: frozenset) -> Desktop:
                XDG_DATA_HOME=f"{home}/.local/share", XDG_CACHE_HOME=f"{home}/.cache",
                XDG_RUNTIME_DIR=os.path.join(tmp, "run"), GSETTINGS_BACKEND="keyfile",
                NO_AT_BRIDGE="1", GTK_OVERLAY_SCROLLING="0", LANG="C.UTF-8", LC_ALL="C.UTF-8")
+    # X resource files are code: a translations resource makes xterm type into its shell. Unset,
+    # these make Xt (xterm, xcalc, xclock, xeyes) read $HOME/XTerm, $HOME/XCalc, ... and
+    # $HOME/.Xdefaults-<host>, visible files a task or an earlier episode could have written.
+    # /dev/null/... can never exist; /dev/null reads as empty.
+    env.update(XUSERFILESEARCHPATH=f"{os.devnull}/%N", XAPPLRESDIR=os.devnull, XENVIRONMENT=os.devnull)
     os.environ["DISPLAY"] = display  # for pyautogui and ImageGrab in this process
     desk = Desktop(screen, home, env, allow, xvfb, tmp, display)
     restore_home(desk)
     start_session(desk)
     return desk
+
+
+# -------------------------------------------------------------------------------------------------
+# The sandbox: the desktop and its server inside bubblewrap
+
+SANDBOX_LINE = ("vm_server: sandbox: bubblewrap (host filesystem read-only, /root and /home hidden, private /tmp "
+                "and /dev, only this desktop's HOME writable, own PID namespace, an unprivileged user without "
+                "capabilities)")
+
+
+HIDDEN = ("/root", "/home")  # the users' homes (keys, tokens, shell history): empty and read-only inside
+
+
+def bwrap_argv(bwrap: str, tmp: str, command: list[str]) -> list[str]:
+    """The bubblewrap command line that runs `command` confined to the desktop folder `tmp`.
+
+    Inside, everything runs as an unprivileged user of a user namespace of its own (`nobody`
+    when the server runs as root, else the same uid) with no capabilities: root inside could
+    otherwise write the host's sysctls and hostname, and xterm refuses to start as a root without
+    CAP_CHOWN. The network namespace is shared on purpose: the server's HTTP port must stay
+    reachable on loopback (and the host reaches the X display through its abstract socket, as the
+    tests do). The rest of the host stays readable, read-only, except the users' homes (HIDDEN)."""
+    home, run = os.path.join(tmp, "home"), os.path.join(tmp, "run")
+    uid, gid = (65534, 65534) if os.getuid() == 0 else (os.getuid(), os.getgid())
+    hidden = [d for d in HIDDEN if os.path.isdir(d)]
+    cmd = [bwrap, "--ro-bind", "/", "/",      # the host, read-only
+           "--dev", "/dev",                   # null, zero, random, tty, a private pts and shm; no disks
+           "--proc", "/proc",                 # the processes of our own PID namespace only
+           # bwrap covers these itself where it sees them writable; some kernels (gVisor) hide that
+           "--ro-bind-try", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
+           "--tmpfs", "/tmp"]                 # a private /tmp, gone with the sandbox
+    for d in hidden:
+        cmd += ["--tmpfs", d]
+    # What we run from stays visible if it lives under one of those (a checkout, a venv, pyenv).
+    needed = sorted(p for p in {os.path.dirname(os.path.abspath(__file__)), *sys.path, sys.prefix, sys.base_prefix}
+                    if os.path.isdir(p) and any(p.startswith(d + "/") for d in ["/tmp", *hidden]))
+    for i, path in enumerate(needed):
+        if not any(path.startswith(outer + "/") for outer in needed[:i]):  # a folder once, not its subfolders
+            cmd += ["--ro-bind", path, path]
+    cmd += ["--ro-bind", tmp, tmp,            # the template, read-only: a reset always restores a clean HOME
+            "--bind", home, home,             # the one writable place that outlives the sandbox
+            "--bind", run, run]               # XDG_RUNTIME_DIR
+    for d in hidden:                          # after the binds, which may need mount points in them
+        cmd += ["--remount-ro", d]
+    # --disable-userns (bubblewrap >= 0.8): no nested user namespace, whose root could mount things
+    nested = ["--disable-userns"] if "--disable-userns" in _bwrap_help(bwrap) else []
+    cmd += ["--unshare-user", *nested, "--uid", str(uid), "--gid", str(gid),
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+            "--die-with-parent",              # bwrap, and with it everything inside, dies with the launcher
+            "--cap-drop", "ALL",
+            "--chdir", home, "--setenv", "TMPDIR", "/tmp", "--setenv", "VM_SERVER_SANDBOX", tmp,
+            "--", *command]
+    return cmd
+
+
+def _bwrap_help(bwrap: str) -> str:
+    return subprocess.run([bwrap, "--help"], capture_output=True, text=True).stdout
+
+
+def sandbox(argv: list[str]) -> int:
+    """`vm_server.py --xvfb` outside the sandbox: make the desktop's folder, run this same server
+    with the same arguments inside bubblewrap, wait for it, then remove the folder. SIGTERM, SIGHUP
+    and Ctrl-C end the sandbox (bwrap's --die-with-parent and the PID namespace take every process
+    in it); a kill -9 of this launcher does too (only the folder is then left)."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        sys.exit("vm_server: --xvfb runs each desktop inside a bubblewrap sandbox and `bwrap` is not installed; "
+                 "install it (`apt-get install bubblewrap`, part of `bash setup.sh`), or pass --no-sandbox to "
+                 "run the desktop unconfined.")
+    tmp = make_tmp()
+    probe = subprocess.run(bwrap_argv(bwrap, tmp, ["true"]), capture_output=True, text=True)
+    if probe.returncode != 0:
+        remove_tree(tmp)
+        why = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+        sys.exit(f"vm_server: bubblewrap cannot make a sandbox on this machine ({why}); pass --no-sandbox to "
+                 f"run the desktop unconfined.")
+    print(SANDBOX_LINE, file=sys.stderr, flush=True)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vm_server.py")
+    proc = subprocess.Popen(bwrap_argv(bwrap, tmp, [sys.executable, script, *argv]), stdin=subprocess.DEVNULL)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        inside = descendants(proc.pid)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
+        deadline = time.time() + 5  # the PID namespace's processes die a moment after bwrap
+        while any(map(_alive, inside)) and time.time() < deadline:
+            time.sleep(0.05)
+        remove_tree(tmp)
+
+
+def _alive(pid: int) -> bool:
+    """Running or sleeping: not gone, not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False

@@ -40,6 +40,8 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
    sampling distribution differ from the policy whose log-probs the loss uses.
 3. The actor starts updating at iteration --update-actor-delay (0-based; the release: after it).
    One optimizer step per --mini-batch samples (the release: gradient accumulation 16 of batch 1).
+   An lr warm-up and a linear or cosine decay per generation (--lr-warmup, --lr-schedule; off by
+   default, the paper's constant lr) are for small models trained from scratch (actor_lr says why).
 4. A desktop that dies drops out of the rest of the iteration (its unfinished step is not in the
    buffer: the environment failed, not the model) and a reset restarts it; the release threw the
    whole iteration away when any environment failed.
@@ -53,7 +55,8 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
    feature clusters), mean pairwise diversity (1 - cos of the screen features) of an episode's
    distinct screens, and windows opened (X windows seen after any step that were not open at the
    start, from the VM's GET /windows: one window counts once, whatever its title does), vs random
-   actions.
+   actions. eval.json has every episode's actions; each episode is also saved as a trajectory
+   (--eval-save), so `python view.py` shows what the policy clicked.
 7. Logging: metrics.jsonl always; Weights & Biases (--wandb) and TensorBoard (--tensorboard) when
    asked for and installed (progress.py). Left out: multi-GPU (torchrun), mixed-precision autocast
    (bf16 weights on GPU instead).
@@ -80,6 +83,7 @@ import model as M
 import rewards as R
 import progress
 import rundir
+from actions import cursor_after
 from env import Action, Parsed, VMPool, parse_action
 
 # -----------------------------------------------------------------------------------------------
@@ -110,6 +114,8 @@ class Args:
     max_new_tokens: int = field(default=128, metadata={"help": "answer length cap (paper: 128)"})
     # actor (GRPO)
     lr: float = field(default=4e-5, metadata={"help": "actor learning rate (paper: 4e-5 with LoRA)"})
+    lr_warmup: int = field(default=0, metadata={"help": "actor updates of linear lr warm-up from lr / N, counted from the first update (paper: none)"})
+    lr_schedule: str = field(default="constant", metadata={"help": "actor lr after the warm-up: constant (paper), linear or cosine (decay towards 0 at the generation's last iteration)"})
     eps_low: float = field(default=0.2, metadata={"help": "clip range below 1 (paper: 0.2)"})
     eps_high: float = field(default=0.28, metadata={"help": "clip range above 1 (paper: 0.28)"})
     beta: float = field(default=0.04, metadata={"help": "KL coefficient to the starting model (LoRA: adapter off; full FT: a frozen copy)"})
@@ -135,6 +141,7 @@ class Args:
     eval_only: bool = field(default=False, metadata={"help": "run the policy without training and report exploration diversity"})
     eval_episodes: int = field(default=20, metadata={"help": "episodes for --eval-only (spread over the desktops)"})
     eval_random: bool = field(default=True, metadata={"help": "also run a random-action baseline on the same desktops"})
+    eval_save: bool = field(default=True, metadata={"help": "save every eval episode as a trajectory (screenshots + steps; view.py shows them)"})
     eval_same_hash: int = field(default=2, metadata={"help": "screens whose 64-bit perceptual hashes (dHash) differ in at most this many bits count as one"})
     eval_same_screen: float = field(default=0.95, metadata={"help": "the feature count of distinct screens: cosine >= this = the same screen"})
     # run
@@ -180,6 +187,8 @@ def check_args(a: Args) -> None:
         (not 0 < a.distill_top <= 1, "--distill-top must be in (0, 1]"),
         (a.micro_batch < 1 or a.mini_batch < 1 or a.wm_batch_size < 1 or a.distill_batch < 1, "batch sizes must be at least 1"),
         (a.distill_epochs < 0, "--distill-epochs must be 0 or more"),
+        (a.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
+        (a.lr_warmup < 0, "--lr-warmup must be 0 or more"),
         (a.eval_episodes < 1, "--eval-episodes (--episodes) must be at least 1"),
         (not 0 <= a.eval_same_hash < 64, "--eval-same-hash must be in 0..63 (bits of a 64-bit hash)"),
         (a.lora_rank < 0 or a.beta < 0, "--lora-rank and --beta must be >= 0"),
@@ -260,13 +269,14 @@ class Step:
 
 
 def policy_chooser(policy, a: Args):
-    """images -> [(text, Parsed | None, Generation)] with ONE batched generate for all desktops."""
-    def choose(images):
+    """(images, pointers) -> [(text, Parsed | None, Generation)] with ONE batched generate for all
+    desktops. A pointer is where that desktop's mouse is: DragTo(x, y) drags from there."""
+    def choose(images, cursors):
         gens = M.generate(policy, [M.explore_messages(im) for im in images], a.max_new_tokens, a.temperature,
                           a.top_p)
         # Coordinates are in the resized image the model saw; parse_action maps them to the screen.
-        return [(g.text, parse_action(g.text, "explore", im.size, g.prompt.image_sizes[0]), g)
-                for g, im in zip(gens, images)]
+        return [(g.text, parse_action(g.text, "explore", im.size, g.prompt.image_sizes[0], cursor=c), g)
+                for g, im, c in zip(gens, images, cursors)]
     return choose
 
 
@@ -274,7 +284,7 @@ def random_chooser(rng: random.Random):
     """The eval baseline: uniformly random pointer actions anywhere on the screen."""
     kinds = ("click", "double_click", "right_click", "move", "scroll")
 
-    def choose(images):
+    def choose(images, cursors=None):
         out = []
         for im in images:
             kind = rng.choice(kinds)
@@ -293,6 +303,9 @@ def rollout(pool: VMPool, live: set, choose, a: Args, times: dict, watch=None) -
         shots = pool.map("screenshot", ["png" if i in live else None for i in range(pool.size)])
     current = {i: r.value for i, r in enumerate(shots) if i in live and r.ok and r.value is not None}
     live.intersection_update(current)
+    # Each desktop's mouse, for DragTo: /reset leaves it at the centre (the eval resets before each
+    # episode, training every --reset-every iterations; between resets this is an approximation).
+    cursor = {i: (im.width // 2, im.height // 2) for i, im in current.items()}
     buffer = []
     for t in progress.track(range(a.steps), "rollout"):
         vms = sorted(current)
@@ -300,7 +313,7 @@ def rollout(pool: VMPool, live: set, choose, a: Args, times: dict, watch=None) -
             break
         with timed(times, "generate"):
             # One call for all desktops: on a GPU a batch of 8 costs about what one prompt does.
-            choices = choose([current[i] for i in vms])
+            choices = choose([current[i] for i in vms], [cursor[i] for i in vms])
         actions = [None] * pool.size
         for i, (_, parsed, _) in zip(vms, choices):
             actions[i] = parsed.action if parsed else None  # a format failure executes nothing
@@ -326,6 +339,8 @@ def rollout(pool: VMPool, live: set, choose, a: Args, times: dict, watch=None) -
             # that is a negative advantage, which is how GRPO teaches the format.
             buffer.append(Step(i, t, current[i], after[i].value, text, None if error else parsed, gen, error))
             current[i] = after[i].value  # the after-screen is the next step's before-screen
+            if error is None:
+                cursor[i] = cursor_after(parsed.action if parsed else None, cursor[i])
         if watch is not None and current:
             watch(sorted(current))
     return buffer
@@ -387,6 +402,31 @@ def adamw(params, lr: float) -> torch.optim.AdamW:
     the step size follows the gradient scale as the rewards and the policy drift under online RL.
     The distillation SFT (no release recipe) uses the same optimizer."""
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+
+def actor_lr(it: int, a: Args) -> float:
+    """The actor's learning rate at iteration `it` (0-based, over the whole run). Within each
+    generation (each has its own optimizer), u = the generation's actor updates before this one out
+    of its n (the first generation's first update is at --update-actor-delay): a linear warm-up
+    over the first --lr-warmup updates (lr * (u + 1) / warmup), then --lr-schedule over the rest,
+    towards 0 at the generation's last iteration but never 0 there (the last update still learns):
+        linear: lr * (1 - f),  cosine: lr * (1 + cos(pi f)) / 2,  f = (u - warmup) / (n - warmup).
+    A function of the iteration alone, so a resumed run continues the schedule where it stopped.
+    The paper trains at a constant lr (the default); a small model trained from scratch at a high
+    lr moves fast early and needs the decay to keep what it learned by the last iteration, which is
+    the model a generation hands on (models/E<g>)."""
+    ipg = a.iterations_per_generation or a.iterations
+    start = it - it % ipg  # the generation's first iteration
+    first = max(start, a.update_actor_delay)  # its first actor update
+    u, n = it - first, start + ipg - first  # (update index, updates in the generation)
+    if u < 0:  # no update this iteration: nothing to schedule
+        return a.lr
+    if u < a.lr_warmup:
+        return a.lr * (u + 1) / a.lr_warmup
+    if a.lr_schedule == "constant":
+        return a.lr
+    f = (u - a.lr_warmup) / max(1, n - a.lr_warmup)  # 0 at the first update after the warm-up, < 1 at the last
+    return a.lr * (1 - f) if a.lr_schedule == "linear" else a.lr * 0.5 * (1 + math.cos(math.pi * f))
 
 
 def distill_samples(policy, run: str, upto: int) -> list:
@@ -610,31 +650,51 @@ def episode_metrics(buffer: list[Step], windows: dict, a: Args) -> list[dict]:
                     "distinct_screens": len(lead), "distinct_screens_feat": distinct_screens(screens, a.eval_same_screen),
                     "diversity": pairwise_diversity(screens[lead]), "windows": len(win),
                     "window_titles": [win[k] for k in sorted(win)],
-                    "hashes": [f"{h:016x}" for h in hashes]})
+                    "hashes": [f"{h:016x}" for h in hashes], "actions": [eval_line(buffer[k]) for k in rows]})
     return out
 
 
-def eval_episodes(pool: VMPool, vms: list[int], choose, a: Args) -> list[dict]:
-    """One episode of --steps on each of `vms` (just reset), with the open windows after every step."""
+def eval_line(s: Step) -> dict:
+    """What one eval step did: the answer, the action it ran (screen pixels; None = a format failure,
+    nothing ran) and the VM's refusal if any. Also a line of the eval's trajectory files."""
+    return {"step": s.t, "intent": s.parsed.thought if s.parsed else None,
+            "action": s.parsed.action.to_dict() if s.parsed else None, "valid": s.parsed is not None,
+            "error": s.error, "text": s.text, "screen": list(s.before.size)}
+
+
+def eval_episodes(pool: VMPool, vms: list[int], choose, a: Args) -> tuple[list[dict], list[Step]]:
+    """One episode of --steps on each of `vms` (just reset), with the open windows after every step.
+    -> (episode_metrics of each desktop's episode, the steps)."""
     start = open_windows(pool, vms)  # open before the first action: not "opened" by the agent
     seen = {i: {} for i in vms}  # vm -> {window id: its title when first seen}
 
     def watch(now: list[int]):
         for i, wins in open_windows(pool, now).items():
             seen[i].update({k: t for k, t in wins.items() if k not in start[i] and k not in seen[i]})
-    return episode_metrics(rollout(pool, set(vms), choose, a, {}, watch=watch), seen, a)
+    buffer = rollout(pool, set(vms), choose, a, {}, watch=watch)
+    return episode_metrics(buffer, seen, a), buffer
 
 
 def run_eval(pool: VMPool, live: set, choosers: dict, a: Args, run: str) -> dict:
     """--eval-episodes episodes of --steps steps (one per desktop per round, reset before each
-    round) for each chooser (policy, random baseline); writes runs/<name>/eval.json, prints a table."""
+    round) for each chooser (policy, random baseline); writes runs/<name>/eval.json (per episode its
+    metrics and every step's action), prints a table. With --eval-save each episode is also saved as
+    a trajectory (screenshots + one line per step), the policy's in runs/<name>/trajectories/it<round>/
+    vm<k>.jsonl and the baseline's under runs/<name>/random/: `python view.py runs/<name>` shows them."""
     rounds = math.ceil(a.eval_episodes / pool.size)
     report = {"args": asdict(a), "same_screen_hash_bits": a.eval_same_hash, "same_screen_cosine": a.eval_same_screen}
     for name, choose in choosers.items():
         episodes = []
-        for _ in progress.track(range(rounds), f"eval {name}"):
+        for k in progress.track(range(rounds), f"eval {name}"):
             live.intersection_update({i for i, res in enumerate(pool.reset()) if res.ok})
-            episodes += eval_episodes(pool, sorted(live)[:a.eval_episodes - len(episodes)], choose, a)
+            done, buffer = eval_episodes(pool, sorted(live)[:a.eval_episodes - len(episodes)], choose, a)
+            for e in done:
+                e["round"] = k  # its trajectory: trajectories/it<round>/vm<vm>.jsonl
+                if a.eval_save:
+                    steps = [s for s in buffer if s.vm == e["vm"]]
+                    rundir.save_trajectory(run if name == "policy" else os.path.join(run, name), k, e["vm"],
+                                           e["actions"], [s.before for s in steps])
+            episodes += done
         keys = ("format", "immediate", "sequence", "distinct_screens", "distinct_screens_feat", "diversity", "windows")
         summary = {k: float(np.mean([e[k] for e in episodes])) if episodes else None for k in keys}
         # Across episodes too: does the agent reach different screens in different episodes?
@@ -805,21 +865,26 @@ if __name__ == "__main__":
             r, wm_metrics = score(buffer, flags, tools, wm, wm_opt, args, times)
 
             # ALGO: GRPO with the whole buffer as ONE group: each step's reward against every step's
-            samples = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), group=0)
-                       for k, s in enumerate(buffer)]
+            # (The sampler's log-probs ride along only so the update can log actor/logp_gap, how far
+            # they are from the trainer's own: the update recomputes its old log-probs.)
+            samples = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), group=0,
+                                        old_logps=s.gen.logprobs) for k, s in enumerate(buffer)]
             adv = grpo.assign_advantages(samples)  # (N,)
-            actor = dict.fromkeys(("actor/loss", "actor/kl", "actor/clip_low", "actor/clip_high", "actor/grad_norm"))
+            actor = dict.fromkeys(("actor/loss", "actor/kl", "actor/clip_low", "actor/clip_high", "actor/grad_norm",
+                                   "actor/lr"))
             # The delay lets the world model warm up before its curiosity steers the actor. It is
             # the ONLY condition: the release also skipped the update whenever the world model was
             # off, so its no-world-model ablation never trained at all.
             updated = it >= args.update_actor_delay
             if updated:
+                for group in optimizer.param_groups:
+                    group["lr"] = actor["actor/lr"] = actor_lr(it, args)
                 with timed(times, "update"), progress.bar(len(samples), "update") as pb:
                     m = grpo.update_policy(policy, optimizer, samples, args.micro_batch, args.eps_low, args.eps_high,
                                            args.beta, ref_fn, args.max_grad_norm, mini_batch_size=args.mini_batch,
                                            on_micro_batch=pb.update, temperature=args.temperature,
                                            shuffle=random.Random(f"{args.seed}-update-{it}"))
-                    actor = {f"actor/{k}": v for k, v in m.items()}
+                    actor.update({f"actor/{k}": v for k, v in m.items()})
                 with timed(times, "sync"):
                     M.sync_weights(policy)  # the generator samples the next iteration from the new weights
 

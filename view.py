@@ -225,9 +225,9 @@ HEADLINE = {
                                        "reward/text_immediate", "reward/text_sequence", "reward/text_world_model",
                                        "reward/intent_before", "reward/intent_after", "reward/intent_click"]),
                 ("world-model loss", ["wm/loss", "wm/loss_first_epoch"]), ("KL to the start", ["actor/kl"]),
-                ("clip fraction", ["actor/clip_low", "actor/clip_high"]), ("policy loss", ["actor/loss"])],
+                ("clip fraction", ["actor/clip_low", "actor/clip_high", "actor/clip_dual"]), ("policy loss", ["actor/loss"])],
     "arpo": [("reward (score - format penalty)", ["reward_mean", "score_mean"]), ("success rate", ["success_rate"]),
-             ("format rate", ["format_rate"]), ("KL to the start", ["kl"]), ("clip fraction", ["clip_low", "clip_high"]),
+             ("format rate", ["format_rate"]), ("KL to the start", ["kl"]), ("clip fraction", ["clip_low", "clip_high", "clip_dual"]),
              ("replay", ["n_injections", "zero_std_groups", "replay_size"]), ("policy loss", ["loss"])],
 }
 PALETTE = ["#0a84ff", "#ff3b30", "#34c759", "#ff9500", "#af52de", "#00c7be", "#ffcc00", "#8e8e93", "#5e5ce6"]

@@ -9,8 +9,13 @@ Endpoints (JSON; errors are 4xx/5xx {"error": "<one sentence>"}; see README "VM 
     GET /health, GET /screenshot[?format=png|jpeg&quality=Q], GET /windows, POST /action, POST /reset,
     POST /setup {"steps": [...]}, POST /evaluate {"conj": "and"|"or", "checks": [...]}.
 With a token every endpoint needs `Authorization: Bearer <token>`; binding to anything but loopback
-without one is refused. Requests execute one at a time (there is one mouse and one keyboard).
-`--port 0` picks a free port; the first stdout line is `vm_server: serving http://HOST:PORT ...`.
+without one is refused, and a server without one answers only requests with a loopback Host and
+no foreign Origin (a web page in a local browser, or DNS rebinding, cannot reach the desktop). Requests execute one at a time
+(there is one mouse and one keyboard). Each request must arrive whole within --request-timeout
+seconds, a GET may not carry a body, and at most MAX_CONNECTIONS connections are open (the one
+waiting longest for its request makes room for a new one). `--port 0` picks a free port; the
+first stdout line is `vm_server: serving http://HOST:PORT ...`. With --xvfb the whole desktop,
+this server included, runs inside bubblewrap (desktop.sandbox; --no-sandbox turns it off).
 
 Where this departs from OSWorld's in-VM server (the papers' environment):
   - No endpoint runs code sent by the client: setup/evaluate are a handful of typed steps, the
@@ -40,9 +45,10 @@ import io
 import ipaddress
 import json
 import os
+import pwd
 import re
-import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -73,6 +79,9 @@ from vm_tasks import (  # noqa: E402,F401
 
 MAX_KEYS = 8             # a hotkey longer than this is not a hotkey
 PNG_LEVEL = 1            # zlib level: 1 is the fastest that still squeezes flat screen colours well
+REQUEST_SECONDS = 120.0  # a request must arrive whole within this long (--request-timeout)
+MAX_CONNECTIONS = 64     # open connections; past it the longest-waiting unanswered one is closed
+LISTEN_BACKLOG = 1024    # connections the kernel queues before we accept them (the kernel may cap it)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -381,20 +390,58 @@ def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[in
     return 200, evaluate(desk, body), ""
 
 
+class _DeadlineReader(io.RawIOBase):
+    """The connection's reads, each allowed only the time left until the request's deadline, so a
+    client that trickles one byte every few seconds is still cut off at the deadline (a socket
+    timeout alone restarts at every byte)."""
+
+    def __init__(self, handler: "Handler"):
+        self.handler = handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        left = self.handler.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the request did not arrive within {self.handler.request_timeout:g} s")
+        self.handler.connection.settimeout(left)
+        return self.handler.connection.recv_into(buf)
+
+
+def local_names(host: str, port: int) -> frozenset[str]:
+    """The Host header values a token-less server answers: loopback names with our port. A web page
+    the user visits can make the browser send requests to 127.0.0.1, but with its own name in
+    Host (DNS rebinding) or its own Origin; neither is in here."""
+    names = {"127.0.0.1", "localhost", "[::1]", host.lower() if ":" not in host else f"[{host.lower()}]"}
+    return frozenset({f"{n}:{port}" for n in names} | (names if port == 80 else set()))
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"   # keep-alive: a screenshot loop skips the TCP handshake
     disable_nagle_algorithm = True  # headers and body go out at once, no 40 ms delayed-ACK stall
-    timeout = 120                   # an idle connection is dropped, never held forever
+    request_timeout = REQUEST_SECONDS  # from the previous answer (or the connection) to the whole request
+    timeout = REQUEST_SECONDS       # sending an answer: at most this long
     desk: Desktop = None
     token: str | None = None
+    names: frozenset = frozenset()  # local_names() of the server: Host values allowed without a token
     lock = threading.Lock()         # one mouse, one keyboard: one request at a time
     verbose = False
+
+    def setup(self):
+        super().setup()
+        self.rfile = io.BufferedReader(_DeadlineReader(self))  # every read counts against the deadline
 
     def handle(self):
         try:
             super().handle()
         except (ConnectionResetError, BrokenPipeError):
             pass  # the client hung up (it timed out, or died): nobody to answer, nothing to log
+
+    def handle_one_request(self):
+        self.deadline = time.monotonic() + self.request_timeout
+        self.server.waiting(self.connection)  # idle or half-read: may be closed to make room
+        super().handle_one_request()
 
     def do_GET(self):
         self._serve("GET")
@@ -414,6 +461,10 @@ class Handler(BaseHTTPRequestHandler):
             return False
         return True
 
+    def send_response(self, code, message=None):
+        self.connection.settimeout(self.timeout)  # the read deadline may have left it at nothing
+        super().send_response(code, message)
+
     def send_error(self, code, message=None, explain=None):
         """http.server's own refusals (a broken request line, oversized headers, a method we do not
         serve, an HTTP version we do not speak) as our JSON errors, and 4xx: each is the client's
@@ -432,14 +483,38 @@ class Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
+    def _admit(self, method: str) -> None:
+        """Who may ask, and whether the request is whole. Every refusal closes the connection: an
+        unread body must never be parsed as the next request."""
+        if self.token:
+            if not hmac.compare_digest(  # constant time: no guessing byte by byte
+                    self.headers.get("Authorization", "").encode(), f"Bearer {self.token}".encode()):
+                self.close_connection = True
+                raise BadRequest("missing or wrong token; send 'Authorization: Bearer <token>'.", 401)
+        else:
+            # No token: only this machine may drive the desktop, and not through a web page in
+            # its browser. A browser always sends Host, and Origin on every cross-site POST.
+            hosts, origin = self.headers.get_all("Host", []), self.headers.get("Origin")
+            if len(hosts) != 1 or hosts[0].strip().lower() not in self.names:
+                self.close_connection = True
+                raise BadRequest("without a token only a loopback Host (127.0.0.1, localhost, [::1]) with the "
+                                 "server's port is served; start the server with --token to serve other names.", 403)
+            if (origin is not None and origin.strip().lower().removeprefix("http://") not in self.names) \
+                    or self.headers.get("Sec-Fetch-Site", "same-origin") not in ("same-origin", "none"):
+                self.close_connection = True
+                raise BadRequest("cross-origin requests (from a web page) are refused; start the server with --token "
+                                 "if a browser must reach it.", 403)
+        if method != "POST" and (self.headers.get("Transfer-Encoding") is not None
+                                 or self.headers.get_all("Content-Length", ["0"]) != ["0"]):
+            self.close_connection = True
+            raise BadRequest(f"{method} takes no body; send one only with POST.")
+
     def _serve(self, method: str):
         url = urlsplit(self.path)
         try:
-            if self.token and not hmac.compare_digest(  # constant time: no guessing byte by byte
-                    self.headers.get("Authorization", "").encode(), f"Bearer {self.token}".encode()):
-                self.close_connection = True  # its body stays unread: never parse it as a request
-                raise BadRequest("missing or wrong token; send 'Authorization: Bearer <token>'.", 401)
+            self._admit(method)
             body = self._body() if method == "POST" else None
+            self.server.busy(self.connection)  # read whole: never closed to make room
             health = url.path == "/health"  # answers even while a long /setup holds the lock
             with contextlib.nullcontext() if health else self.lock:
                 if not health:
@@ -454,6 +529,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", ctype or "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
@@ -464,11 +541,62 @@ class Handler(BaseHTTPRequestHandler):
                 or len(self.headers.get_all("Content-Length", [])) > 1:
             self.close_connection = True
             raise BadRequest(f"send a JSON body of at most {MAX_BODY} bytes with a Content-Length.", 413)
-        raw = self.rfile.read(int(n))
+        try:
+            raw = self.rfile.read(int(n))
+        except TimeoutError:
+            self.close_connection = True
+            raise BadRequest(f"the request did not arrive whole within {self.request_timeout:g} s.", 408)
+        if len(raw) < int(n):  # the client closed early (or we closed it to make room)
+            self.close_connection = True
+            raise BadRequest("the body ended before its Content-Length.")
         try:
             return json.loads(raw) if raw else None
         except (ValueError, RecursionError):
             raise BadRequest("the body is not valid JSON.")
+
+
+class Server(ThreadingHTTPServer):
+    """One thread per connection, at most MAX_CONNECTIONS of them. At the cap, a new connection
+    makes room by closing the open one that has waited longest for its request (idle keep-alive,
+    or a client trickling bytes); connections whose request is being answered are never closed.
+    So hundreds of idle sockets cost at most MAX_CONNECTIONS threads, and the trainer's next
+    connection is always let in."""
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+    def __init__(self, *args, **kwargs):
+        self._conns: dict = {}    # socket -> when it began waiting for its request; None: being answered
+        self._conns_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def waiting(self, sock) -> None:
+        with self._conns_lock:
+            if sock in self._conns:
+                self._conns[sock] = time.monotonic()
+
+    def busy(self, sock) -> None:
+        with self._conns_lock:
+            if sock in self._conns:
+                self._conns[sock] = None
+
+    def process_request(self, request, client_address):
+        with self._conns_lock:
+            if len(self._conns) >= MAX_CONNECTIONS:
+                waiting = [(t, id(s), s) for s, t in self._conns.items() if t is not None]
+                if not waiting:  # every connection is being answered: no room, refuse this one
+                    self.shutdown_request(request)
+                    return
+                oldest = min(waiting)[2]
+                del self._conns[oldest]
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)  # its thread reads EOF and ends
+            self._conns[request] = time.monotonic()
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request):
+        with self._conns_lock:
+            self._conns.pop(request, None)
+        super().shutdown_request(request)
 
 
 def exit_with_parent(pid: int) -> None:
@@ -486,6 +614,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--token", default=os.environ.get("VM_TOKEN"), help="shared token (default: $VM_TOKEN)")
     p.add_argument("--xvfb", action="store_true", help="start a desktop of our own on a new Xvfb display")
     p.add_argument("--screen", default="1280x720", help="WxH of the --xvfb screen")
+    p.add_argument("--no-sandbox", action="store_true",
+                   help="--xvfb: run the desktop unconfined, not inside bubblewrap (for machines without bwrap)")
+    p.add_argument("--request-timeout", type=float, default=REQUEST_SECONDS,
+                   help="seconds a client has to send each whole request, counted from the previous answer")
     p.add_argument("--allow-exec", default="", help="comma-separated extra programs setup/evaluate may run")
     p.add_argument("--verbose", action="store_true", help="log every request")
     args = p.parse_args(argv)
@@ -498,11 +630,12 @@ def main(argv: list[str] | None = None) -> None:
     m = re.fullmatch(r"(\d{3,4})x(\d{3,4})", args.screen)
     if not m or not (640 <= int(m[1]) <= 7680 and 480 <= int(m[2]) <= 4320):
         sys.exit(f"vm_server: --screen must look like 1280x720 (at least 640x480), got {args.screen!r}.")
+    if not 0 < args.request_timeout <= 3600:
+        sys.exit(f"vm_server: --request-timeout must be in (0, 3600] seconds, got {args.request_timeout:g}.")
     allow = DEFAULT_ALLOW | {a for a in args.allow_exec.split(",") if a}
+    # Inside the sandbox bubblewrap hands us the folder it made for the desktop (see desktop.sandbox).
+    sandbox_tmp = os.environ.pop("VM_SERVER_SANDBOX", "")
 
-    # PR_SET_CHILD_SUBREAPER (36): programs that double-fork (GLib's app launching does) are
-    # re-parented to us instead of init, so /reset and exit still find them.
-    _prctl(36, 1)
     # SIGTERM/SIGHUP unwind like Ctrl-C, so the `finally` below stops every process we started.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: sys.exit(0))
@@ -512,16 +645,23 @@ def main(argv: list[str] | None = None) -> None:
     parent = os.environ.pop("VM_SERVER_PARENT", "")
     if parent.isdigit():
         threading.Thread(target=exit_with_parent, args=(int(parent),), daemon=True).start()
+    if args.xvfb and not sandbox_tmp:
+        if not args.no_sandbox:  # the desktop and this server again, inside bubblewrap; we wait and clean up
+            sys.exit(_desktop().sandbox(sys.argv[1:] if argv is None else argv))
+        print(f"vm_server: sandbox: off (--no-sandbox): the desktop's programs, its terminal included, run "
+              f"unconfined on this machine as {pwd.getpwuid(os.getuid()).pw_name}", file=sys.stderr, flush=True)
+    # PR_SET_CHILD_SUBREAPER (36): programs that double-fork (GLib's app launching does) are
+    # re-parented to us instead of init, so /reset and exit still find them.
+    _prctl(36, 1)
     desk = None
     try:
         try:  # bind first: a taken port fails at once, not after the desktop has started
-            server = ThreadingHTTPServer((args.host, args.port), Handler)
+            server = Server((args.host, args.port), Handler)
         except OSError as e:
             sys.exit(f"vm_server: cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port.")
-        server.daemon_threads = True
         if args.xvfb:
             try:
-                desk = _desktop().local_desktop((int(m[1]), int(m[2])), allow)
+                desk = _desktop().local_desktop((int(m[1]), int(m[2])), allow, sandbox_tmp or None)
             except RuntimeError as e:  # a session part that never came up (see desktop._wait)
                 sys.exit(f"vm_server: {e}; check that `bash setup.sh` ran on this machine.")
         elif not os.environ.get("DISPLAY"):
@@ -535,8 +675,9 @@ def main(argv: list[str] | None = None) -> None:
         if desk is None:
             desk = Desktop(tuple(pyautogui.size()), os.path.expanduser("~"), dict(os.environ), allow,
                            display=os.environ["DISPLAY"])
-        Handler.desk, Handler.token, Handler.verbose = desk, args.token or None, args.verbose
         host, port = server.server_address[:2]
+        Handler.desk, Handler.token, Handler.verbose = desk, args.token or None, args.verbose
+        Handler.request_timeout, Handler.names = args.request_timeout, local_names(args.host, port)
         print(f"vm_server: serving http://{host}:{port} display {desk.display} screen "
               f"{desk.screen[0]}x{desk.screen[1]} home {desk.home}", flush=True)
         server.serve_forever()
@@ -544,8 +685,8 @@ def main(argv: list[str] | None = None) -> None:
         pass
     finally:  # stop everything we started (apps, session, Xvfb) and remove the temp HOME
         kill_tree(keep=set())
-        if desk is not None and desk.tmp:
-            shutil.rmtree(desk.tmp, ignore_errors=True)
+        if desk is not None and desk.tmp and not sandbox_tmp:  # in the sandbox, the launcher outside removes it
+            _desktop().remove_tree(desk.tmp)
 
 
 if __name__ == "__main__":

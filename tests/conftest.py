@@ -47,6 +47,17 @@ def proc_children(pid: int) -> list[int]:
     return [int(n) for n in filter(str.isdigit, os.listdir("/proc")) if _stat(n)[1:2] == [str(pid)]]
 
 
+def proc_descendants(pid: int) -> list[int]:
+    """Every process below `pid`, zombies included: a sandboxed desktop's Xvfb, session and apps sit
+    two levels of bubblewrap below the server's launcher, not among its children."""
+    found, todo = [], [pid]
+    while todo:
+        kids = proc_children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
 def proc_group(pgid: int) -> list[int]:
     """The live members of process group `pgid` (a vm_server and its Xvfb, session, apps)."""
     return [int(n) for n in filter(str.isdigit, os.listdir("/proc"))
@@ -60,9 +71,15 @@ class ServedDesktop:
     home: str
     display: str
     proc: subprocess.Popen
+    err: object = None  # the server's stderr, a file (see stderr())
 
     def __iter__(self):  # `url, token, home = vm_desktop`
         return iter((self.url, self.token, self.home))
+
+    def stderr(self) -> str:
+        """What the server wrote to stderr so far."""
+        self.err.seek(0)
+        return self.err.read()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
         if self.proc.poll() is None:
@@ -75,11 +92,12 @@ class ServedDesktop:
 
 
 def start_vm_server(*args: str, xvfb: bool = True, token: str | None = "", timeout: float = 60,
-                    env=None) -> ServedDesktop:
+                    env=None, server: str = SERVER) -> ServedDesktop:
     """Start vm_server.py (--xvfb unless xvfb=False; extra CLI `args`) and wait for its ready
-    line. token="" draws a random token; token=None starts it without one."""
+    line. token="" draws a random token; token=None starts it without one. `server`: another
+    copy of vm_server.py (bench/hostile_vm.py runs an older revision beside this one)."""
     token = secrets.token_hex(8) if token == "" else token
-    cmd = [sys.executable, SERVER, "--port", "0", *(["--xvfb"] if xvfb else []), *args]
+    cmd = [sys.executable, server, "--port", "0", *(["--xvfb"] if xvfb else []), *args]
     cmd += ["--token", token] if token else []
     err = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty server never blocks on it
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
@@ -96,7 +114,7 @@ def start_vm_server(*args: str, xvfb: bool = True, token: str | None = "", timeo
         proc.wait()
         err.seek(0)
         raise RuntimeError(f"vm_server did not start: {line!r} {err.read()[-2000:]}")
-    return ServedDesktop(m[1], token, m[3], m[2], proc)
+    return ServedDesktop(m[1], token, m[3], m[2], proc, err)
 
 
 def vm_call(vm: ServedDesktop, method: str, path: str, body=None, token: str | None = "", timeout=60):

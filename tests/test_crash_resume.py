@@ -37,7 +37,7 @@ import rundir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from conftest import proc_alive, proc_children  # noqa: E402
+from conftest import proc_alive, proc_children, proc_descendants  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
@@ -368,7 +368,7 @@ def test_a_killed_trainer_takes_its_local_desktops_along(tmp_path):
         assert p.poll() is None, output(p)[-2000:]
         servers = [c for c in proc_children(p.pid) if b"vm_server.py" in open(f"/proc/{c}/cmdline", "rb").read()]
         assert len(servers) == 1
-        desktop = servers + [d for s in servers for d in proc_children(s)]  # the server, Xvfb, the session
+        desktop = servers + [d for s in servers for d in proc_descendants(s)]  # the server, bwrap, Xvfb, the session
         assert len(desktop) >= 4
         homes = {v[5:] for d in desktop for v in open(f"/proc/{d}/environ", "rb").read().decode(errors="replace").split("\0")
                  if v.startswith("HOME=") and "/vm_server-" in v}  # the desktop's own temp HOME

@@ -41,7 +41,8 @@ def trainer(tmp_path):
         "id": "notes-there", "instruction": "Look at the notes.", "setup": [{"type": "sleep", "seconds": 0}],
         "max_steps": 3, "evaluator": {"conj": "and", "checks": [{"type": "file_exists", "path": "notes.txt"}]}}))
     args = T.Args(vms="4", group_size=2, model="tiny", max_steps=3, max_pixels=SMALL, max_new_tokens=8,
-                  vm_timeout=VM_TIMEOUT, lr=1e-3, settle=0.1, stop_on_format_error=False, tasks=str(tasks))
+                  vm_timeout=VM_TIMEOUT, lr=1e-3, settle=0.1, stop_on_format_error=False, tasks=str(tasks),
+                  mini_batch=4)  # one optimizer step per iteration: the step counts below assume it
     pool = VMPool(4, timeout=VM_TIMEOUT)
     policy = load_policy("tiny", seed=0, max_pixels=SMALL)
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=args.lr)

@@ -89,7 +89,8 @@ def weights_differ(folder_a, folder_b) -> float:
 
 def test_smoke_then_resume(speaker, tmp_path):
     rd = tmp_path / "smoke"
-    p = ok(run("--vms", 2, "--model", speaker, "--iterations", 2, "--steps", 2, "--run-name", rd, *FAST))
+    p = ok(run("--vms", 2, "--model", speaker, "--iterations", 2, "--steps", 2, "--run-name", rd, "--lr-warmup", 2,
+               "--lr-schedule", "linear", *FAST))
     assert json.loads((rd / "args.json").read_text())["steps"] == 2
     lines = metrics(rd)
     assert [m["iteration"] for m in lines] == [0, 1]
@@ -97,6 +98,8 @@ def test_smoke_then_resume(speaker, tmp_path):
         assert all(k in m for k in KEYS + ["wm/loss", "actor/kl", "actor/clip_low", "actor/clip_high",
                                            "time/generate", "time/screenshot", "time/act", "time/update"]), m.keys()
         assert m["actor/updated"] == 1 and m["vms"] == 2 and m["steps"] == 4
+        # The trainer scores the tokens as the sampler drew them (temperature, vision tokens off).
+        assert m["actor/logp_gap"] < 1e-3, m["actor/logp_gap"]
     assert sum(line.startswith("it ") for line in p.stdout.splitlines()) == 2  # one console line per iteration
     # Trajectories: one PNG + one JSON line per step, and each line's reward is its components'
     # sum times the format reward (what rewards.py defines), i.e. the rows were put back in place.
@@ -116,6 +119,8 @@ def test_smoke_then_resume(speaker, tmp_path):
     # The actor's and the world model's optimizers are the release's AdamW (betas 0.9, 0.95).
     state = torch.load(rd / "ckpt" / "state.pt", weights_only=False)
     assert {g["betas"] for k in ("optimizer", "wm_opt") for g in state[k]["param_groups"]} == {(0.9, 0.95)}
+    # The warm-up (2 updates from lr / 2) is what the optimizer stepped with, and what was logged.
+    assert [m["actor/lr"] for m in lines] == [2e-5, 4e-5] and state["optimizer"]["param_groups"][0]["lr"] == 4e-5
 
     p = ok(run("--resume", rd, "--iterations", 3))
     assert "resumed" in p.stdout
@@ -201,12 +206,13 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
     from task_solutions import ICONS
 
     def chooser(first: Action):
-        def choose(images):
+        def choose(images, cursors):
             calls.append(len(images))
+            pointers.append(list(cursors))
             act = first if len(calls) % 3 == 1 else Action("move", x=700, y=400)  # 3 steps per episode
             return [(json.dumps(act.to_dict()), Parsed(act, ""), None) for _ in images]
         return choose
-    calls = []
+    calls, pointers = [], []
     x, y = ICONS["Terminal"]
     choosers = {"opener": chooser(Action("double_click", x=x, y=y)), "still": chooser(Action("move", x=600, y=300))}
     pool = VMPool([vm_desktop.url], token=vm_desktop.token, timeout=30)
@@ -217,11 +223,25 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
         pool.reset()
         pool.close()
     opener, still = report["opener"]["episodes"][0], report["still"]["episodes"][0]
+    # The pointer each step starts from (DragTo drags from it): the centre after the reset, then
+    # wherever the previous action left the mouse.
+    assert pointers[:3] == [[(640, 360)], [(x, y)], [(700, 400)]], pointers
     assert opener["windows"] >= 1 and any("xterm" in t for t in opener["window_titles"]), opener
     assert opener["distinct_screens"] >= 2 and opener["diversity"] > 0.1
     # Nothing opened, the screen never changed: one screen, no diversity, no window.
     assert (still["windows"], still["distinct_screens"], still["diversity"]) == (0, 1, 0.0), still
     assert json.loads((tmp_path / "eval.json").read_text())["opener"]["summary"]["windows"] >= 1
+    # What each step did is in eval.json (screen pixels), and every episode is saved as a trajectory
+    # view.py reads: the double-click on the icon, then the two moves, with the screens they saw.
+    assert [a["action"] for a in opener["actions"]] == [
+        {"type": "double_click", "x": x, "y": y}, {"type": "move", "x": 700, "y": 400}, {"type": "move", "x": 700, "y": 400}]
+    assert opener["round"] == 0 and all(a["valid"] and a["screen"] == [1280, 720] for a in opener["actions"])
+    import view
+    trajs = view.load_run(str(tmp_path / "opener"))["trajectories"]
+    steps = trajs[0][0]["steps"]
+    assert [s["action"] for s in steps] == [a["action"] for a in opener["actions"]]
+    assert all((tmp_path / "opener" / "trajectories" / "it000000" / s["screenshot"]).exists() for s in steps)
+    assert len(view.load_run(str(tmp_path / "still"))["trajectories"][0][0]["steps"]) == 3
 
 
 def _free_port():
@@ -255,11 +275,11 @@ def test_dead_desktop_drops_out_of_the_rollout():
         args = T.Args(steps=3, settle=0.1)
         base = T.random_chooser(random.Random(0))
 
-        def choose(images):
+        def choose(images, cursors):
             if len(images) == 2 and calls:  # second step: desktop 1 dies before its action lands
                 pool.local[1].stop()
             calls.append(len(images))
-            return base(images)
+            return base(images, cursors)
 
         calls, live = [], {0, 1}
         buffer = T.rollout(pool, live, choose, args, {})
@@ -299,6 +319,22 @@ def test_score_rewards_curiosity_before_the_world_model_learns():
         assert torch.allclose(r.image_world_model, want.expand(8), atol=1e-5), (train_first, r.image_world_model, want)
         assert torch.allclose(r.total, r.image_world_model)
     assert T.parse_args(["--wm-train-first"])[0].wm_train_first and not T.Args().wm_train_first
+
+
+def test_actor_lr_schedule_by_hand():
+    # 10 iterations, first update at iteration 2 -> 8 updates (u = 0..7); warm-up 2: u = 0 -> 1/2,
+    # u = 1 -> 2/2; then linear over n - warmup = 6: f = (u - 2) / 6 -> 1, 5/6, 4/6, 3/6, 2/6, 1/6.
+    a = T.Args(iterations=10, lr=0.6, lr_warmup=2, lr_schedule="linear", update_actor_delay=2)
+    want = [0.6, 0.6, 0.3, 0.6, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]  # iterations 0, 1: no update, lr as given
+    assert [round(T.actor_lr(i, a), 9) for i in range(10)] == want
+    # cosine, no warm-up, 4 updates: f = 0, 1/4, 2/4, 3/4 -> (1 + cos(pi f)) / 2 = 1, 0.8536, 0.5, 0.1464
+    a = T.Args(iterations=4, lr=1.0, lr_schedule="cosine", update_actor_delay=0)
+    assert [round(T.actor_lr(i, a), 4) for i in range(4)] == [1.0, 0.8536, 0.5, 0.1464]
+    # Two generations of 4, delay 1: generation 1 updates at 1, 2, 3 (warm-up 1, then f = 0, 1/2);
+    # generation 2 (its own optimizer) updates at 4..7 from its start (warm-up 1, then f = 0, 1/3, 2/3).
+    a = T.Args(iterations=4, generations=2, lr=1.0, lr_warmup=1, lr_schedule="linear", update_actor_delay=1)
+    assert [round(T.actor_lr(i, a), 4) for i in range(8)] == [1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 0.6667, 0.3333]
+    assert T.actor_lr(3, T.Args(iterations=4, lr=2e-5)) == 2e-5  # the default: the paper's constant lr
 
 
 def test_optimizers_are_the_releases_adamw():

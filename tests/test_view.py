@@ -191,9 +191,11 @@ def test_explore_report_renders_every_step_image_action_and_curve(explore_run, t
     blue = int((np.abs(px - np.array(DESKTOP_BLUE)).max(axis=2) <= 3).sum())
     assert blue > 400_000, blue
 
-    # The eval-only folder: no trajectories, no metrics, the eval table (policy vs random actions).
+    # The eval-only folder: no metrics; the eval table (policy vs random actions) and the policy's
+    # eval episodes (--eval-save), one step on each of the 2 desktops.
     dom = dump_dom(tmp_path, view.build_report(os.path.join(os.path.dirname(explore_run), "eval")))
-    assert "eval.json: exploration, per episode" in dom and "No trajectories saved yet." in dom
+    assert "eval.json: exploration, per episode" in dom and "No trajectories saved yet." not in dom
+    assert shown(dom)["steps"] == 2
     # One row per chooser, one numeric cell per metric of eval.json (at least the original seven).
     assert re.search(r"<tr><td>policy</td>(<td>[\d.e-]+</td>){7,}</tr><tr><td>random</td>", dom)
 

@@ -19,7 +19,7 @@ import pytest
 import requests
 from PIL import Image, ImageChops
 
-from conftest import SERVER, proc_alive, proc_children, start_vm_server, vm_call
+from conftest import SERVER, proc_alive, proc_descendants, start_vm_server, vm_call
 
 sys.path.insert(0, os.path.dirname(SERVER))
 import vm_server  # noqa: E402
@@ -477,15 +477,15 @@ def test_parallel_desktops_are_isolated_and_stop_cleanly(vm):
         assert not os.path.exists(os.path.join(vm.home, "mine.txt"))
         wait_for(lambda: {"xclock", "mine.txt - Mousepad", "Documents"} <= set(windows(other)), "the second desktop's windows")
         assert set(windows(vm)) == {"notes.txt - Mousepad", "Pictures"}
-        kids = proc_children(other.proc.pid)
-        assert len(kids) >= 5  # Xvfb, openbox, tint2, pcmanfm, xclock
+        kids = proc_descendants(other.proc.pid)
+        assert len(kids) >= 5  # (bubblewrap,) Xvfb, openbox, tint2, pcmanfm, xclock
     finally:
         other.stop(signal.SIGTERM)
     wait_for(lambda: all(not proc_alive(p) for p in kids), "every process of the stopped server to exit")
     assert not os.path.exists(os.path.dirname(other.home))  # its temp HOME is removed too
     # Even `kill -9` leaves no orphan display: Xvfb has a parent-death signal, its clients follow.
     third = start_vm_server()
-    kids = proc_children(third.proc.pid)
+    kids = proc_descendants(third.proc.pid)
     third.stop(signal.SIGKILL)
     wait_for(lambda: all(not proc_alive(p) for p in kids), "the desktop of a killed server to exit")
     shutil.rmtree(os.path.dirname(third.home), ignore_errors=True)

@@ -1,0 +1,356 @@
+"""vm_server.py's HTTP layer against the attacks a network (or a web page) can send, each on a real
+server on loopback, over raw sockets so the bytes are exactly the attack's.
+
+Run: python -m pytest -q tests/test_http_hardening.py     (~20 s)
+
+- A request has one total deadline (--request-timeout), not one per read: a client trickling a
+  byte every half second, or a body, or nothing at all, is cut off at the deadline and its thread
+  ends; a well-behaved keep-alive connection gets a fresh deadline for every request.
+- A GET that carries a body is refused and its connection closed: the body (here a whole request
+  that would move the mouse) is never parsed as the next request.
+- Without a token only a loopback Host with the server's port is served, and no cross-origin
+  browser request: DNS rebinding and a web page posting to 127.0.0.1 get 403 and nothing runs.
+  With a token the bearer check stays the gate (a browser cannot attach it cross-origin).
+- Hundreds of idle connections cost at most MAX_CONNECTIONS threads, and /health still answers.
+
+The servers here drive the shared test desktop's display without --xvfb (they start in a second)
+and use a HOME of their own in tmp_path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import SERVER, start_vm_server, vm_call
+
+sys.path.insert(0, os.path.dirname(SERVER))
+import vm_server  # noqa: E402
+
+DEADLINE = 2.0
+SLACK = 2.5  # a loaded CI machine: the cut-off may come this much after the deadline
+
+
+@pytest.fixture
+def served(vm_desktop, tmp_path):
+    """served(*args, token=...) -> a vm_server.py on the shared desktop's display, HOME = tmp_path."""
+    started = []
+
+    def start(*args, token=""):
+        env = {k: v for k, v in os.environ.items() if k != "VM_TOKEN"}
+        env.update(DISPLAY=vm_desktop.display, HOME=str(tmp_path))
+        started.append(start_vm_server(*args, xvfb=False, token=token, env=env, timeout=30))
+        return started[-1]
+    yield start
+    for vm in started:
+        vm.stop()
+
+
+def connect(vm, timeout: float = 10) -> socket.socket:
+    host, port = vm.url.split("//")[1].split(":")
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+def port_of(vm) -> int:
+    return int(vm.url.rsplit(":", 1)[1])
+
+
+def request(method: str, path: str, host: str, body: bytes = b"", headers: list[str] = (), token=None,
+            content_length: bool | None = None) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", *([f"Host: {host}"] if host is not None else [])]
+    lines += [f"Authorization: Bearer {token}"] if token else []
+    if content_length or (content_length is None and (body or method == "POST")):
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join([*lines, *headers]) + "\r\n\r\n").encode("latin-1") + body
+
+
+def read_all(s: socket.socket, timeout: float = 5) -> tuple[bytes, bool]:
+    """Bytes until the server closes the connection or `timeout` passes in silence -> (data, closed)."""
+    s.settimeout(timeout)
+    data = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except socket.timeout:
+            return data, False
+        except ConnectionResetError:
+            return data, True
+        if not chunk:
+            return data, True
+        data += chunk
+
+
+def parse(data: bytes) -> list[tuple[int, dict, bytes]]:
+    """Raw bytes -> [(status, headers, body)], one per response."""
+    out = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        hdrs = dict((k.strip().lower(), v.strip()) for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln))
+        n = int(hdrs.get("content-length", 0))
+        out.append((int(lines[0].split()[1]), hdrs, rest[:n]))
+        data = rest[n:]
+    return out
+
+
+def read_responses(s: socket.socket, timeout: float = 5) -> tuple[list[tuple[int, dict, bytes]], bool]:
+    """Every response on the connection until it closes or `timeout` passes in silence -> (responses, closed)."""
+    data, closed = read_all(s, timeout)
+    return parse(data), closed
+
+
+def read_one(s: socket.socket, timeout: float = 5) -> tuple[int, dict, bytes]:
+    """One whole response (headers, then Content-Length bytes of body) on a kept-alive connection."""
+    s.settimeout(timeout)
+    data = b""
+    while True:
+        head, sep, body = data.partition(b"\r\n\r\n")
+        if sep and len(body) >= int(parse(head + sep)[0][1].get("content-length", 0)):
+            return parse(data)[0]
+        chunk = s.recv(65536)
+        assert chunk, f"the server closed the connection after {data[:80]!r}"
+        data += chunk
+
+
+def eof(s: socket.socket) -> bool:
+    """Has the server closed this connection?"""
+    s.settimeout(0.01)
+    try:
+        return s.recv(1) == b""
+    except socket.timeout:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def mouse(vm_desktop) -> tuple[int, int]:
+    out = subprocess.run(["xdotool", "getmouselocation", "--shell"], env={**os.environ, "DISPLAY": vm_desktop.display},
+                         capture_output=True, text=True, timeout=10).stdout
+    d = dict(line.split("=", 1) for line in out.split())
+    return int(d["X"]), int(d["Y"])
+
+
+def threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def wait_threads(pid: int, most: int, timeout: float = 5) -> int:
+    deadline = time.time() + timeout
+    while threads(pid) > most and time.time() < deadline:
+        time.sleep(0.05)
+    return threads(pid)
+
+
+def is_json_error(resp, status: int) -> bool:
+    code, hdrs, body = resp
+    return code == status and hdrs.get("content-type") == "application/json" and json.loads(body)["error"].endswith(".")
+
+
+# ------------------------------------------------------------------------------------------------
+# One deadline per request
+
+
+def test_a_trickled_request_is_cut_off_at_its_deadline(served, vm_desktop):
+    vm = served("--request-timeout", str(DEADLINE))
+    host = f"127.0.0.1:{port_of(vm)}"
+    base = threads(vm.proc.pid)
+
+    # 1. A header byte every 0.5 s: each read is quick, the request never ends. Cut at the deadline.
+    s = connect(vm)
+    s.settimeout(0.5)
+    t0, closed = time.monotonic(), False
+    for b in request("GET", "/health", host, token=vm.token)[:-4] + b"X-Slow: " + b"a" * 100:
+        try:
+            s.sendall(bytes([b]))
+            if s.recv(1) == b"":
+                closed = True
+                break
+        except socket.timeout:
+            pass
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+            break
+    took = time.monotonic() - t0
+    s.close()
+    assert closed and DEADLINE - 0.3 < took < DEADLINE + SLACK, (closed, took)
+    assert wait_threads(vm.proc.pid, base) <= base  # its thread is gone, not parked
+
+    # 2. Whole headers, then the body a byte every 0.5 s: a 408 JSON error at the deadline, nothing ran.
+    vm_call(vm, "POST", "/action", {"type": "move", "x": 300, "y": 300})
+    body = json.dumps({"type": "move", "x": 17, "y": 13}).encode()
+    s = connect(vm)
+    s.sendall(request("POST", "/action", host, body, token=vm.token)[:-len(body)])
+    t0, got = time.monotonic(), b""
+    s.settimeout(0.5)
+    for b in body:
+        try:
+            s.sendall(bytes([b]))
+            got = s.recv(65536)
+        except socket.timeout:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        break
+    took = time.monotonic() - t0
+    rest, closed = read_all(s, SLACK)
+    s.close()
+    resps = parse(got + rest)
+    assert len(resps) == 1 and is_json_error(resps[0], 408) and closed, resps
+    assert took < DEADLINE + SLACK and mouse(vm_desktop) == (300, 300)
+
+    # 3. An idle connection (a keep-alive one nobody uses, or a connect and nothing else) is closed too.
+    s = connect(vm)
+    t0 = time.monotonic()
+    resps, closed = read_responses(s, timeout=DEADLINE + SLACK)
+    assert closed and resps == [] and time.monotonic() - t0 < DEADLINE + SLACK
+    s.close()
+
+    # 4. A keep-alive client that sends whole requests gets a new deadline for each one: three
+    #    requests over 1.5 x the deadline on one connection are all answered.
+    s = connect(vm)
+    for _ in range(3):
+        s.sendall(request("GET", "/health", host, token=vm.token))
+        assert read_one(s)[0] == 200
+        time.sleep(DEADLINE / 2)
+    s.close()
+    assert wait_threads(vm.proc.pid, base) <= base
+
+
+def test_request_timeout_must_be_sane():
+    for bad in ("0", "-1", "1e9"):
+        r = subprocess.run([sys.executable, SERVER, "--request-timeout", bad], capture_output=True, text=True, timeout=30)
+        assert r.returncode != 0 and "--request-timeout" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# A GET's body is never the next request
+
+
+def test_a_get_with_a_body_is_refused_not_smuggled(served, vm_desktop):
+    vm = served()
+    host = f"127.0.0.1:{port_of(vm)}"
+    vm_call(vm, "POST", "/action", {"type": "move", "x": 300, "y": 300})
+    inner = request("POST", "/action", host, json.dumps({"type": "move", "x": 13, "y": 17}).encode(), token=vm.token)
+    for method, path in (("GET", "/health"), ("GET", "/screenshot")):
+        for framing in (["Content-Length"], ["Transfer-Encoding"]):
+            if framing == ["Content-Length"]:
+                outer = request(method, path, host, inner, token=vm.token)  # Content-Length: len(inner)
+            else:
+                chunk = b"%x\r\n" % len(inner) + inner + b"\r\n0\r\n\r\n"
+                outer = request(method, path, host, chunk, token=vm.token, headers=["Transfer-Encoding: chunked"],
+                                content_length=False)
+            s = connect(vm)
+            s.sendall(outer)  # keep-alive (HTTP/1.1, no Connection: close): a second answer would come
+            resps, closed = read_responses(s, timeout=3)
+            s.close()
+            assert len(resps) == 1 and is_json_error(resps[0], 400) and closed, (method, framing, resps)
+            assert b"takes no body" in resps[0][2]
+    assert mouse(vm_desktop) == (300, 300)  # the smuggled move never ran
+    # a GET without a body, and an explicit empty one, still work on a kept-alive connection
+    s = connect(vm)
+    s.sendall(request("GET", "/health", host, token=vm.token) + request("GET", "/health", host, token=vm.token,
+                                                                         content_length=True))
+    resps, _ = read_responses(s, timeout=1)
+    s.close()
+    assert [r[0] for r in resps] == [200, 200]
+
+
+# ------------------------------------------------------------------------------------------------
+# No token: loopback names only, no browser from another origin
+
+
+def test_without_a_token_only_loopback_hosts_and_same_origin(served, vm_desktop, tmp_path):
+    vm = served(token=None)
+    port = port_of(vm)
+    write = json.dumps({"steps": [{"type": "write_file", "path": "pwned.txt", "content": "x"}]}).encode()
+    vm_call(vm, "POST", "/action", {"type": "move", "x": 300, "y": 300})
+    move = json.dumps({"type": "move", "x": 13, "y": 17}).encode()
+
+    def answer(host, headers=(), path="/setup", body=write):
+        s = connect(vm)
+        s.sendall(request("POST" if body else "GET", path, host, body, headers=[*headers, "Connection: close"]))
+        resps, _ = read_responses(s, timeout=3)
+        s.close()
+        return resps
+
+    refused = [
+        (f"evil.example:{port}", []),                       # DNS rebinding: a foreign name, our address
+        ("evil.example", []),
+        (f"127.0.0.1:{port + 1}", []),                       # another port
+        (f"127.0.0.1.evil.example:{port}", []),
+        (f"localhost.:{port}", []),
+        (None, []),                                          # no Host at all
+        (f"127.0.0.1:{port}", [f"Host: evil.example:{port}"]),  # two Hosts
+        (f"127.0.0.1:{port}", ["Origin: http://evil.example"]),  # a web page POSTing to us
+        (f"127.0.0.1:{port}", ["Origin: null"]),             # a sandboxed iframe or a file:// page
+        (f"127.0.0.1:{port}", [f"Origin: http://127.0.0.1:{port + 1}"]),  # another local web server
+        (f"127.0.0.1:{port}", [f"Origin: https://127.0.0.1:{port}"]),
+        (f"127.0.0.1:{port}", ["Sec-Fetch-Site: cross-site"]),
+        (f"127.0.0.1:{port}", ["Sec-Fetch-Site: same-site"]),
+    ]
+    for host, headers in refused:
+        for path, body in (("/setup", write), ("/action", move), ("/health", b"")):
+            resps = answer(host, headers, path, body)
+            assert len(resps) == 1 and is_json_error(resps[0], 403), (host, headers, path, resps)
+    assert not (tmp_path / "pwned.txt").exists() and mouse(vm_desktop) == (300, 300)
+
+    allowed = [(f"127.0.0.1:{port}", []), (f"localhost:{port}", []), (f"LOCALHOST:{port}", []), (f"[::1]:{port}", []),
+               (f"127.0.0.1:{port}", [f"Origin: http://127.0.0.1:{port}"]),
+               (f"localhost:{port}", [f"Origin: http://localhost:{port}", "Sec-Fetch-Site: same-origin"]),
+               (f"127.0.0.1:{port}", ["Sec-Fetch-Site: none"])]  # typed into the address bar
+    for host, headers in allowed:
+        resps = answer(host, headers, "/health", b"")
+        assert [r[0] for r in resps] == [200], (host, headers, resps)
+    assert [r[0] for r in answer(f"127.0.0.1:{port}")] == [200] and (tmp_path / "pwned.txt").read_text() == "x"
+
+
+def test_with_a_token_the_bearer_check_is_the_gate(served, vm_desktop):
+    vm = served()
+    vm_call(vm, "POST", "/action", {"type": "move", "x": 300, "y": 300})
+    move = json.dumps({"type": "move", "x": 13, "y": 17}).encode()
+    for token, status in ((None, 401), ("wrong", 401), (vm.token, 200)):
+        s = connect(vm)
+        s.sendall(request("POST", "/action", "vm1.internal:8000", move, token=token,
+                          headers=["Origin: http://evil.example", "Connection: close"]))
+        resps, _ = read_responses(s, timeout=2)
+        s.close()
+        assert [r[0] for r in resps] == [status], (token, resps)
+        assert mouse(vm_desktop) == ((13, 17) if status == 200 else (300, 300))
+
+
+def test_local_names():
+    assert vm_server.local_names("127.0.0.1", 8000) == {"127.0.0.1:8000", "localhost:8000", "[::1]:8000"}
+    assert "127.0.0.2:81" in vm_server.local_names("127.0.0.2", 81)
+    assert "localhost" in vm_server.local_names("127.0.0.1", 80)  # a browser leaves out port 80
+
+
+# ------------------------------------------------------------------------------------------------
+# Idle connections cannot starve the server
+
+
+def test_hundreds_of_idle_connections_do_not_starve_health(served):
+    vm = served()
+    base = threads(vm.proc.pid)
+    idle = []
+    try:
+        for _ in range(400):
+            idle.append(connect(vm))
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        assert vm_call(vm, "GET", "/health", timeout=10).status_code == 200
+        health_s = time.monotonic() - t0
+        assert vm_call(vm, "POST", "/action", {"type": "move", "x": 5, "y": 5}, timeout=10).status_code == 200
+        held = threads(vm.proc.pid) - base
+        closed = sum(map(eof, idle))  # the server closed most of them to make room
+    finally:
+        for s in idle:
+            s.close()
+    print(f"\n400 idle connections: /health answered in {1000 * health_s:.0f} ms, {held} threads held, {closed} closed by the server")
+    assert health_s < 5.0
+    assert held <= vm_server.MAX_CONNECTIONS + 2, held
+    assert closed >= 400 - vm_server.MAX_CONNECTIONS - 2, closed

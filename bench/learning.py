@@ -359,8 +359,9 @@ def parse_args(argv=None):
     p.add_argument("--vms", type=int, default=4, help="local desktops")
     p.add_argument("--group-size", type=int, default=4, help="rollouts per task (one GRPO group)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds a window gets to appear after acting")
-    p.add_argument("--iterations", type=int, default=120,
-                   help="training iterations, fewer if --minutes leaves less time; 0 = as many as it leaves")
+    p.add_argument("--iterations", type=int, default=None,
+                   help="training iterations, fewer if --minutes leaves less time; 0 = as many as it leaves "
+                        "(default: 120 for arpo; explore decides its own)")
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (warm-up 10%%, then linear decay)")
     p.add_argument("--epochs", type=int, default=1, help="train_arpo.py --epochs")
     p.add_argument("--select-tasks", type=int, default=16, help="ARPO's task selection: K rollouts a task; 0 = off")
@@ -372,9 +373,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def resolve(a):
+    """Per-method defaults: the two methods never share seed folders, and explore gets
+    iterations=None so learning_explore keeps its own default."""
+    a.out = a.out or os.path.join(ROOT, "runs", "learning", a.method)
+    if a.method == "arpo" and a.iterations is None:
+        a.iterations = 120
+    return a
+
+
 def main(argv=None) -> int:
-    a = parse_args(argv)
-    a.out = a.out or os.path.join(ROOT, "runs", "learning", a.method)  # the two methods never share seed folders
+    a = resolve(parse_args(argv))
     if a.warm_start_only:
         w = warm_start(a.warm_start_only, 0, TASK_IDS.split(","), a.warm_epochs, a.warm_lr)
         print(f"warm start written to {a.warm_start_only} ({w['seconds']:.0f}s, NLL per answer "

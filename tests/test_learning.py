@@ -62,6 +62,14 @@ def test_verdict_reports_the_worst_seed():
         assert not L.verdict([seeds[0], {**seeds[1], **bad}])[1], bad
 
 
+def test_per_method_defaults():
+    arpo = L.resolve(L.parse_args(["--method", "arpo"]))
+    explore = L.resolve(L.parse_args(["--method", "explore"]))
+    assert arpo.iterations == 120 and explore.iterations is None  # explore's own default stays
+    assert arpo.out.endswith(os.path.join("learning", "arpo")) and explore.out.endswith(os.path.join("learning", "explore"))
+    assert L.resolve(L.parse_args(["--method", "explore", "--iterations", "3"])).iterations == 3
+
+
 def test_warm_start_balances_prompts_and_icons():
     """Every prompt is paired with each of the 7 icons once per epoch, answers parse onto the
     icons on the screen, and the folder loads as an ordinary checkpoint."""

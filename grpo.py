@@ -26,13 +26,13 @@ Where this departs from the papers (on purpose, each one small):
    says a random member, its code the first one; in a group that qualifies (std < 0.05, mean <
    0.2) the members score about the same, and taking the lowest keeps a rare partial success
    (e.g. one 0.1 among seven 0s, std 0.035) that a random or first pick could throw away.
-5. Old log-probs are recomputed by the trainer by default, not taken from the sampler (vLLM's
+5. Old log-probs are recomputed by the trainer, not taken from the sampler (vLLM's
    numbers differ slightly from HF's; top_p < 1 draws from a truncated distribution that the
    trainer does not reproduce). verl does the same, and logs the gap (our `logp_gap`). Every
    log-prob is scored at the sampling temperature with the never-sampled vision tokens removed,
    so at top_p 1 the trainer's numbers ARE the sampler's (Generation.logprobs). Samples may
-   still carry the sampler's log-probs (Sample.old_logps, collated to (B, T)), and
-   update_policy(..., old_logps="sampler") uses them instead.
+   carry the sampler's log-probs (Sample.old_logps, collated to (B, T)): the update only
+   measures its gap to them.
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ class Sample:
     """One training sequence: a prompt + completion (ScreenExplorer step) or a whole multi-turn
     trajectory (ARPO). target_mask is 1 on the tokens the policy produced (the loss's tokens).
     old_logps, if given, has one log-prob per target token, in order (e.g. the sampler's
-    Generation.logprobs); update_policy uses them only with old_logps="sampler". weight: what
+    Generation.logprobs); update_policy only compares them with its own (logp_gap). weight: what
     this sequence counts for in the "seq-mean-token-mean" mean over sequences; a trajectory cut
     into pieces (ARPO past --max-images) gives each piece its share of the trajectory's target
     tokens, so the pieces together count as the one sequence they came from."""
@@ -401,8 +401,7 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
                   eps_low: float = 0.2, eps_high: float = 0.28, beta: float = 0.0,
                   ref_fn: Callable[[dict], torch.Tensor] | None = None, max_grad_norm: float = 1.0,
                   agg: str = "seq-mean-token-mean", mini_batch_size: int | None = None,
-                  epochs: int = 1, on_micro_batch: Callable[[int], None] | None = None,
-                  old_logps: str | bool = "recompute", temperature: float = 1.0,
+                  epochs: int = 1, on_micro_batch: Callable[[int], None] | None = None, temperature: float = 1.0,
                   dual_clip: float | None = None, shuffle: random.Random | None = None) -> dict:
     """One GRPO update on a rollout; returns metrics averaged over its optimizer steps.
 
@@ -417,24 +416,14 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
     Reference for beta > 0: `ref_fn(batch) -> (B, T)` (e.g. a frozen copy), or, for a peft model,
     the same weights with the LoRA adapter disabled. beta == 0 computes no reference at all.
     `on_micro_batch(n)` is called after each micro-batch's backward with its n samples (a progress bar).
-    old_logps: "recompute" (default; departure 5 in the module docstring) scores the rollout with
-    the trainer's own forward pass; "sampler" (or True) uses the log-probs the samples carry
-    (Sample.old_logps), e.g. to measure the sampler/trainer mismatch. Those are log-probs of the
-    distribution actually sampled from (Generation.logprobs): the trainer's at the same
-    temperature, up to top_p < 1 and the removed vision tokens.
+    Old log-probs come from the trainer's own forward pass (departure 5 in the module docstring);
+    the log-probs the samples carry from the sampler (Sample.old_logps) are only compared with
+    them: metrics["logp_gap"] is the mean |trainer - sampler| over the target tokens.
     """
     model, pad_id, suppressed = _unwrap(policy_or_model)
     samples = list(samples)
     if not samples:
         return {}
-    if old_logps is True or old_logps is False:
-        old_logps = "sampler" if old_logps else "recompute"
-    if old_logps not in ("recompute", "sampler"):
-        raise ValueError(f"unknown old_logps {old_logps!r}; use 'recompute' or 'sampler'.")
-    from_sampler = old_logps == "sampler"
-    if from_sampler and any(s.old_logps is None for s in samples):
-        raise ValueError("old_logps='sampler' needs every sample to carry its log-probs "
-                         "(step_sample(..., old_logps=gen.logprobs)); or use old_logps='recompute'.")
     if beta != 0.0 and ref_fn is None and not hasattr(model, "disable_adapter"):
         raise ValueError("beta > 0 needs a reference policy: pass ref_fn, or train with LoRA (--lora-rank) "
                          "so the adapter can be switched off.")
@@ -453,27 +442,24 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
             batches.append({**collate(mb, pad_id), "temperature": float(temperature), "suppressed": suppressed})
     # On-policy shortcut: with one step in total, the weights that score the tokens are the
     # weights old_logps would come from, so old = current logps, detached (a second forward
-    # would return the same numbers at a third more compute). Not so with the sampler's numbers.
-    single = len(steps) == 1 and epochs == 1 and not from_sampler
+    # would return the same numbers at a third more compute).
+    single = len(steps) == 1 and epochs == 1
     gap = [0.0, 0]  # sum of |trainer - sampler| old log-probs over target tokens, and their count
 
     def note_gap(trainer_old, b):
         # verl logs the same (rollout_probs_diff): how far the sampler's numbers are from the
         # trainer's for the same weights and tokens, e.g. vLLM vs HF, or a temperature mismatch.
-        if b["old_logps"] is not None and not from_sampler:
+        if b["old_logps"] is not None:
             on = b["completion_mask"].bool()  # (B, T)
             on[:, 0] = False  # per_token_logps leaves position 0 out
             d = (trainer_old.detach().float().cpu() - b["old_logps"])[on].abs()  # (N_target,)
             gap[0], gap[1] = gap[0] + float(d.sum()), gap[1] + d.numel()
 
     with torch.no_grad():
-        if from_sampler:
-            old = [b["old_logps"] for b in batches]  # [(B, T)], carried from the sampler
-        else:
-            old = [None if single else per_token_logps(model, b) for b in batches]  # [(B, T)]
-            for o, b in zip(old, batches):
-                if o is not None:
-                    note_gap(o, b)
+        old = [None if single else per_token_logps(model, b) for b in batches]  # [(B, T)]
+        for o, b in zip(old, batches):
+            if o is not None:
+                note_gap(o, b)
         ref = [None] * len(batches)
         if beta != 0.0:
             for i, b in enumerate(batches):

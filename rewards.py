@@ -76,6 +76,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image
 
+from actions import ACTION_TYPES, DIRECTIONS  # the action vector's one-hot slots, in the VM protocol's order
+
 log = logging.getLogger("rewards")
 _said = set()  # messages already logged: "tool missing" is said once per process, not per step
 
@@ -446,9 +448,6 @@ def summarize_rewards(r: Rewards) -> dict[str, float]:
 # The curiosity world model: (s_t, e_t, a_t) -> (s'_t, e'_t). Trained online, after it has scored
 # the buffer (the release: before).
 
-ACTION_TYPES = ("move", "click", "double_click", "right_click", "drag", "scroll", "type", "key",
-                "wait", "done", "fail")
-DIRECTIONS = ("up", "down", "left", "right")
 HEAT_GRID = (16, 9)  # where the action lands, as a soft spot on a coarse grid
 TEXT_BUCKETS = 64  # hashed bag of typed-text trigrams and key names
 ACTION_DIM = len(ACTION_TYPES) + 6 + HEAT_GRID[0] * HEAT_GRID[1] + len(DIRECTIONS) + 1 + TEXT_BUCKETS

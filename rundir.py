@@ -1,13 +1,26 @@
-"""The run folder both train scripts write: args, metrics, trajectories, checkpoints.
+"""rundir.py: the plumbing both train scripts share: flags, the run folder, desktops, checkpoints, metrics.
+
+    args, given = rundir.parse_args(Args, argv, "train_arpo.py")      # one flag per Args field
+    args, ckpt = rundir.resume_args(Args, args, given, "train_arpo.py", marker="group_size")
+    with rundir.new_run(path):                                        # a failed start leaves no folder
+    pool, live, screen = rundir.open_desktops(args.vms, args.token, args.vm_timeout)
+    rundir.save(run, policy, optimizer, next_iteration, args, metrics, replay=...)   # atomic
+    policy = rundir.restore_policy(state, ckpt_dir, load)             # full weights or base + adapter
 
     runs/<name>/args.json            the Args of the run (also inside every checkpoint)
     runs/<name>/metrics.jsonl        one JSON line per finished iteration
     runs/<name>/trajectories/it000012/vm03.jsonl + vm03_step00.png ...   what the agent saw and did
-    runs/<name>/ckpt/                the latest checkpoint (state.pt + policy/ + extra files)
+    runs/<name>/ckpt/                the latest checkpoint (state.pt + policy/)
 
-Why a shared file when STYLE.md says the two train scripts may repeat setup: the crash-safety
-rules below are easy to get subtly wrong (a half-written checkpoint, an iteration logged twice after
-a resume), and two copies would drift. Everything else about a run lives in the train scripts.
+One vocabulary for both scripts. Flags: --ckpt-every, --eval-episodes, --resume, --eval-only
+(with --resume: evaluate the run's checkpoint), --no-<flag> for a flag that defaults to on.
+Metrics: `actor/<x>` for the update's numbers (actor/loss, actor/kl, actor/clip_low, actor/lr,
+...), `time/<phase>` for seconds (time/iteration is the whole iteration). A checkpoint's state.pt
+holds `next_iteration` (the iteration a resume starts with), `args`, `optimizer`, `rng`, and the
+policy: its full weights in ckpt/policy/ (save_pretrained), or, with LoRA, the peft adapter state
+(`adapter`) on top of `start_model`. Run folders written before this format still resume:
+resume_args renames their flags (RENAMED) and restore_policy / next_iteration read their
+checkpoints (LoRA as named parameters, `iteration` in each script's old meaning).
 
 Crash safety, the whole story:
 - A checkpoint is written into `ckpt.tmp-<pid>/`, fsynced, then swapped in with two renames
@@ -21,6 +34,8 @@ Crash safety, the whole story:
   checkpoint never landed), and with the checkpoint's own line if the kill came before it was
   logged, so every iteration appears exactly once.
 """
+import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -30,21 +45,233 @@ from dataclasses import asdict, is_dataclass
 import torch
 
 
-def make_run_dir(root: str, name: str | None, args, resume: str | None = None) -> str:
+import math
+import random
+import sys
+
+import numpy as np
+
+import progress
+from env import VMPool
+from model import save_policy
+
+# -----------------------------------------------------------------------------------------------
+# Flags: one per Args field, parsed by transformers' HfArgumentParser
+
+# Flags renamed since a run folder was written: its args.json / checkpoint still resume.
+RENAMED = {"save_every": "ckpt_every", "eval_rollouts": "eval_episodes"}
+
+
+class _Given:
+    """argparse leaves a namespace attribute alone unless the flag is on the command line (it only
+    fills in defaults for attributes not already there), so starting from this marker tells the
+    flags typed now from the defaults."""
+
+
+def parse_args(cls, argv, prog: str) -> tuple:
+    """-> (cls filled from the command line, {field: value} of the flags given explicitly).
+
+    One flag per field, `--max-pixels` (and `--max_pixels`); a bool is `--x` / `--x false`, and
+    one that defaults to on is switched off with `--no-x`; `metadata={"aliases": [...]}` adds
+    spellings. A bad flag ends in one sentence, not argparse's usage block."""
+    from transformers import HfArgumentParser
+    p = HfArgumentParser(cls, prog=prog, description=(sys.modules[cls.__module__].__doc__ or "").split("\n")[0])
+    p.error = lambda msg: sys.exit(f"{prog}: {msg}; see --help for the flags.")
+    marker = _Given()
+    names = [f.name for f in cls.__dataclass_fields__.values()]
+    ns = p.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(names, marker)))
+    given = {k: v for k, v in vars(ns).items() if v is not marker}
+    return cls(**given), given
+
+
+def check(problems: list, prog: str) -> None:
+    """problems: [(bad?, "what to do")]; the first bad one ends the run in one sentence."""
+    for bad, msg in problems:
+        if bad:
+            sys.exit(f"{prog}: {msg}.")
+
+
+def resume_args(cls, args, given: dict, prog: str, marker: str) -> tuple:
+    """With --resume: the run's saved args (its checkpoint's, else args.json: a run killed before
+    its first checkpoint), the flags given now on top. -> (args, (state, ckpt folder) or None).
+    `marker`: a field only this script's Args has, so the other script's run is refused."""
+    if not args.resume:
+        return args, None
+    if not os.path.isdir(args.resume):
+        sys.exit(f"--resume {args.resume}: no such run folder; pass a folder under {args.runs_dir}/.")
+    ckpt = load_checkpoint(args.resume)
+    if ckpt is None and given.get("eval_only"):
+        sys.exit(f"--resume {args.resume}: no checkpoint there to evaluate; pass a run folder with a ckpt/ in it.")
+    saved = ckpt[0].get("args") if ckpt is not None else None
+    if saved is None:
+        try:
+            with open(os.path.join(args.resume, "args.json")) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            saved = None
+    if not isinstance(saved, dict):
+        sys.exit(f"--resume {args.resume}: no checkpoint or args.json there; pass a run folder {prog} wrote.")
+    saved = {RENAMED.get(k, k): v for k, v in saved.items()}
+    if marker not in saved:
+        sys.exit(f"--resume {args.resume}: that is not a {prog} run; resume it with the script that wrote it.")
+    known = {k: v for k, v in saved.items() if k in cls.__dataclass_fields__}
+    return cls(**{**known, **given}), ckpt
+
+
+# -----------------------------------------------------------------------------------------------
+# The run folder
+
+
+def run_path(runs_dir: str, run_name: str, prefix: str = "") -> str:
+    """runs_dir/run_name (a time stamp when empty). A name that already starts with runs_dir
+    (`--run-name runs/x`) or is absolute is taken as the path itself."""
+    name = run_name or time.strftime(prefix + "%Y%m%d-%H%M%S")
+    if os.path.isabs(name) or not runs_dir:
+        return name
+    norm, root = os.path.normpath(name), os.path.normpath(runs_dir)
+    return name if norm == root or norm.startswith(root + os.sep) else os.path.join(runs_dir, name)
+
+
+@contextlib.contextmanager
+def new_run(path: str):
+    """Around the setup of a run: if it fails (a bad --model, a name clash), a folder that did not
+    exist before is removed again, so a failed start leaves nothing behind."""
+    fresh = not os.path.exists(path)
+    try:
+        yield
+    except BaseException:
+        if fresh:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+def make_run_dir(path: str, args, resume: bool = False) -> str:
     """Create (or reopen, on resume) the run folder and write args.json."""
-    if resume:
-        if not os.path.isdir(resume):
-            raise SystemExit(f"--resume {resume}: no such run folder; pass a folder under runs/.")
-        path = resume
-    else:
-        name = name or time.strftime("%Y%m%d-%H%M%S")
-        path = os.path.join(root, name)
-        if os.path.exists(os.path.join(path, "ckpt")):
-            raise SystemExit(f"{path} already holds a run; use --resume {path} or another --run-name.")
+    if not resume and os.path.exists(os.path.join(path, "ckpt")):
+        sys.exit(f"{path} already holds a run; use --resume {path} or another --run-name.")
     os.makedirs(os.path.join(path, "trajectories"), exist_ok=True)
     with open(os.path.join(path, "args.json"), "w") as f:
         json.dump(public_args(args), f, indent=2)
     return path
+
+
+# -----------------------------------------------------------------------------------------------
+# Desktops, seeds, timers, the learning-rate schedule
+
+
+def open_desktops(vms: str, token: str, timeout: float, screen=(1280, 720)) -> tuple:
+    """-> (VMPool, live VM indices, screen (w, h) of the first live one), or one sentence when
+    the VMs cannot start or none answers /health."""
+    try:
+        pool = VMPool(vms, token=token or os.environ.get("VM_TOKEN") or None, timeout=timeout, screen=screen)
+    except Exception as e:  # noqa: BLE001 -- a bad --vms or a desktop that cannot start: one sentence
+        sys.exit(f"cannot start the VMs ({str(e).rstrip('.')}); check --vms.")
+    health = pool.map("health", timeout=min(10.0, timeout))
+    live = {i for i, h in enumerate(health) if h.ok}
+    if not live:
+        pool.close()
+        sys.exit(f"None of the {pool.size} VM(s) answered /health ({str(health[0].error).rstrip('.')}); "
+                 "check --vms and --token.")
+    for i, h in enumerate(health):
+        if not h.ok:
+            print(f"vm {i} left out: {h.error}", flush=True)
+    return pool, live, tuple(health[min(live)].value.get("screen", screen))
+
+
+def seed_all(seed: int, sample_seed: int = -1) -> None:
+    """Python, numpy and torch; torch's generator (what sampling draws from) may get its own seed."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed if sample_seed < 0 else sample_seed)
+
+
+@contextlib.contextmanager
+def timed(times: dict, phase: str):
+    """Add the block's wall time to times["time/<phase>"] (a phase may run several times)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[f"time/{phase}"] = times.get(f"time/{phase}", 0.0) + time.perf_counter() - t0
+
+
+def scheduled_lr(lr: float, u: int, n: int, warmup: int, schedule: str) -> float:
+    """The learning rate of update u (0-based) of n: a linear warm-up over the first `warmup`
+    updates (lr * (u + 1) / warmup), then `schedule` over the rest, towards 0 at update n but never
+    0 itself (the last update still learns):
+        constant: lr,  linear: lr * (1 - f),  cosine: lr * (1 + cos(pi f)) / 2,  f = (u - warmup) / (n - warmup).
+    A function of u alone, so a resumed run continues the schedule where it stopped."""
+    if u < warmup:
+        return lr * (u + 1) / warmup
+    if schedule == "constant":
+        return lr
+    f = (u - warmup) / max(1, n - warmup)  # 0 at the first update after the warm-up, < 1 at the last
+    return lr * (1 - f) if schedule == "linear" else lr * 0.5 * (1 + math.cos(math.pi * f))
+
+
+def set_lr(optimizer, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+# -----------------------------------------------------------------------------------------------
+# Checkpoints: what a resume needs, in one format for both scripts
+
+
+def save(run: str, policy, optimizer, next_it: int, args, metrics: dict | None = None,
+         start_model: str | None = None, **extra) -> None:
+    """Checkpoint the run atomically (save_checkpoint). Full fine-tuning: the weights in policy/;
+    LoRA: the peft adapter state in state.pt (exact; the base is `start_model`, default --model).
+    `extra`: the script's own state (replay buffer, world model, ...). `metrics`: the line of the
+    iteration just done (see save_checkpoint)."""
+    adapter = None
+    if policy.lora:
+        from peft import get_peft_model_state_dict
+        adapter = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(policy.model).items()}
+    state = {"next_iteration": next_it, "args": asdict(args), "optimizer": optimizer.state_dict(),
+             "rng": rng_state(), "adapter": adapter, "start_model": start_model or args.model, **extra}
+    write = None if policy.lora else (lambda folder: save_policy(policy, os.path.join(folder, "policy")))
+    save_checkpoint(run, state, write, metrics=metrics)
+
+
+def next_iteration(state: dict) -> int:
+    """The iteration a resume starts with. Checkpoints older than the shared format stored
+    `iteration`: train_arpo.py's (they have a task picker) meant the next one, train_explore.py's
+    the last one done."""
+    if "next_iteration" in state:
+        return state["next_iteration"]
+    return state["iteration"] + (0 if "picker" in state else 1)
+
+
+def restore_policy(state: dict, ckpt_dir: str, load):
+    """The checkpoint's policy; load(name_or_folder) -> Policy with the run's LoRA settings."""
+    if state.get("adapter") is not None:  # LoRA: the starting model + the trained adapter
+        from peft import set_peft_model_state_dict
+        policy = load(state.get("start_model") or state["args"]["model"])
+        set_peft_model_state_dict(policy.model, state["adapter"])
+        return policy
+    if state.get("trainable") is not None:  # LoRA in the older format: named parameters
+        policy = load(state["args"]["model"])
+        try:
+            bad = policy.model.load_state_dict(state["trainable"], strict=False).unexpected_keys
+        except RuntimeError as e:  # a shape mismatch: another LoRA rank
+            bad = [str(e).strip().splitlines()[-1].strip()]
+        if bad:
+            sys.exit(f"the checkpoint's adapter does not fit this model ({bad[0][:150]}); "
+                     "resume with the --model and --lora-rank the run was started with.")
+        return policy
+    return load(os.path.join(ckpt_dir, "policy"))
+
+
+def resume(run: str, ckpt, optimizer) -> int:
+    """Optimizer state, RNG states and metrics.jsonl back to the checkpoint; -> the next iteration."""
+    state = ckpt[0]
+    optimizer.load_state_dict(state["optimizer"])
+    start = next_iteration(state)
+    trim_metrics(run, start)  # lines logged after this checkpoint are redone
+    set_rng_state(state["rng"])
+    return start
 
 
 def public_args(args) -> dict:
@@ -91,7 +318,7 @@ def save_checkpoint(run: str, state: dict, write_extra=None, metrics: dict | Non
             with open(os.path.join(root, f), "rb") as fh:
                 os.fsync(fh.fileno())
     with open(os.path.join(tmp, "COMPLETE"), "w") as f:
-        f.write(str(state.get("iteration", "")))
+        f.write(str(state.get("next_iteration", "")))
         f.flush()
         os.fsync(f.fileno())
     final, old = os.path.join(run, "ckpt"), os.path.join(run, "ckpt.old")
@@ -126,9 +353,6 @@ def load_checkpoint(run: str) -> tuple[dict, str] | None:
 
 
 def rng_state() -> dict:
-    import random
-
-    import numpy as np
     # On a GPU, HF generate samples with the CUDA generator: without its state a resumed run would
     # draw different answers from the same checkpoint.
     # Only if CUDA is in use: asking would otherwise start it for a CPU run on a GPU machine.
@@ -138,14 +362,11 @@ def rng_state() -> dict:
 
 
 def set_rng_state(s: dict) -> None:
-    import random
-
-    import numpy as np
     random.setstate(s["python"])
     np.random.set_state(s["numpy"])
     torch.set_rng_state(s["torch"])
-    # Absent in checkpoints written before it was saved; skipped when resuming on a machine with a
-    # different number of GPUs (or none), where the old states cannot be mapped one to one.
+    # Skipped when resuming on a machine with a different number of GPUs (or none), where the
+    # saved states cannot be mapped one to one.
     cuda = s.get("cuda")
     if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
@@ -181,12 +402,26 @@ def trim_metrics(run: str, next_iteration: int) -> None:
     os.replace(tmp, path)
 
 
+def end_iteration(run: str, trackers, metrics: dict, line: str) -> None:
+    """The iteration's metrics line (after its checkpoint: a resume never logs an iteration
+    twice), the same numbers to wandb / TensorBoard, and its console line."""
+    log_metrics(run, metrics)
+    progress.log(trackers, metrics, step=metrics["iteration"])
+    progress.say(line)
+
+
 def log_metrics(run: str, metrics: dict) -> None:
     """Append one iteration's metrics (must carry "iteration") as one fsynced JSON line."""
     with open(os.path.join(run, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics, default=float) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def clear_trajectories(run: str, iteration: int) -> None:
+    """An iteration redone after a kill (its trajectories were saved, its checkpoint was not) must
+    not leave the killed attempt's files beside the new ones (a VM that dropped out this time)."""
+    shutil.rmtree(os.path.join(run, "trajectories", f"it{iteration:06d}"), ignore_errors=True)
 
 
 def save_trajectory(run: str, iteration: int, vm: int, steps: list[dict], images: list) -> str:

@@ -59,27 +59,31 @@ Where this departs from ARPO (paper + its released code), on purpose:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import random
 import shutil
+import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from io import BytesIO
 
 import numpy as np
 import torch
 from PIL import Image
+from transformers.utils import logging as hf_logging
 
 import progress
 import rundir
-from env import Task, TaskError, VMError, VMPool, load_tasks, parse_action, smart_resize
-from grpo import ReplayBuffer, group_advantages, trajectory_sample, update_policy
+from actions import parse_action, smart_resize
 from chat import encode_chat, uitars_messages
-from model import Generation, generate, load_policy, save_policy, sync_weights
+from env import Task, TaskError, VMPool, load_tasks
+from grpo import ReplayBuffer, group_advantages, trajectory_sample, update_policy
+from model import Generation, generate, load_policy
+from vllm_engine import VLLMEngine, needed_model_len, sync_weights
+
+PROG = "train_arpo.py"
 
 # ------------------------------------------------------------------------------------------------
 # Args
@@ -140,7 +144,7 @@ class Args:
     select_tasks: int = arg(0, "before training, K rollouts per task; keep the tasks solved at least once (ARPO: 16)")
     # evaluation
     eval_only: bool = arg(False, "evaluate the policy (standard and hard protocols), do not train")
-    eval_rollouts: int = arg(1, "rollouts per task in --eval-only")
+    eval_episodes: int = arg(1, "episodes per task in --eval-only")
     eval_temperature: float = arg(0.5, "sampling temperature of --eval-only (ARPO: 0.5)")
     eval_out: str = arg("", "where --eval-only writes its JSON (default: the run folder)")
     # run folder
@@ -150,58 +154,45 @@ class Args:
     ckpt_every: int = arg(1, "checkpoint every N iterations (and at the end)")
     save_trajectories: bool = arg(True, "write every episode's screenshots + steps into the run folder")
     seed: int = arg(0, "seed of task order, the update's shuffle, the replay buffer and the tiny model's weights")
+    # Task order (pick_tasks), the replay buffer and the tiny model's weights have Randoms of their
+    # own seeded by --seed; sampling draws from torch's generator. So an eval can take fresh samples
+    # of a checkpoint, and two runs can share a task order and differ in their samples.
     sample_seed: int = arg(-1, "seed of sampling answers (training and --eval-only); -1 = --seed")
     wandb: bool = arg(False, "also log every metric to Weights & Biases (pip install wandb; WANDB_PROJECT names the project)")
     tensorboard: bool = arg(False, "also log every metric to TensorBoard in runs/<name>/tb (pip install tensorboard)")
 
 
-def one_sentence(msg: str):
-    raise SystemExit(f"train_arpo.py: {msg}; see --help for the flags.")
-
-
-def parse_args(argv=None) -> tuple[Args, dict]:
-    """Args from the command line, plus the dict of flags actually given (they win over a resumed
-    run's saved args). Booleans that default to True are switched off with --no-<name>."""
-    def build(suppress: bool) -> argparse.ArgumentParser:
-        p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-        for f in fields(Args):
-            name = f.name.replace("_", "-")
-            kw = {"help": f"{f.metadata['help']} (default: {f.default})", "dest": f.name,
-                  "default": argparse.SUPPRESS if suppress else f.default}
-            if f.type == "bool" and f.default:
-                p.add_argument(f"--no-{name}", action="store_false", **kw)
-            elif f.type == "bool":
-                p.add_argument(f"--{name}", action="store_true", **kw)
-            else:
-                p.add_argument(f"--{name}", type={"int": int, "float": float}.get(f.type, str), **kw)
-        p.error = one_sentence  # argparse's own error is a usage block and exit code 2
-        return p
-    args = Args(**vars(build(False).parse_args(argv)))
-    return args, vars(build(True).parse_args(argv))
-
-
 def check_args(args: Args) -> None:
     """Errors a user can cause, each as one sentence."""
-    if args.group_size < 1:
-        raise SystemExit("--group-size must be at least 1 (ARPO uses 8).")
-    if args.engine not in ("hf", "vllm"):
-        raise SystemExit("--engine must be hf or vllm.")
-    if args.loss_agg not in ("seq-mean-token-mean", "token-mean"):
-        raise SystemExit("--loss-agg must be seq-mean-token-mean or token-mean.")
-    if args.beta != 0 and args.lora_rank == 0:
-        raise SystemExit("--beta > 0 needs a reference policy: add --lora-rank 64 (the adapter-free model "
-                         "is the reference), or keep --beta 0 as ARPO does.")
-    if args.dual_clip != 0 and not args.dual_clip > 1:
-        raise SystemExit("--dual-clip must be above 1 (ARPO uses 3.0), or 0 to switch it off.")
-    if args.mini_batch < 0 or args.micro_batch < 1:
-        raise SystemExit("--mini-batch must be 0 (ARPO's two steps per iteration) or more, and --micro-batch at least 1.")
-    if min(args.max_steps, args.max_images, args.max_new_tokens, args.eval_rollouts, args.ckpt_every) < 1:
-        raise SystemExit("--max-steps, --max-images, --max-new-tokens, --eval-rollouts and --ckpt-every "
-                         "must be at least 1.")
-    if args.lr_schedule not in ("constant", "linear", "cosine"):
-        raise SystemExit("--lr-schedule must be constant, linear or cosine.")
-    if args.lr_warmup < 0 or args.epochs < 1:
-        raise SystemExit("--lr-warmup must be 0 or more and --epochs at least 1.")
+    rundir.check([
+        (args.group_size < 1, "--group-size must be at least 1 (ARPO uses 8)"),
+        (args.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
+        (args.loss_agg not in ("seq-mean-token-mean", "token-mean"), "--loss-agg must be seq-mean-token-mean or token-mean"),
+        (args.beta != 0 and args.lora_rank == 0, "--beta > 0 needs a reference policy: add --lora-rank 64 (the "
+                                                  "adapter-free model is the reference), or keep --beta 0 as ARPO does"),
+        (args.dual_clip != 0 and not args.dual_clip > 1, "--dual-clip must be above 1 (ARPO uses 3.0), or 0 to switch it off"),
+        (args.mini_batch < 0 or args.micro_batch < 1, "--mini-batch must be 0 (ARPO's two steps per iteration) or "
+                                                      "more, and --micro-batch at least 1"),
+        (min(args.max_steps, args.max_images, args.max_new_tokens, args.eval_episodes, args.ckpt_every) < 1,
+         "--max-steps, --max-images, --max-new-tokens, --eval-episodes and --ckpt-every must be at least 1"),
+        (args.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
+        (args.lr_warmup < 0 or args.epochs < 1, "--lr-warmup must be 0 or more and --epochs at least 1"),
+        (screen_size(args) is None, "--screen must be WIDTHxHEIGHT, e.g. 1280x720"),
+    ], PROG)
+
+
+def screen_size(args: Args) -> tuple[int, int] | None:
+    w, _, h = args.screen.lower().partition("x")
+    return (int(w), int(h)) if w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0 else None
+
+
+def resolve_args(argv=None) -> tuple:
+    """The command line; on --resume, the run's saved args with the flags given now on top.
+    -> (args, (checkpoint state, folder) or None, the flags given now)."""
+    args, given = rundir.parse_args(Args, argv, PROG)
+    args, ckpt = rundir.resume_args(Args, args, given, PROG, marker="group_size")
+    check_args(args)
+    return args, ckpt, given
 
 
 # ------------------------------------------------------------------------------------------------
@@ -271,15 +262,6 @@ def model_policy(policy, args: Args, temperature: float):
     return policy_fn
 
 
-@contextmanager
-def timed(times: dict, key: str):
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        times[key] = times.get(key, 0.0) + time.perf_counter() - t0
-
-
 # ------------------------------------------------------------------------------------------------
 # Desktops: reset, setup, rollout, score
 
@@ -298,6 +280,49 @@ def setup_vms(pool: VMPool, vm_tasks: list, timeout: float) -> tuple[list, dict]
 
 def _drop(ep: Episode, why: str) -> None:
     ep.end, ep.error = "dropped", why
+
+
+def observe(pool: VMPool, eps: list, active: list[int], args: Args, times: dict) -> list[Observation]:
+    """Screenshots of the active VMs -> one Observation each (a VM whose screenshot fails is dropped)."""
+    with rundir.timed(times, "env"):
+        shots = pool.map("screenshot", ["png" if i in active else None for i in range(pool.size)])
+    obs = []
+    for i in active:
+        e = eps[i]
+        if not shots[i].ok:
+            _drop(e, shots[i].error)
+            continue
+        img = shots[i].value
+        e.screenshots.append(img)
+        # The size the processor resizes this screenshot to: UI-TARS answers in those pixels.
+        h, w = smart_resize(img.height, img.width, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+        # The history: earlier answers as the sampled ids themselves, so this prompt and the
+        # training sequence built from the same episode later hold the very same tokens.
+        msgs = uitars_messages(e.task.instruction, e.screenshots, e.assistant, max_images=args.max_images)
+        obs.append(Observation(e.task, i, len(e.assistant), msgs, img.size, (w, h)))
+    return obs
+
+
+def record(e: Episode, o: Observation, out, args: Args):
+    """One answer into its episode: parsed in the image the model saw. -> the Action to run, or None."""
+    if isinstance(out, Generation):  # the model: keep the sampled ids, parse in the image it saw
+        text, content, seen, lps = out.text, list(out.completion_ids), out.prompt.image_sizes[-1], out.logprobs
+    else:                            # a scripted stand-in: text, in o.image_size coordinates
+        text, content, seen, lps = str(out), str(out), o.image_size, None
+    parsed = parse_action(text, "uitars", o.screen, seen)
+    e.texts.append(text)
+    e.assistant.append(content)
+    e.logprobs.append(None if lps is None else [float(x) for x in lps])
+    e.thoughts.append(parsed.thought if parsed else "")
+    e.actions.append(parsed.action.to_dict() if parsed else None)
+    e.format_ok.append(parsed is not None)
+    if parsed is None:
+        e.end = "format" if args.stop_on_format_error else None  # ALGO: ARPO stops the episode
+    elif parsed.action.type in ("done", "fail"):
+        e.end = parsed.action.type  # finished() / call_user(): nothing to execute
+    else:
+        return parsed.action
+    return None
 
 
 def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
@@ -319,48 +344,15 @@ def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
         if not active:
             pb.close()
             return eps
-        with timed(times, "env"):
-            shots = pool.map("screenshot", ["png" if i in active else None for i in range(pool.size)])
-        obs, who = [], []
-        for i in active:
-            e = eps[i]
-            if not shots[i].ok:
-                _drop(e, shots[i].error)
-                continue
-            img = shots[i].value
-            e.screenshots.append(img)
-            # The size the processor resizes this screenshot to: UI-TARS answers in those pixels.
-            h, w = smart_resize(img.height, img.width, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
-            # The history: earlier answers as the sampled ids themselves, so this prompt and the
-            # training sequence built from the same episode later hold the very same tokens.
-            msgs = uitars_messages(e.task.instruction, e.screenshots, e.assistant, max_images=args.max_images)
-            obs.append(Observation(e.task, i, len(e.assistant), msgs, img.size, (w, h)))
-            who.append(i)
+        obs = observe(pool, eps, active, args, times)
         if not obs:
             continue
-        with timed(times, "generation"):
+        with rundir.timed(times, "generation"):
             outs = policy_fn(obs)
         actions = [None] * pool.size
-        for i, o, out in zip(who, obs, outs):
-            e = eps[i]
-            if isinstance(out, Generation):  # the model: keep the sampled ids, parse in the image it saw
-                text, content, seen, lps = out.text, list(out.completion_ids), out.prompt.image_sizes[-1], out.logprobs
-            else:                            # a scripted stand-in: text, in o.image_size coordinates
-                text, content, seen, lps = str(out), str(out), o.image_size, None
-            parsed = parse_action(text, "uitars", o.screen, seen)
-            e.texts.append(text)
-            e.assistant.append(content)
-            e.logprobs.append(None if lps is None else [float(x) for x in lps])
-            e.thoughts.append(parsed.thought if parsed else "")
-            e.actions.append(parsed.action.to_dict() if parsed else None)
-            e.format_ok.append(parsed is not None)
-            if parsed is None:
-                e.end = "format" if args.stop_on_format_error else None  # ALGO: ARPO stops the episode
-            elif parsed.action.type in ("done", "fail"):
-                e.end = parsed.action.type  # finished() / call_user(): nothing to execute
-            else:
-                actions[i] = parsed.action
-        with timed(times, "env"):
+        for o, out in zip(obs, outs):
+            actions[o.vm] = record(eps[o.vm], o, out, args)
+        with rundir.timed(times, "env"):
             res = pool.act(actions) if any(a is not None for a in actions) else []
             if res and args.settle > 0:
                 time.sleep(args.settle)  # a window takes a moment to map; the model should see it
@@ -375,8 +367,8 @@ def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
                 eps[i].format_ok[-1] = False
                 eps[i].actions[-1] = {**eps[i].actions[-1], "refused": r.error}
                 eps[i].end = "format" if args.stop_on_format_error else None
-        for i in who:
-            e = eps[i]
+        for o in obs:
+            e = eps[o.vm]
             if e.end is None and len(e.assistant) >= min(args.max_steps, e.task.max_steps):
                 e.end = "max_steps"
         pb.update(1)
@@ -435,7 +427,7 @@ def run_jobs(pool: VMPool, jobs: list, policy_fn, args: Args, times: dict) -> tu
     queue, done, lost = [(t, 0) for t in jobs], [], 0
     pb = progress.bar(len(jobs), "episodes")
     while queue:
-        with timed(times, "reset"):
+        with rundir.timed(times, "reset"):
             live = reset_vms(pool)
         if not live:
             raise SystemExit("No VM answered after a reset; check that the desktops run (see --vms).")
@@ -443,10 +435,10 @@ def run_jobs(pool: VMPool, jobs: list, policy_fn, args: Args, times: dict) -> tu
         vm_tasks, tries = [None] * pool.size, {}
         for i, (t, n) in zip(live, wave):
             vm_tasks[i], tries[i] = t, n
-        with timed(times, "reset"):
+        with rundir.timed(times, "reset"):
             vm_tasks, errors = setup_vms(pool, vm_tasks, args.vm_timeout)
         eps = rollout(pool, vm_tasks, policy_fn, args, times)
-        with timed(times, "evaluate"):
+        with rundir.timed(times, "evaluate"):
             score_episodes(pool, eps, args, args.vm_timeout)
         failed = [(t, tries[i]) for i, t in zip(live, [w[0] for w in wave]) if i in errors]
         failed += [(e.task, tries[e.vm]) for e in eps if e is not None and e.end == "dropped"]
@@ -479,8 +471,8 @@ def evaluate_policy(pool: VMPool, tasks: list, policy_fn, args: Args, save_to: s
     "iteration" per task in the order given, one "vm" per rollout of it."""
     times = {}
     t0 = time.perf_counter()
-    eps, lost = run_jobs(pool, [t for t in tasks for _ in range(args.eval_rollouts)], policy_fn, args, times)
-    out = {"episodes": len(eps), "lost": lost, "rollouts_per_task": args.eval_rollouts,
+    eps, lost = run_jobs(pool, [t for t in tasks for _ in range(args.eval_episodes)], policy_fn, args, times)
+    out = {"episodes": len(eps), "lost": lost, "episodes_per_task": args.eval_episodes,
            "temperature": args.eval_temperature, "seconds": time.perf_counter() - t0}
     for proto, key in (("standard", "score_standard"), ("hard", "score")):
         per_task = {}
@@ -525,6 +517,7 @@ class Trainer:
     policy_fn: object
     run: str | None = None
     tasks: list = field(default_factory=list)  # the training task list (after --select-tasks)
+    picker: dict = field(default_factory=lambda: {"epoch": 0, "pos": 0})  # pick_tasks' place in the order
 
 
 def plan_groups(live: list[int], group_size: int) -> list[list[int]]:
@@ -536,21 +529,11 @@ def plan_groups(live: list[int], group_size: int) -> list[list[int]]:
 
 
 def lr_at(it: int, args: Args) -> float:
-    """The learning rate of iteration `it` (0-based): a linear warm-up over the first --lr-warmup
-    iterations (lr * (it + 1) / warmup), then --lr-schedule over the rest, towards 0 at --iterations
-    (never 0 itself: the last iteration still learns). A function of the iteration alone, so a
-    resumed run continues the schedule where it stopped. ARPO keeps lr constant without warm-up;
-    a small model trained from scratch at a high lr needs the decay to keep what it learned (at a
-    constant lr 1e-3 the tiny model can learn a task to 0.92 and lose it in the last iterations)."""
-    w = args.lr_warmup
-    if it < w:
-        return args.lr * (it + 1) / w
-    if args.lr_schedule == "constant":
-        return args.lr
-    frac = (it - w) / max(1, args.iterations - w)  # 0 at the first iteration after the warm-up, < 1 at the last
-    if args.lr_schedule == "linear":
-        return args.lr * (1 - frac)
-    return args.lr * 0.5 * (1 + math.cos(math.pi * frac))  # cosine
+    """The learning rate of iteration `it` (0-based): rundir.scheduled_lr over --iterations. ARPO
+    keeps lr constant without warm-up; a small model trained from scratch at a high lr needs the
+    decay to keep what it learned (at a constant lr 1e-3 the tiny model can learn a task to 0.92
+    and lose it in the last iterations)."""
+    return rundir.scheduled_lr(args.lr, it, args.iterations, args.lr_warmup, args.lr_schedule)
 
 
 def pick_tasks(ids: list[str], state: dict, n: int, seed: int) -> list[str]:
@@ -654,11 +637,15 @@ def flat_groups(groups: list, advantages: list[float]) -> int:
     return sum(all(a == 0 for a in advs) for advs in by_group.values())
 
 
+UPDATE_KEYS = ("loss", "pg_loss", "kl", "clip_low", "clip_high", "clip_dual", "ratio_mean", "grad_norm", "tokens",
+               "steps")
+
+
 def iteration_metrics(it, task_ids, eps, fresh, batch, pieces, adv, upd, times, args: Args) -> dict:
     """One metrics.jsonl line: rewards, success, format, the update's numbers, the time split."""
     def mean(xs):
         return float(np.mean(xs)) if len(xs) else 0.0
-    vm_time = times["reset"] + times["env"] + times["evaluate"]
+    vm_time = times["time/reset"] + times["time/env"] + times["time/evaluate"]
     return {
         "iteration": it, "tasks": task_ids, "episodes": len(fresh),
         "dropped": len([e for e in eps if e is not None and e.end == "dropped"]),
@@ -673,39 +660,64 @@ def iteration_metrics(it, task_ids, eps, fresh, batch, pieces, adv, upd, times, 
                    "target_tokens": int(sum(sum(p.target_mask) for p in ps)), "steps": len(e.actions),
                    "sequences": len(ps)}
                   for e, a, ps in zip(batch, adv, pieces)],
-        **{k: upd.get(k, 0.0) for k in ("loss", "pg_loss", "kl", "clip_low", "clip_high", "clip_dual",
-                                        "ratio_mean", "grad_norm", "tokens", "steps")},
+        **{f"actor/{k}": upd.get(k, 0.0) for k in UPDATE_KEYS},
         # trainer vs sampler log-probs of this iteration's sampled tokens (0 on the HF path; vLLM
         # numerics show here), over the micro-batches whose sequences all carry the sampler's numbers
-        **({"logp_gap": upd["logp_gap"]} if "logp_gap" in upd else {}),
-        **{f"time_{k}": v for k, v in times.items()},
-        "vm_wait_share": vm_time / times["total"] if times["total"] else 0.0}
+        **({"actor/logp_gap": upd["logp_gap"]} if "logp_gap" in upd else {}),
+        **times, "vm_wait_share": vm_time / times["time/iteration"] if times["time/iteration"] else 0.0}
+
+
+def assign_tasks(tr: Trainer, pick) -> tuple:
+    """Reset every VM, split the live ones into groups, give each group the next task, run the
+    setups. -> (task id per group, task per VM (None: idle), group per VM, setup errors per VM)."""
+    live = reset_vms(tr.pool)
+    groups = plan_groups(live, tr.args.group_size)
+    if not groups:
+        raise SystemExit("No VM answered after a reset; check that the desktops run (see --vms).")
+    task_ids = pick(len(groups))
+    by_id = {t.id: t for t in tr.tasks}
+    vm_tasks, vm_group = [None] * tr.pool.size, {}
+    for g, (vms, tid) in enumerate(zip(groups, task_ids)):
+        for i in vms:
+            vm_tasks[i], vm_group[i] = by_id[tid], g
+    vm_tasks, errors = setup_vms(tr.pool, vm_tasks, tr.args.vm_timeout)
+    return task_ids, vm_tasks, vm_group, errors
+
+
+def update(tr: Trainer, batch: list[Episode], it: int) -> tuple:
+    """ALGO: advantages per group of trajectories, broadcast to every assistant token, then the GRPO
+    update in ARPO's schedule (two shuffled mini-batches by default, dual clip, log-probs at the
+    sampling temperature). -> (advantage per trajectory, its training sequences, update metrics)."""
+    args = tr.args
+    adv = group_advantages([e.reward for e in batch], [e.group for e in batch]).tolist()  # (N,)
+    pieces = [episode_samples(tr.policy, e, args, a) for e, a in zip(batch, adv)]
+    samples = [p for ps in pieces for p in ps]
+    if not samples:
+        return adv, pieces, {}
+    mini = args.mini_batch or math.ceil(len(samples) / 2)  # ALGO: ARPO: 2 optimizer steps per batch
+    with progress.bar(len(samples) * args.epochs, "update") as pb:
+        upd = update_policy(tr.policy, tr.optimizer, samples, micro_batch_size=args.micro_batch,
+                            eps_low=args.eps_low, eps_high=args.eps_high, beta=args.beta,
+                            max_grad_norm=args.max_grad_norm, agg=args.loss_agg, mini_batch_size=mini,
+                            epochs=args.epochs, on_micro_batch=pb.update, temperature=args.temperature,
+                            dual_clip=args.dual_clip or None,
+                            shuffle=random.Random(f"{args.seed}-update-{it}"))  # the same on a resume
+    sync_weights(tr.policy)  # vLLM generates with the new weights from the next step on
+    return adv, pieces, upd
 
 
 def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
     """One ARPO iteration; pick(n) -> n task ids. Returns (metrics, this iteration's episodes)."""
     args, pool = tr.args, tr.pool
-    times = dict.fromkeys(("reset", "generation", "env", "evaluate", "update"), 0.0)
+    times = {f"time/{k}": 0.0 for k in ("reset", "generation", "env", "evaluate", "update")}
     t0 = time.perf_counter()
-    lr = lr_at(it, args)
-    for group in tr.optimizer.param_groups:
-        group["lr"] = lr
+    lr = rundir.set_lr(tr.optimizer, lr_at(it, args))
     # -- reset, pick one task per group, setup
-    with timed(times, "reset"):
-        live = reset_vms(pool)
-        groups = plan_groups(live, args.group_size)
-        if not groups:
-            raise SystemExit("No VM answered after a reset; check that the desktops run (see --vms).")
-        task_ids = pick(len(groups))
-        by_id = {t.id: t for t in tr.tasks}
-        vm_tasks, vm_group = [None] * pool.size, {}
-        for g, (vms, tid) in enumerate(zip(groups, task_ids)):
-            for i in vms:
-                vm_tasks[i], vm_group[i] = by_id[tid], g
-        vm_tasks, setup_errors = setup_vms(pool, vm_tasks, args.vm_timeout)
+    with rundir.timed(times, "reset"):
+        task_ids, vm_tasks, vm_group, setup_errors = assign_tasks(tr, pick)
     # -- rollout + score
     eps = rollout(pool, vm_tasks, tr.policy_fn, args, times, vm_group, it)
-    with timed(times, "evaluate"):
+    with rundir.timed(times, "evaluate"):
         score_episodes(pool, eps, args, args.vm_timeout)
     fresh = [e for e in eps if e is not None and e.end != "dropped"]
     # -- ALGO: replay into all-failed groups, THEN store this iteration's successes
@@ -714,29 +726,14 @@ def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
         for e in fresh:
             if e.score > tr.replay.success_threshold:  # ALGO: success = score > 0.1; PNG-encode only those
                 tr.replay.add(e.task.id, to_record(e), e.score)
-    # -- ALGO: advantages per group of trajectories, broadcast to every assistant token; the GRPO
-    # update in ARPO's schedule (two shuffled mini-batches by default, dual clip, scored at the
-    # sampling temperature)
-    upd = {}
-    with timed(times, "update"):
-        adv = group_advantages([e.reward for e in batch], [e.group for e in batch]).tolist()  # (N,)
-        pieces = [episode_samples(tr.policy, e, args, a) for e, a in zip(batch, adv)]
-        samples = [p for ps in pieces for p in ps]
-        if samples:
-            mini = args.mini_batch or math.ceil(len(samples) / 2)  # ALGO: ARPO: 2 steps per batch
-            with progress.bar(len(samples) * args.epochs, "update") as pb:
-                upd = update_policy(tr.policy, tr.optimizer, samples, micro_batch_size=args.micro_batch,
-                                    eps_low=args.eps_low, eps_high=args.eps_high, beta=args.beta,
-                                    max_grad_norm=args.max_grad_norm, agg=args.loss_agg, mini_batch_size=mini,
-                                    epochs=args.epochs, on_micro_batch=pb.update, temperature=args.temperature,
-                                    dual_clip=args.dual_clip or None,
-                                    shuffle=random.Random(f"{args.seed}-update-{it}"))  # the same on a resume
-            sync_weights(tr.policy)  # vLLM generates with the new weights from the next step on
-    times["total"] = time.perf_counter() - t0
+    # -- ALGO: group advantages and the GRPO update
+    with rundir.timed(times, "update"):
+        adv, pieces, upd = update(tr, batch, it)
+    times["time/iteration"] = time.perf_counter() - t0
     m = iteration_metrics(it, task_ids, eps, fresh, batch, pieces, adv, upd, times, args)
-    m.update(lr=lr, groups=group_stats, replay_injections=injections, n_injections=len(injections),
-             replay_size=len(tr.replay) if tr.replay is not None else 0,
-             zero_std_groups=flat_groups([e.group for e in batch], adv))
+    m.update({"actor/lr": lr, "groups": group_stats, "replay_injections": injections,
+              "n_injections": len(injections), "replay_size": len(tr.replay) if tr.replay is not None else 0,
+              "zero_std_groups": flat_groups([e.group for e in batch], adv)})
     m["dropped"] += len(setup_errors)
     if setup_errors:
         m["setup_errors"] = {str(k): v for k, v in setup_errors.items()}
@@ -745,9 +742,7 @@ def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
 
 def save_episodes(run: str, it: int, eps: list) -> None:
     """Each VM's episode: every step's screenshot, thought, action, then a final line with the score."""
-    # An iteration redone after a kill (its trajectories were saved, its checkpoint was not) must not
-    # leave the killed attempt's files beside the new ones (a VM that dropped out this time, say).
-    shutil.rmtree(os.path.join(run, "trajectories", f"it{it:06d}"), ignore_errors=True)
+    rundir.clear_trajectories(run, it)
     for e in eps:
         if e is None or not e.screenshots:
             continue
@@ -766,11 +761,11 @@ def summary_line(m: dict) -> str:
     return (f"it {m['iteration']:4d} | tasks {','.join(m['tasks'])[:40]:40s} | reward {m['reward_mean']:+.2f}"
             f"±{m['reward_std']:.2f} | success {m['success_rate']:.2f} | format {m['format_rate']:.2f} | "
             f"replay +{m['n_injections']}{''.join(' ' + i['task'] for i in m['replay_injections'])} "
-            f"({m['replay_size']} stored) | flat groups {m['zero_std_groups']}/{len(m['groups'])} | kl {m['kl']:.4f} clip "
-            f"{m['clip_low']:.2f}/{m['clip_high']:.2f}/{m['clip_dual']:.2f} ({m['steps']:.0f} steps) | "
-            f"{m['time_total']:.1f}s (reset {m['time_reset']:.1f} "
-            f"gen {m['time_generation']:.1f} env {m['time_env']:.1f} eval {m['time_evaluate']:.1f} "
-            f"upd {m['time_update']:.1f}; VM wait {100 * m['vm_wait_share']:.0f}%)")
+            f"({m['replay_size']} stored) | flat groups {m['zero_std_groups']}/{len(m['groups'])} | "
+            f"kl {m['actor/kl']:.4f} clip {m['actor/clip_low']:.2f}/{m['actor/clip_high']:.2f}/"
+            f"{m['actor/clip_dual']:.2f} ({m['actor/steps']:.0f} steps) | {m['time/iteration']:.1f}s (reset "
+            f"{m['time/reset']:.1f} gen {m['time/generation']:.1f} env {m['time/env']:.1f} eval "
+            f"{m['time/evaluate']:.1f} upd {m['time/update']:.1f}; VM wait {100 * m['vm_wait_share']:.0f}%)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -793,26 +788,14 @@ def load_task_list(args: Args, ids: list[str] | None = None) -> list[Task]:
 
 
 def make_policy(args: Args, ckpt: tuple[dict, str] | None):
-    """The starting policy, or the one a checkpoint holds (full FT: its saved folder; LoRA: the base
-    model plus the saved adapter weights)."""
-    kw = dict(lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed,
-              gradient_checkpointing=args.gradient_checkpointing, min_pixels=args.min_pixels,
-              max_pixels=args.max_pixels)
-    if ckpt is not None and args.lora_rank == 0:
-        policy = load_policy(os.path.join(ckpt[1], "policy"), **kw)
-    else:
-        policy = load_policy(args.model, **kw)
-        if ckpt is not None:  # the adapter; strict=False because the frozen base is not in it
-            try:
-                bad = policy.model.load_state_dict(ckpt[0]["trainable"], strict=False).unexpected_keys
-            except RuntimeError as e:  # shape mismatch: another rank
-                bad = [str(e).strip().splitlines()[-1].strip()]
-            if bad:
-                raise SystemExit(f"the checkpoint's adapter does not fit this model ({bad[0][:150]}); "
-                                 "resume with the --model and --lora-rank the run was started with.")
+    """The starting policy, or the one a checkpoint holds (rundir.restore_policy)."""
+    def load(name):
+        return load_policy(name, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed,
+                           gradient_checkpointing=args.gradient_checkpointing, min_pixels=args.min_pixels,
+                           max_pixels=args.max_pixels)
+    policy = load(args.model) if ckpt is None else rundir.restore_policy(*ckpt, load)
     if args.engine == "vllm":
-        from vllm_engine import VLLMEngine, needed_model_len
-        import tempfile  # vLLM loads weights from disk: the starting ones, or a fresh copy of ours
+        # vLLM loads weights from disk: the starting ones, or a fresh copy of ours
         fresh_copy = os.path.join(tempfile.mkdtemp(prefix="arpo-vllm-"), "w")
         path = args.model if os.path.isdir(args.model) and ckpt is None else fresh_copy
         try:  # the longest prompt of this run: --max-images screenshots, every answer of an episode
@@ -822,63 +805,6 @@ def make_policy(args: Args, ckpt: tuple[dict, str] | None):
             raise SystemExit(str(e)) from None
         policy.engine = VLLMEngine(policy, path, max_model_len=length, max_images=args.max_images)
     return policy
-
-
-def checkpoint(tr: Trainer, it: int, picker: dict, train_ids: list[str], metrics: dict | None = None) -> None:
-    """Everything a resume needs, written atomically (rundir): `it` is the next iteration to run.
-    `metrics`: the line of iteration it - 1, which a kill before its log_metrics would lose."""
-    policy, args = tr.policy, tr.args
-    state = {"iteration": it, "args": asdict(args), "optimizer": tr.optimizer.state_dict(),
-             "replay": tr.replay.state_dict() if tr.replay is not None else None,
-             "picker": dict(picker), "tasks": train_ids, "rng": rundir.rng_state(),
-             # LoRA: the adapter (the only trained weights) goes into state.pt; full FT: policy/.
-             "trainable": {n: p.detach().cpu() for n, p in policy.model.named_parameters()
-                           if p.requires_grad} if policy.lora else None}
-    write = None if policy.lora else (lambda folder: save_policy(policy, os.path.join(folder, "policy")))
-    rundir.save_checkpoint(tr.run, state, write, metrics=metrics)
-
-
-# ------------------------------------------------------------------------------------------------
-# Main: setup, then the loop
-
-
-def resolve_args(argv=None) -> tuple[Args, tuple | None, dict]:
-    """The command line; on --resume, the run's saved args with the flags given now on top.
-    Returns (args, (checkpoint state, folder) or None, the flags given now)."""
-    args, given = parse_args(argv)
-    ckpt = None
-    if args.resume:
-        ckpt = rundir.load_checkpoint(args.resume) if os.path.isdir(args.resume) else None
-        if ckpt is None and (args.eval_only or not os.path.isdir(args.resume)):
-            raise SystemExit(f"--resume {args.resume}: no checkpoint there; pass a run folder under {args.runs_dir}/.")
-        saved = ckpt[0]["args"] if ckpt is not None else None
-        if saved is None and os.path.exists(os.path.join(args.resume, "args.json")):
-            with open(os.path.join(args.resume, "args.json")) as f:  # killed before its first checkpoint
-                saved = json.load(f)
-        # A train_explore.py run has args (vms, model, ...) too, but no tasks, picker or replay buffer.
-        if (saved is not None and "group_size" not in saved) or (ckpt is not None and "picker" not in ckpt[0]):
-            raise SystemExit(f"--resume {args.resume}: that is not a train_arpo.py run (train_explore.py's?); "
-                             "resume it with the script that wrote it.")
-        if saved is not None:
-            args = Args(**{**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__}, **given})
-    check_args(args)
-    return args, ckpt, given
-
-
-def start_vms(args: Args) -> VMPool:
-    """The VMs, of which at least one answers /health (else one sentence, before any work is done)."""
-    try:
-        w, h = (int(v) for v in args.screen.lower().split("x"))
-        pool = VMPool(args.vms, token=args.token or os.environ.get("VM_TOKEN") or None,
-                      timeout=args.vm_timeout, screen=(w, h))
-    except (ValueError, VMError) as e:
-        raise SystemExit(f"cannot start the VMs ({e}); check --vms and --screen.")
-    health = pool.map("health", timeout=min(10.0, args.vm_timeout))
-    if not any(r.ok for r in health):
-        pool.close()
-        raise SystemExit(f"None of the {pool.size} VM(s) answered /health ({str(health[0].error).rstrip('.')}); "
-                         "check --vms and --token.")
-    return pool
 
 
 def eval_only(pool: VMPool, tasks: list, policy, args: Args, run: str, iteration: int) -> None:
@@ -899,80 +825,65 @@ def eval_only(pool: VMPool, tasks: list, policy, args: Args, run: str, iteration
     print(f"eval written to {out}")
 
 
-def seed_all(args: Args) -> None:
-    """Sampling draws from torch's generator, seeded by --sample-seed; task order (pick_tasks), the
-    replay buffer and the tiny model's weights have Randoms of their own seeded by --seed. So an
-    eval can take fresh samples of a checkpoint, and two runs can share a task order and differ
-    in their samples, or the other way round."""
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed if args.sample_seed < 0 else args.sample_seed)
+def setup(args: Args, pool: VMPool, policy, run: str, ckpt, tasks: list) -> tuple[Trainer, int]:
+    """The optimizer, the replay buffer and the task order, fresh (after --select-tasks) or from the
+    checkpoint. -> (Trainer, the first iteration to run)."""
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)  # ARPO: AdamW, wd 0.01
+    replay = ReplayBuffer(args.replay_capacity, args.success_threshold, seed=args.seed) if args.replay else None
+    picker, start = {"epoch": 0, "pos": 0}, 0
+    if ckpt is not None:
+        if replay is not None and ckpt[0]["replay"] is not None:
+            replay.load_state_dict(ckpt[0]["replay"])  # ARPO's own code starts it empty again
+        picker = dict(ckpt[0]["picker"])
+        start = rundir.resume(run, ckpt, optimizer)  # optimizer, metrics.jsonl and RNG states
+        print(f"resumed {run} at iteration {start} ({len(replay or [])} stored successes)")
+    elif args.select_tasks > 0:
+        tasks = select_and_record(pool, tasks, model_policy(policy, args, args.temperature), args, run)
+    policy_fn = model_policy(policy, args, args.temperature)
+    return Trainer(args, pool, policy, optimizer, replay, policy_fn, run, tasks, picker), start
+
+
+def checkpoint(tr: Trainer, next_it: int, metrics: dict | None = None) -> None:
+    """rundir.save plus ARPO's own state: the replay buffer, the task order, the task list."""
+    rundir.save(tr.run, tr.policy, tr.optimizer, next_it, tr.args, metrics, picker=dict(tr.picker),
+                tasks=[t.id for t in tr.tasks], replay=tr.replay.state_dict() if tr.replay is not None else None)
+
+
+def train(tr: Trainer, start: int) -> None:
+    """The loop: one iteration, then trajectories, checkpoint, metrics line, console line."""
+    args, run, ids = tr.args, tr.run, [t.id for t in tr.tasks]
+    trackers = progress.open_trackers(run, rundir.public_args(args), wandb=args.wandb, tensorboard=args.tensorboard)
+    for it in progress.track(range(start, args.iterations), "iterations"):
+        m, eps = run_iteration(tr, it, lambda n: pick_tasks(ids, tr.picker, n, args.seed))
+        t0 = time.perf_counter()
+        if args.save_trajectories:
+            save_episodes(run, it, eps)
+        if (it + 1) % args.ckpt_every == 0 or it + 1 == args.iterations:
+            checkpoint(tr, it + 1, m)
+        m["time/save"] = time.perf_counter() - t0
+        rundir.end_iteration(run, trackers, m, summary_line(m))
+    progress.close(trackers)
 
 
 def main(argv=None) -> None:
-    # -- setup (plumbing): args, seeds, run folder, tasks, policy, desktops
     args, ckpt, given = resolve_args(argv)
-    try:  # one summary line per iteration; transformers' load/save progress bars are noise here
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
-    seed_all(args)
+    hf_logging.disable_progress_bar()  # one summary line per iteration; load/save bars are noise here
+    rundir.seed_all(args.seed, args.sample_seed)
     # A resumed run trains on the task list it trained on (after --select-tasks), unless told otherwise.
     # The tasks before the run folder: a bad --tasks or --task-ids leaves nothing behind.
     resumed_ids = ckpt[0]["tasks"] if ckpt is not None and not args.eval_only and "task_ids" not in given else None
     tasks = load_task_list(args, resumed_ids)
-    # Then the run folder: a name clash should fail before minutes of loading, not after.
-    new_run = None  # a folder made just now: removed again if the policy or the VMs fail to start
-    if args.eval_only and args.resume:
-        run = args.resume  # evaluating a run: its args.json stays the training args
-    else:
-        name = args.run_name or time.strftime("%Y%m%d-%H%M%S")
-        if not args.resume and not os.path.exists(os.path.join(args.runs_dir, name)):
-            new_run = os.path.join(args.runs_dir, name)
-        run = rundir.make_run_dir(args.runs_dir, name, args, resume=args.resume or None)
-    try:
+    run = args.resume or rundir.run_path(args.runs_dir, args.run_name)
+    with rundir.new_run(run):  # a bad --model or --vms: one sentence, and no half-made run folder
+        if not (args.eval_only and args.resume):  # evaluating a run: its args.json stays the training args
+            rundir.make_run_dir(run, args, resume=bool(args.resume))
         policy = make_policy(args, ckpt)
-        pool = start_vms(args)
-    except BaseException:  # a bad --model or --vms: one sentence, and no half-made run folder
-        if new_run:
-            shutil.rmtree(new_run, ignore_errors=True)
-        raise
+        pool, _, _ = rundir.open_desktops(args.vms, args.token, args.vm_timeout, screen_size(args))
     try:
         if args.eval_only:
-            return eval_only(pool, tasks, policy, args, run, ckpt[0]["iteration"] if ckpt else 0)
-        params = [p for p in policy.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)  # ARPO: AdamW, wd 0.01
-        replay = ReplayBuffer(args.replay_capacity, args.success_threshold, seed=args.seed) if args.replay else None
-        picker, start = {"epoch": 0, "pos": 0}, 0
-        if ckpt is not None:
-            state = ckpt[0]
-            optimizer.load_state_dict(state["optimizer"])
-            if replay is not None and state["replay"] is not None:
-                replay.load_state_dict(state["replay"])  # ARPO's own code starts it empty again
-            picker, start = dict(state["picker"]), state["iteration"]
-            rundir.set_rng_state(state["rng"])
-            rundir.trim_metrics(run, start)
-            print(f"resumed {run} at iteration {start} ({len(replay or [])} stored successes)")
-        elif args.select_tasks > 0:
-            tasks = select_and_record(pool, tasks, model_policy(policy, args, args.temperature), args, run)
-        tr = Trainer(args, pool, policy, optimizer, replay, model_policy(policy, args, args.temperature), run, tasks)
-        ids = [t.id for t in tasks]
-
-        # -- the loop: one iteration, then trajectories, checkpoint, metrics line, console line
-        trackers = progress.open_trackers(run, rundir.public_args(args), wandb=args.wandb, tensorboard=args.tensorboard)
-        for it in progress.track(range(start, args.iterations), "iterations"):
-            m, eps = run_iteration(tr, it, lambda n: pick_tasks(ids, picker, n, args.seed))
-            t0 = time.perf_counter()
-            if args.save_trajectories:
-                save_episodes(run, it, eps)
-            if (it + 1) % args.ckpt_every == 0 or it + 1 == args.iterations:
-                checkpoint(tr, it + 1, picker, ids, m)
-            m["time_save"] = time.perf_counter() - t0
-            rundir.log_metrics(run, m)  # after the checkpoint: a resume never logs an iteration twice
-            progress.log(trackers, m, step=it)
-            progress.say(summary_line(m))
-        progress.close(trackers)
+            return eval_only(pool, tasks, policy, args, run, rundir.next_iteration(ckpt[0]) if ckpt else 0)
+        train(*setup(args, pool, policy, run, ckpt, tasks))
     finally:
         pool.close()
 

@@ -61,7 +61,8 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
    asked for and installed (progress.py). Left out: multi-GPU (torchrun), mixed-precision autocast
    (bf16 weights on GPU instead).
 """
-import argparse
+from __future__ import annotations
+
 import json
 import math
 import os
@@ -70,7 +71,6 @@ import shutil
 import sys
 import time
 import warnings
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
@@ -79,12 +79,16 @@ import transformers
 from PIL import Image
 
 import grpo
-import model as M
-import rewards as R
 import progress
+import rewards as R
 import rundir
-from actions import cursor_after
-from env import Action, Parsed, VMPool, parse_action
+from actions import Action, Parsed, cursor_after, parse_action
+from chat import encode_chat, explore_messages
+from env import VMPool
+from model import generate, load_policy, save_policy
+from vllm_engine import VLLMEngine, sync_weights
+
+PROG = "train_explore.py"
 
 # -----------------------------------------------------------------------------------------------
 # Args
@@ -138,8 +142,8 @@ class Args:
     distill_lr: float = field(default=1e-4, metadata={"help": "SFT learning rate"})
     distill_batch: int = field(default=16, metadata={"help": "samples per SFT optimizer step"})
     # eval
-    eval_only: bool = field(default=False, metadata={"help": "run the policy without training and report exploration diversity"})
-    eval_episodes: int = field(default=20, metadata={"help": "episodes for --eval-only (spread over the desktops)"})
+    eval_only: bool = field(default=False, metadata={"help": "run the policy without training and report exploration diversity: --model's, or with --resume the run's checkpoint"})
+    eval_episodes: int = field(default=20, metadata={"help": "episodes for --eval-only, in all (spread over the desktops)", "aliases": ["--episodes"]})
     eval_random: bool = field(default=True, metadata={"help": "also run a random-action baseline on the same desktops"})
     eval_save: bool = field(default=True, metadata={"help": "save every eval episode as a trajectory (screenshots + steps; view.py shows them)"})
     eval_same_hash: int = field(default=2, metadata={"help": "screens whose 64-bit perceptual hashes (dHash) differ in at most this many bits count as one"})
@@ -148,35 +152,15 @@ class Args:
     run_name: str = field(default="", metadata={"help": "folder under --runs-dir; empty = a timestamp"})
     runs_dir: str = field(default="runs", metadata={"help": "where run folders go"})
     resume: str = field(default="", metadata={"help": "a run folder to continue (flags given now override its args.json)"})
-    save_every: int = field(default=1, metadata={"help": "iterations between checkpoints (generation ends always save)"})
+    ckpt_every: int = field(default=1, metadata={"help": "iterations between checkpoints (generation ends always save)"})
     wandb: bool = field(default=False, metadata={"help": "also log every metric to Weights & Biases (pip install wandb; WANDB_PROJECT names the project)"})
     tensorboard: bool = field(default=False, metadata={"help": "also log every metric to TensorBoard in runs/<name>/tb (pip install tensorboard)"})
     seed: int = field(default=0, metadata={"help": "random seed"})
 
 
-ALIASES = {"eval_episodes": ["--episodes"]}  # issue 4 spells it `--eval-only --episodes 20`
-
-
-def parse_args(argv=None) -> tuple[Args, set]:
-    """Args from the command line, one flag per field; also the set of flags given explicitly."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for f in fields(Args):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=f.metadata["help"])
-        else:
-            kind = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            p.add_argument(flag, *ALIASES.get(f.name, ()), type=kind, default=argparse.SUPPRESS, metavar=f.name.upper(),
-                           help=f"{f.metadata['help']} (default: {f.default})")
-    # argparse's own error is a usage block and exit code 2; we want one sentence.
-    p.error = lambda msg: sys.exit(f"train_explore.py: {msg}; see --help for the flags.")
-    given = vars(p.parse_args(argv))
-    return Args(**given), set(given)
-
-
 def check_args(a: Args) -> None:
     """Refuse, in one sentence, anything that would only fail later."""
-    problems = [
+    rundir.check([
         (a.steps < 1, "--steps must be at least 1"),
         (a.iterations < 1 or a.generations < 1, "--iterations and --generations must be at least 1"),
         (a.iterations_per_generation < 0, "--iterations-per-generation must be 0 (= --iterations) or more"),
@@ -189,52 +173,28 @@ def check_args(a: Args) -> None:
         (a.distill_epochs < 0, "--distill-epochs must be 0 or more"),
         (a.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
         (a.lr_warmup < 0, "--lr-warmup must be 0 or more"),
-        (a.eval_episodes < 1, "--eval-episodes (--episodes) must be at least 1"),
+        (a.eval_episodes < 1 or a.ckpt_every < 1, "--eval-episodes and --ckpt-every must be at least 1"),
         (not 0 <= a.eval_same_hash < 64, "--eval-same-hash must be in 0..63 (bits of a 64-bit hash)"),
         (a.lora_rank < 0 or a.beta < 0, "--lora-rank and --beta must be >= 0"),
-        (a.eval_only and bool(a.resume), "--eval-only evaluates --model; pass --model runs/<name>/models/E<g> (or .../ckpt/policy) instead of --resume"),
         (a.engine == "vllm" and a.beta > 0 and a.lora_rank == 0, "--engine vllm with full fine-tuning and --beta > 0 would hold three model copies; use LoRA or --beta 0"),
-    ]
-    for bad, msg in problems:
-        if bad:
-            sys.exit(f"train_explore.py: {msg}.")
+    ], PROG)
     try:
         R.parse_reward_flags(a.rewards)
     except ValueError as e:
         sys.exit(f"--rewards: {e}")
 
 
-def resolve_args(argv=None) -> Args:
-    """Parse and check; on --resume, the run's own args.json with the flags typed now on top."""
-    args, given = parse_args(argv)
+def resolve_args(argv=None) -> tuple:
+    """The command line; on --resume, the run's saved args with the flags typed now on top.
+    -> (args, (checkpoint state, folder) or None)."""
+    args, given = rundir.parse_args(Args, argv, PROG)
+    args, ckpt = rundir.resume_args(Args, args, given, PROG, marker="wm_epochs")
     check_args(args)
-    if args.resume and not args.eval_only:
-        try:
-            with open(os.path.join(args.resume, "args.json")) as f:
-                saved = json.load(f)
-        except (OSError, ValueError):
-            sys.exit(f"--resume {args.resume}: no readable args.json there; pass a run folder this script wrote.")
-        if not isinstance(saved, dict) or "wm_epochs" not in saved:  # an ARPO run has no world model
-            sys.exit(f"--resume {args.resume}: that is not a train_explore.py run (train_arpo.py's?); resume it "
-                     "with the script that wrote it.")
-        args = Args(**{**{k: v for k, v in saved.items() if k in Args.__dataclass_fields__},
-                       **{k: getattr(args, k) for k in given}})
-        check_args(args)
-    return args
+    return args, ckpt
 
 
 # -----------------------------------------------------------------------------------------------
-# Small plumbing: timers, the one console line
-
-
-@contextmanager
-def timed(times: dict, key: str):
-    """Add the block's wall time to times["time/<key>"] (phases repeat once per step)."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        times[f"time/{key}"] = times.get(f"time/{key}", 0.0) + time.perf_counter() - t0
+# The one console line
 
 
 def console_line(m: dict) -> str:
@@ -263,7 +223,7 @@ class Step:
     before: Image.Image  # the screenshot the model saw (screen pixels)
     after: Image.Image  # the screen --settle seconds after the action
     text: str  # the model's answer (or the random baseline's action string)
-    parsed: object  # env.Parsed, or None: a format failure, nothing was executed
+    parsed: object  # actions.Parsed, or None: a format failure, nothing was executed
     gen: object = None  # model.Generation (prompt + sampled ids), None for the random baseline
     error: str | None = None  # the VM rejected the action (4xx): counts as a format failure
 
@@ -272,7 +232,7 @@ def policy_chooser(policy, a: Args):
     """(images, pointers) -> [(text, Parsed | None, Generation)] with ONE batched generate for all
     desktops. A pointer is where that desktop's mouse is: DragTo(x, y) drags from there."""
     def choose(images, cursors):
-        gens = M.generate(policy, [M.explore_messages(im) for im in images], a.max_new_tokens, a.temperature,
+        gens = generate(policy, [explore_messages(im) for im in images], a.max_new_tokens, a.temperature,
                           a.top_p)
         # Coordinates are in the resized image the model saw; parse_action maps them to the screen.
         return [(g.text, parse_action(g.text, "explore", im.size, g.prompt.image_sizes[0], cursor=c), g)
@@ -299,7 +259,7 @@ def rollout(pool: VMPool, live: set, choose, a: Args, times: dict, watch=None) -
     """Steps in time order (t, then vm). A VM that fails a screenshot or dies mid-action leaves the
     rest of this iteration (and `live`); a VM that only rejects an action stays in.
     watch(vms), if given, is called after every step with the VMs still in (the eval's window check)."""
-    with timed(times, "screenshot"):
+    with rundir.timed(times, "screenshot"):
         shots = pool.map("screenshot", ["png" if i in live else None for i in range(pool.size)])
     current = {i: r.value for i, r in enumerate(shots) if i in live and r.ok and r.value is not None}
     live.intersection_update(current)
@@ -311,17 +271,17 @@ def rollout(pool: VMPool, live: set, choose, a: Args, times: dict, watch=None) -
         vms = sorted(current)
         if not vms:
             break
-        with timed(times, "generate"):
+        with rundir.timed(times, "generate"):
             # One call for all desktops: on a GPU a batch of 8 costs about what one prompt does.
             choices = choose([current[i] for i in vms], [cursor[i] for i in vms])
         actions = [None] * pool.size
         for i, (_, parsed, _) in zip(vms, choices):
             actions[i] = parsed.action if parsed else None  # a format failure executes nothing
-        with timed(times, "act"):
+        with rundir.timed(times, "act"):
             done = pool.act(actions)
             if any(x is not None for x in actions):
                 time.sleep(a.settle)  # let the screen react (menus open, windows map)
-        with timed(times, "screenshot"):
+        with rundir.timed(times, "screenshot"):
             after = pool.map("screenshot", ["png" if i in current else None for i in range(pool.size)])
         for i, (text, parsed, gen) in zip(vms, choices):
             error = None
@@ -350,7 +310,7 @@ def rollout(pool: VMPool, live: set, choose, a: Args, times: dict, watch=None) -
 # Rewards: features, the world model's update, every component (rewards.py does the math)
 
 
-def score(buffer: list[Step], flags: dict, tools, wm, wm_opt, a: Args, times: dict):
+def score(buffer: list[Step], L: Learner, a: Args, times: dict):
     """-> (rewards.Rewards over the buffer, each (N,), and the world model's metrics).
 
     Only format-valid steps are featurised, learned from and scored: a malformed answer executed
@@ -364,18 +324,18 @@ def score(buffer: list[Step], flags: dict, tools, wm, wm_opt, a: Args, times: di
         return full, wm_metrics
     steps = [buffer[k] for k in rows]
     actions = [s.parsed.action for s in steps]
-    with timed(times, "features"):
+    with rundir.timed(times, "features"):
         f = R.step_features([s.before for s in steps], [s.after for s in steps], [s.parsed.thought for s in steps],
-                            actions, tools if R.needs_text(flags) else None)
+                            actions, L.tools if R.needs_text(L.flags) else None)
     pred_s = pred_t = None
-    if flags["world_model"]:
-        with timed(times, "world_model"):
+    if L.flags["world_model"]:
+        with rundir.timed(times, "world_model"):
             # ALGO: curiosity is the surprise of the world model as it stood before this buffer;
             # then it learns the buffer (--wm-train-first: the release's order, the other way round).
-            pred_s, pred_t, wm_metrics = R.update_and_predict(wm, wm_opt, f, actions, [1] * len(steps), a.wm_epochs,
+            pred_s, pred_t, wm_metrics = R.update_and_predict(L.wm, L.wm_opt, f, actions, [1] * len(steps), a.wm_epochs,
                                                               a.wm_batch_size, a.wm_train_first)  # (V, D), (V, E)
-    with timed(times, "rewards"):
-        r = R.exploration_rewards(flags, [s.vm for s in steps], [1] * len(steps), f.screen_before, f.screen_after,
+    with rundir.timed(times, "rewards"):
+        r = R.exploration_rewards(L.flags, [s.vm for s in steps], [1] * len(steps), f.screen_before, f.screen_after,
                                   pred_s, f.text_before, f.text_after, pred_t, f.intent, f.click_text, f.click_hit)
     for name in full.__dataclass_fields__:
         getattr(full, name)[rows] = getattr(r, name)  # (V,) into (N,); malformed steps stay 0
@@ -387,7 +347,7 @@ def score(buffer: list[Step], flags: dict, tools, wm, wm_opt, a: Args, times: di
 
 
 def load(name: str, a: Args, lora: bool = True):
-    return M.load_policy(name, lora_rank=a.lora_rank if lora else 0, lora_alpha=a.lora_alpha,
+    return load_policy(name, lora_rank=a.lora_rank if lora else 0, lora_alpha=a.lora_alpha,
                          gradient_checkpointing=a.gradient_checkpointing, device=a.device or None,
                          min_pixels=a.min_pixels, max_pixels=a.max_pixels, seed=a.seed)
 
@@ -405,28 +365,18 @@ def adamw(params, lr: float) -> torch.optim.AdamW:
 
 
 def actor_lr(it: int, a: Args) -> float:
-    """The actor's learning rate at iteration `it` (0-based, over the whole run). Within each
-    generation (each has its own optimizer), u = the generation's actor updates before this one out
-    of its n (the first generation's first update is at --update-actor-delay): a linear warm-up
-    over the first --lr-warmup updates (lr * (u + 1) / warmup), then --lr-schedule over the rest,
-    towards 0 at the generation's last iteration but never 0 there (the last update still learns):
-        linear: lr * (1 - f),  cosine: lr * (1 + cos(pi f)) / 2,  f = (u - warmup) / (n - warmup).
-    A function of the iteration alone, so a resumed run continues the schedule where it stopped.
+    """The actor's learning rate at iteration `it` (0-based, over the whole run): rundir.scheduled_lr
+    within each generation (each has its own optimizer) over the generation's actor updates (the
+    first generation's first one is at --update-actor-delay), towards 0 at its last iteration.
     The paper trains at a constant lr (the default); a small model trained from scratch at a high
     lr moves fast early and needs the decay to keep what it learned by the last iteration, which is
     the model a generation hands on (models/E<g>)."""
     ipg = a.iterations_per_generation or a.iterations
     start = it - it % ipg  # the generation's first iteration
     first = max(start, a.update_actor_delay)  # its first actor update
-    u, n = it - first, start + ipg - first  # (update index, updates in the generation)
-    if u < 0:  # no update this iteration: nothing to schedule
+    if it < first:  # no update this iteration: nothing to schedule
         return a.lr
-    if u < a.lr_warmup:
-        return a.lr * (u + 1) / a.lr_warmup
-    if a.lr_schedule == "constant":
-        return a.lr
-    f = (u - a.lr_warmup) / max(1, n - a.lr_warmup)  # 0 at the first update after the warm-up, < 1 at the last
-    return a.lr * (1 - f) if a.lr_schedule == "linear" else a.lr * 0.5 * (1 + math.cos(math.pi * f))
+    return rundir.scheduled_lr(a.lr, it - first, start + ipg - first, a.lr_warmup, a.lr_schedule)
 
 
 def distill_samples(policy, run: str, upto: int) -> list:
@@ -441,7 +391,7 @@ def distill_samples(policy, run: str, upto: int) -> list:
             for line in fh:
                 d = json.loads(line)
                 with Image.open(os.path.join(run, "distill", d["image"])) as im:
-                    enc = M.encode_chat(policy, M.explore_messages(im.convert("RGB")))
+                    enc = encode_chat(policy, explore_messages(im.convert("RGB")))
                 samples.append(grpo.step_sample(enc, d["completion_ids"]))
     return samples
 
@@ -481,7 +431,7 @@ def save_model(policy, path: str, extra: dict | None = None) -> None:
     """save_policy into a temp folder, then rename: a model folder is either complete or absent."""
     tmp = path + f".tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    M.save_policy(policy, tmp)
+    save_policy(policy, tmp)
     for name, text in (extra or {}).items():
         with open(os.path.join(tmp, name), "w") as fh:
             fh.write(text)
@@ -497,11 +447,6 @@ def reference_fn(start_model: str, a: Args):
     ref = load(start_model, a, lora=False)
     ref.model.eval().requires_grad_(False)
     return lambda batch: grpo.per_token_logps(ref.model, batch)  # (B, T)
-
-
-def adapter_state(policy):
-    from peft import get_peft_model_state_dict
-    return {k: v.detach().cpu() for k, v in get_peft_model_state_dict(policy.model).items()}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -718,44 +663,98 @@ def run_eval(pool: VMPool, live: set, choosers: dict, a: Args, run: str) -> dict
 
 
 # -----------------------------------------------------------------------------------------------
-# Setup helpers: the desktops, a resumed run
+# Setup (plumbing): the learner's state, from scratch or from a checkpoint
 
 
-def open_desktops(a: Args) -> tuple:
-    """-> (VMPool, set of VMs that answered /health, screen (w, h)); one sentence if none did."""
-    try:
-        pool = VMPool(a.vms, token=a.token or os.environ.get("VM_TOKEN") or None, timeout=a.vm_timeout)
-    except Exception as e:  # noqa: BLE001 -- a bad --vms or a desktop that cannot start: one sentence
-        sys.exit(f"--vms {a.vms}: {e}")
-    health = pool.map("health", timeout=min(10.0, a.vm_timeout))
-    live = {i for i, h in enumerate(health) if h.ok}
-    if not live:
-        pool.close()
-        sys.exit(f"None of the {pool.size} VM(s) answered /health: {health[0].error.rstrip('.')}; "
-                 "also check --vms and --token.")
-    for i, h in enumerate(health):
-        if not h.ok:
-            print(f"vm {i} left out: {h.error}", flush=True)
-    return pool, live, tuple(health[min(live)].value.get("screen", (1280, 720)))
+@dataclass
+class Learner:
+    """What the iterations update: the generation's policy, its optimizer and KL reference, the
+    world model, and the reward terms that are on."""
+    policy: object
+    optimizer: torch.optim.Optimizer
+    start_model: str  # the generation's starting model: LoRA's base and the KL reference
+    ref_fn: object  # full fine-tuning's frozen reference (reference_fn), or None
+    generation: int
+    wm: R.WorldModel
+    wm_opt: torch.optim.Optimizer
+    flags: dict  # reward components on (rewards.effective_flags)
+    tools: object  # OCR + embedder, or None
 
 
-def restore(state: dict, ckpt_dir: str, wm, wm_opt, a: Args) -> tuple:
-    """A checkpoint back into memory -> (policy, optimizer). RNG states are restored last, by the caller."""
-    if a.lora_rank > 0:  # the generation's starting model + the trained adapter (exact, not merged)
-        from peft import set_peft_model_state_dict
-        policy = load(state["start_model"], a)
-        set_peft_model_state_dict(policy.model, state["adapter"])
+def setup(args: Args, run: str, ckpt, screen) -> tuple:
+    """-> (Learner, the first iteration to run, SFT metrics of a generation's start, logged once)."""
+    # Text tools (OCR + embedder) only when a text/intent term is on; without them those terms
+    # are off (said once) and the world model has no text branch.
+    want = R.parse_reward_flags(args.rewards)
+    tools = R.load_text_tools() if R.needs_text(want) else None
+    flags = R.effective_flags(want, tools)
+    print("reward components on: " + ", ".join(k for k, v in flags.items() if v), flush=True)
+    wm = R.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags["text"]) else 0, args.wm_hidden, screen)
+    wm_opt = adamw(wm.parameters(), args.wm_lr)
+    if ckpt is None:
+        policy, start_model, distill_metrics = start_generation(1, run, args)
+        generation, start, optimizer = 1, 0, adamw(trainable(policy), args.lr)
     else:
-        policy = load(os.path.join(ckpt_dir, "policy"), a)
-    optimizer = adamw(trainable(policy), a.lr)
-    optimizer.load_state_dict(state["optimizer"])
-    try:
-        wm.load_state_dict(state["wm"])
-    except RuntimeError:
-        sys.exit("The checkpoint's world model does not fit these reward flags / text tools; resume with the "
-                 "run's own --rewards and the same OCR + embedder installed.")
-    wm_opt.load_state_dict(state["wm_opt"])
-    return policy, optimizer
+        state, folder = ckpt
+        policy = rundir.restore_policy(state, folder, lambda name: load(name, args))
+        optimizer = adamw(trainable(policy), args.lr)
+        try:
+            wm.load_state_dict(state["wm"])
+        except RuntimeError:
+            sys.exit("The checkpoint's world model does not fit these reward flags / text tools; resume with the "
+                     "run's own --rewards and the same OCR + embedder installed.")
+        wm_opt.load_state_dict(state["wm_opt"])
+        start = rundir.resume(run, ckpt, optimizer)  # optimizer, metrics.jsonl and RNG states
+        generation, start_model, distill_metrics = state["generation"], state["start_model"], {}
+        print(f"resumed {run} at iteration {start} (generation E{generation})", flush=True)
+    if args.engine == "vllm":
+        policy.engine = VLLMEngine(policy, os.path.join(run, "vllm_init"))
+    learner = Learner(policy, optimizer, start_model, reference_fn(start_model, args), generation, wm, wm_opt,
+                      flags, tools)
+    return learner, start, distill_metrics
+
+
+def evaluate(pool: VMPool, live: set, args: Args, ckpt) -> dict:
+    """--eval-only: the policy (--model, or with --resume the run's checkpoint) next to random
+    actions. Writes a run folder of its own (eval-<time>), or with --resume runs/<name>/eval_it<N>/
+    (N = the checkpoint's next iteration; a second eval of the same checkpoint replaces the first)."""
+    if ckpt is not None:
+        run = os.path.join(args.resume, f"eval_it{rundir.next_iteration(ckpt[0]):06d}")
+        shutil.rmtree(run, ignore_errors=True)
+    else:
+        run = rundir.run_path(args.runs_dir, args.run_name, prefix="eval-")
+    with rundir.new_run(run):  # a failed setup leaves no folder behind
+        rundir.make_run_dir(run, args)
+        print(f"run folder: {run}", flush=True)
+        rundir.seed_all(args.seed)
+        policy = (rundir.restore_policy(*ckpt, lambda name: load(name, args)) if ckpt is not None
+                  else load(args.model, args, lora=False))
+        if args.engine == "vllm":
+            policy.engine = VLLMEngine(policy, os.path.join(run, "vllm_init"))
+    choosers = {"policy": policy_chooser(policy, args)}
+    if args.eval_random:
+        choosers["random"] = random_chooser(random.Random(args.seed))
+    return run_eval(pool, live, choosers, args, run)
+
+
+def next_generation(L: Learner, run: str, it: int, ipg: int, args: Args) -> dict:
+    """ALGO: experience-stream distillation at a generation boundary: the finished generation's
+    model and best steps are saved, and the next one starts from the BASE model fine-tuned on every
+    distilled step so far, with a fresh optimizer. -> the SFT metrics."""
+    finish_generation(run, L.generation, (L.generation - 1) * ipg, it - 1, L.policy, args)
+    engine = L.policy.engine
+    L.generation = it // ipg + 1
+    L.policy, L.start_model, metrics = start_generation(L.generation, run, args)
+    L.policy.engine = engine
+    sync_weights(L.policy)
+    L.optimizer = adamw(trainable(L.policy), args.lr)
+    L.ref_fn = reference_fn(L.start_model, args)
+    return metrics
+
+
+def reset(pool: VMPool) -> set:
+    """Fresh desktops (dead local ones are restarted); -> the VMs that answered."""
+    return {i for i, res in enumerate(pool.reset()) if res.ok}
 
 
 def trajectory_lines(buffer: list[Step], rows: list[int], r, adv) -> list[dict]:
@@ -769,157 +768,111 @@ def trajectory_lines(buffer: list[Step], rows: list[int], r, adv) -> list[dict]:
              "rewards": {n: float(c[k]) for n, c in comps.items()}} for k in rows]
 
 
-# -----------------------------------------------------------------------------------------------
-# Main: setup, then one top-to-bottom loop
 
-if __name__ == "__main__":
-    args = resolve_args()
+def save_trajectories(run: str, it: int, buffer: list[Step], r, adv) -> None:
+    for vm in sorted({s.vm for s in buffer}):
+        rows = [k for k, s in enumerate(buffer) if s.vm == vm]
+        rundir.save_trajectory(run, it, vm, trajectory_lines(buffer, rows, r, adv), [buffer[k].before for k in rows])
+
+
+# -----------------------------------------------------------------------------------------------
+# One iteration's learning, then the loop, top to bottom
+
+ACTOR_KEYS = ("actor/loss", "actor/kl", "actor/clip_low", "actor/clip_high", "actor/grad_norm", "actor/lr")
+
+
+def learn(L: Learner, buffer: list[Step], it: int, args: Args, times: dict) -> tuple:
+    """Rewards, advantages and the GRPO update of one iteration's buffer.
+    -> (rewards.Rewards, advantages (N,), the iteration's metrics)."""
+    # rewards: features, the world model's guesses and update, every component (N,) each
+    r, wm_metrics = score(buffer, L, args, times)
+    # ALGO: GRPO with the whole buffer as ONE group: each step's reward against every step's
+    # (The sampler's log-probs ride along only so the update can log actor/logp_gap, how far
+    # they are from the trainer's own: the update recomputes its old log-probs.)
+    samples = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), group=0,
+                                old_logps=s.gen.logprobs) for k, s in enumerate(buffer)]
+    adv = grpo.assign_advantages(samples)  # (N,)
+    actor = dict.fromkeys(ACTOR_KEYS)
+    # The delay lets the world model warm up before its curiosity steers the actor. It is the
+    # ONLY condition: the release also skipped the update whenever the world model was off, so
+    # its no-world-model ablation never trained at all.
+    updated = it >= args.update_actor_delay
+    if updated:
+        actor["actor/lr"] = rundir.set_lr(L.optimizer, actor_lr(it, args))
+        with rundir.timed(times, "update"), progress.bar(len(samples), "update") as pb:
+            m = grpo.update_policy(L.policy, L.optimizer, samples, args.micro_batch, args.eps_low, args.eps_high,
+                                   args.beta, L.ref_fn, args.max_grad_norm, mini_batch_size=args.mini_batch,
+                                   on_micro_batch=pb.update, temperature=args.temperature,
+                                   shuffle=random.Random(f"{args.seed}-update-{it}"))
+            actor.update({f"actor/{k}": v for k, v in m.items()})
+        with rundir.timed(times, "sync"):
+            sync_weights(L.policy)  # the generator samples the next iteration from the new weights
+    metrics = {"vms": len({s.vm for s in buffer}), "steps": len(buffer), **R.summarize_rewards(r), **wm_metrics,
+               "actor/updated": int(updated), **actor, "adv/std": float(adv.std()) if len(adv) > 1 else 0.0}
+    return r, adv, metrics
+
+
+def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int, distill_metrics: dict) -> None:
     ipg = args.iterations_per_generation or args.iterations  # iterations per generation
-    total_iterations = args.generations * ipg
+    total = args.generations * ipg
+    trackers = progress.open_trackers(run, rundir.public_args(args), wandb=args.wandb, tensorboard=args.tensorboard)
+    for it in progress.track(range(start, total), "iterations"):
+        t0, times = time.perf_counter(), {}
+        if it // ipg + 1 != L.generation:  # a generation boundary (also right after resuming at one)
+            with rundir.timed(times, "distill"):
+                distill_metrics = next_generation(L, run, it, ipg, args)
+        if it == start or (args.reset_every and it % args.reset_every == 0):
+            with rundir.timed(times, "reset"):
+                live = reset(pool)
+        rundir.clear_trajectories(run, it)
+        # rollout: --steps lockstep steps on every live desktop, one batched generate per step
+        buffer = rollout(pool, live, policy_chooser(L.policy, args), args, times)
+        if not buffer:
+            print(f"it {it}: no desktop answered; resetting them and going on.", flush=True)
+            live = reset(pool)
+            continue
+        r, adv, metrics = learn(L, buffer, it, args, times)
+        metrics = {"iteration": it, "generation": L.generation, **metrics, **distill_metrics}
+        distill_metrics = {}
+        with rundir.timed(times, "save"):  # trajectories, checkpoint, then the metrics line: see rundir.py
+            save_trajectories(run, it, buffer, r, adv)
+            # Always at a generation's last iteration: the boundary (dataset, SFT) is redone from it.
+            if (it + 1) % args.ckpt_every == 0 or (it + 1) % ipg == 0 or it + 1 == total:
+                line = {**metrics, **times, "time/iteration": time.perf_counter() - t0}
+                rundir.save(run, L.policy, L.optimizer, it + 1, args, line, start_model=L.start_model,
+                            generation=L.generation, wm=L.wm.state_dict(), wm_opt=L.wm_opt.state_dict(),
+                            wm_config=L.wm.config)
+        metrics.update(times, **{"time/iteration": time.perf_counter() - t0})
+        rundir.end_iteration(run, trackers, metrics, console_line(metrics))
+    finish_generation(run, L.generation, (L.generation - 1) * ipg, total - 1, L.policy, args)
+    progress.close(trackers)
+    print(f"done: {run}", flush=True)
+
+
+def main(argv=None) -> None:
+    args, ckpt = resolve_args(argv)
     transformers.utils.logging.disable_progress_bar()  # one console line per iteration, not bars
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     if args.threads > 0 or not (args.device.startswith("cuda") or (not args.device and torch.cuda.is_available())):
         # OpenMP threads spin while they wait; next to Xvfb desktops and tesseract on the same cores
         # the default (every core) ran our tiny-model steps 10x slower than one thread did.
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
-    pool, live, screen = open_desktops(args)  # first: an unreachable VM should leave no run folder behind
-    new_run = None  # a run folder made just now: removed again if the setup below fails (bad --model, ...)
+    # The desktops first: an unreachable VM should leave no run folder behind.
+    pool, live, screen = rundir.open_desktops(args.vms, args.token, args.vm_timeout)
     try:
-        name = args.run_name or time.strftime(("eval-" if args.eval_only else "") + "%Y%m%d-%H%M%S")
-        if not args.resume and not os.path.exists(os.path.join(args.runs_dir, name)):
-            new_run = os.path.join(args.runs_dir, name)
         if args.eval_only:
-            run = rundir.make_run_dir(args.runs_dir, name, args)
-            ckpt = None
-        else:
-            run = rundir.make_run_dir(args.runs_dir, name, args, resume=args.resume or None)
-            ckpt = rundir.load_checkpoint(run)
-        print(f"run folder: {run}", flush=True)
-        random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
-        if args.eval_only:
-            policy = load(args.model, args, lora=False)
-            if args.engine == "vllm":
-                policy.engine = M.VLLMEngine(policy, os.path.join(run, "vllm_init"))
-            choosers = {"policy": policy_chooser(policy, args)}
-            if args.eval_random:
-                choosers["random"] = random_chooser(random.Random(args.seed))
-            new_run = None  # set up: from here on the folder holds results
-            run_eval(pool, live, choosers, args, run)
-            sys.exit(0)
-
-        # Text tools (OCR + embedder) only when a text/intent term is on; without them those terms
-        # are off (said once) and the world model has no text branch.
-        want = R.parse_reward_flags(args.rewards)
-        tools = R.load_text_tools() if R.needs_text(want) else None
-        flags = R.effective_flags(want, tools)
-        print("reward components on: " + ", ".join(k for k, v in flags.items() if v), flush=True)
-        wm = R.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags["text"]) else 0, args.wm_hidden, screen)
-        wm_opt = adamw(wm.parameters(), args.wm_lr)
-        distill_metrics = {}  # SFT numbers of a generation's start, logged once on its first line
-        if ckpt is None:
-            start_it, generation = 0, 1
-            policy, start_model, distill_metrics = start_generation(1, run, args)
-            optimizer = adamw(trainable(policy), args.lr)
-        else:
-            state, ckpt_dir = ckpt
-            start_it, generation, start_model = state["iteration"] + 1, state["generation"], state["start_model"]
-            policy, optimizer = restore(state, ckpt_dir, wm, wm_opt, args)
-            rundir.trim_metrics(run, start_it)  # lines logged after this checkpoint are redone
-            rundir.set_rng_state(state["rng"])
-            print(f"resumed {run} at iteration {start_it} (generation E{generation})", flush=True)
-        ref_fn = reference_fn(start_model, args)
-        if args.engine == "vllm":
-            policy.engine = M.VLLMEngine(policy, os.path.join(run, "vllm_init"))
-
-        new_run = None  # set up: from here on the folder holds results
-        trackers = progress.open_trackers(run, rundir.public_args(args), wandb=args.wandb, tensorboard=args.tensorboard)
-        for it in progress.track(range(start_it, total_iterations), "iterations"):
-            t_iter = time.perf_counter()
-            times = {}
-            g = it // ipg + 1
-            if g != generation:  # a generation boundary (also right after resuming at one)
-                with timed(times, "distill"):
-                    finish_generation(run, generation, (generation - 1) * ipg, it - 1, policy, args)
-                    engine = policy.engine
-                    policy, start_model, distill_metrics = start_generation(g, run, args)
-                    policy.engine = engine
-                    M.sync_weights(policy)
-                    optimizer = adamw(trainable(policy), args.lr)
-                    ref_fn = reference_fn(start_model, args)
-                    generation = g
-            if it == start_it or (args.reset_every and it % args.reset_every == 0):
-                with timed(times, "reset"):  # fresh desktops; dead local ones are restarted here
-                    live = {i for i, res in enumerate(pool.reset()) if res.ok}
-            # A kill after an iteration saved trajectories but before its checkpoint leaves files
-            # that this redo would only partly overwrite (fewer live desktops, say): start clean.
-            shutil.rmtree(os.path.join(run, "trajectories", f"it{it:06d}"), ignore_errors=True)
-
-            # rollout: --steps lockstep steps on every live desktop, one batched generate per step
-            buffer = rollout(pool, live, policy_chooser(policy, args), args, times)
-            if not buffer:
-                print(f"it {it}: no desktop answered; resetting them and going on.", flush=True)
-                live = {i for i, res in enumerate(pool.reset()) if res.ok}
-                continue
-
-            # rewards: features, the world model's update, every component (N,) each
-            r, wm_metrics = score(buffer, flags, tools, wm, wm_opt, args, times)
-
-            # ALGO: GRPO with the whole buffer as ONE group: each step's reward against every step's
-            # (The sampler's log-probs ride along only so the update can log actor/logp_gap, how far
-            # they are from the trainer's own: the update recomputes its old log-probs.)
-            samples = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), group=0,
-                                        old_logps=s.gen.logprobs) for k, s in enumerate(buffer)]
-            adv = grpo.assign_advantages(samples)  # (N,)
-            actor = dict.fromkeys(("actor/loss", "actor/kl", "actor/clip_low", "actor/clip_high", "actor/grad_norm",
-                                   "actor/lr"))
-            # The delay lets the world model warm up before its curiosity steers the actor. It is
-            # the ONLY condition: the release also skipped the update whenever the world model was
-            # off, so its no-world-model ablation never trained at all.
-            updated = it >= args.update_actor_delay
-            if updated:
-                for group in optimizer.param_groups:
-                    group["lr"] = actor["actor/lr"] = actor_lr(it, args)
-                with timed(times, "update"), progress.bar(len(samples), "update") as pb:
-                    m = grpo.update_policy(policy, optimizer, samples, args.micro_batch, args.eps_low, args.eps_high,
-                                           args.beta, ref_fn, args.max_grad_norm, mini_batch_size=args.mini_batch,
-                                           on_micro_batch=pb.update, temperature=args.temperature,
-                                           shuffle=random.Random(f"{args.seed}-update-{it}"))
-                    actor.update({f"actor/{k}": v for k, v in m.items()})
-                with timed(times, "sync"):
-                    M.sync_weights(policy)  # the generator samples the next iteration from the new weights
-
-            # trajectories, checkpoint, then the metrics line (this order: see rundir.py)
-            metrics = {"iteration": it, "generation": generation, "vms": len({s.vm for s in buffer}),
-                       "steps": len(buffer), **R.summarize_rewards(r), **wm_metrics, "actor/updated": int(updated),
-                       **actor, "adv/std": float(adv.std()) if len(adv) > 1 else 0.0, **distill_metrics}
-            with timed(times, "save"):
-                for vm in sorted({s.vm for s in buffer}):
-                    rows = [k for k, s in enumerate(buffer) if s.vm == vm]
-                    rundir.save_trajectory(run, it, vm, trajectory_lines(buffer, rows, r, adv), [buffer[k].before for k in rows])
-                # Always at a generation's last iteration: the boundary (dataset, SFT) is redone from it.
-                if (it + 1) % args.save_every == 0 or (it + 1) % ipg == 0 or it + 1 == total_iterations:
-                    # LoRA: the adapter alone, exact; the merged policy beside it is for loading elsewhere.
-                    state = {"iteration": it, "generation": generation, "start_model": start_model,
-                             "adapter": adapter_state(policy) if args.lora_rank > 0 else None,
-                             "optimizer": optimizer.state_dict(), "wm": wm.state_dict(), "wm_opt": wm_opt.state_dict(),
-                             "wm_config": wm.config, "rng": rundir.rng_state(), "args": asdict(args)}
-                    # The checkpoint carries this iteration's line (its times up to now): a kill
-                    # before log_metrics below would otherwise lose the line for good.
-                    rundir.save_checkpoint(run, state, lambda d: M.save_policy(policy, os.path.join(d, "policy")),
-                                           metrics={**metrics, **times, "time/iteration": time.perf_counter() - t_iter})
-            metrics.update(times)
-            metrics["time/iteration"] = time.perf_counter() - t_iter
-            rundir.log_metrics(run, metrics)
-            progress.log(trackers, metrics, step=it)
-            distill_metrics = {}
-            progress.say(console_line(metrics))
-
-        finish_generation(run, generation, (generation - 1) * ipg, total_iterations - 1, policy, args)
-        progress.close(trackers)
-        print(f"done: {run}", flush=True)
-    except BaseException:
-        if new_run:  # it holds only args.json: a failed start leaves nothing behind
-            shutil.rmtree(new_run, ignore_errors=True)
-        raise
+            evaluate(pool, live, args, ckpt)
+            return
+        run = args.resume or rundir.run_path(args.runs_dir, args.run_name)
+        with rundir.new_run(run):  # a failed setup (bad --model, ...) leaves no folder behind
+            rundir.make_run_dir(run, args, resume=bool(args.resume))
+            print(f"run folder: {run}", flush=True)
+            rundir.seed_all(args.seed)
+            learner, start, distill_metrics = setup(args, run, ckpt, screen)
+        train(pool, live, learner, args, run, start, distill_metrics)
     finally:
         pool.close()
+
+
+if __name__ == "__main__":
+    main()

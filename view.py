@@ -16,7 +16,9 @@ Both run types are read (detected from args.json, else from the metrics and traj
   component (rewards.py's names); curves of reward/*, wm/*, actor/* and the rest of metrics.jsonl.
 - train_arpo.py: per step the thought and the action, per episode the task, its instruction and its
   final line (end, score, standard score, format penalty, reward); curves of reward_mean,
-  success_rate, kl, clip_* and the rest; replay injections in the iteration header.
+  success_rate, actor/kl, actor/clip_* and the rest; replay injections in the iteration header.
+  Metric lines of ARPO runs written before the shared vocabulary (kl, time_total, ...) are read
+  under today's names (ARPO_KEYS).
 A run killed mid-iteration is shown as far as it got: a torn metrics line or trajectory line is
 skipped, a missing screenshot becomes a grey box (the action is still drawn on it), PNGs without a
 trajectory line are shown as bare steps. Nothing about the papers here: this file is plumbing.
@@ -112,6 +114,13 @@ def run_kind(args: dict, metrics: list[dict], trajs: dict) -> str:
     return "unknown"
 
 
+# train_arpo.py's metric names before both scripts shared one vocabulary -> the shared names
+ARPO_KEYS = {**{k: f"actor/{k}" for k in ("loss", "pg_loss", "kl", "clip_low", "clip_high", "clip_dual", "ratio_mean",
+                                          "grad_norm", "tokens", "lr", "logp_gap")},
+             **{f"time_{k}": f"time/{k}" for k in ("reset", "generation", "env", "evaluate", "update", "save")},
+             "time_total": "time/iteration"}
+
+
 def load_run(run: str) -> dict:
     """Everything the report shows, from the run folder; one sentence if it is not a run folder."""
     if not os.path.isdir(run):
@@ -122,7 +131,7 @@ def load_run(run: str) -> dict:
         args = args if isinstance(args, dict) else {}
     except (OSError, ValueError):
         args = {}
-    metrics = read_jsonl(os.path.join(run, "metrics.jsonl"))
+    metrics = [{ARPO_KEYS.get(k, k): x for k, x in m.items()} for m in read_jsonl(os.path.join(run, "metrics.jsonl"))]
     trajs = load_trajectories(run)
     if not args and not metrics and not trajs:
         raise SystemExit(f"{run} holds no args.json, metrics.jsonl or trajectories/; pass a folder a train script wrote.")
@@ -227,8 +236,9 @@ HEADLINE = {
                 ("world-model loss", ["wm/loss", "wm/loss_first_epoch"]), ("KL to the start", ["actor/kl"]),
                 ("clip fraction", ["actor/clip_low", "actor/clip_high", "actor/clip_dual"]), ("policy loss", ["actor/loss"])],
     "arpo": [("reward (score - format penalty)", ["reward_mean", "score_mean"]), ("success rate", ["success_rate"]),
-             ("format rate", ["format_rate"]), ("KL to the start", ["kl"]), ("clip fraction", ["clip_low", "clip_high", "clip_dual"]),
-             ("replay", ["n_injections", "zero_std_groups", "replay_size"]), ("policy loss", ["loss"])],
+             ("format rate", ["format_rate"]), ("KL to the start", ["actor/kl"]),
+             ("clip fraction", ["actor/clip_low", "actor/clip_high", "actor/clip_dual"]),
+             ("replay", ["n_injections", "zero_std_groups", "replay_size"]), ("policy loss", ["actor/loss"])],
 }
 PALETTE = ["#0a84ff", "#ff3b30", "#34c759", "#ff9500", "#af52de", "#00c7be", "#ffcc00", "#8e8e93", "#5e5ce6"]
 
@@ -389,7 +399,7 @@ def iteration_header(m: dict | None, kind: str) -> str:
     """A compact line of the iteration's headline numbers (and ARPO's replay injections)."""
     if not m:
         return '<p class="empty">no metrics line for this iteration (the run stopped before logging it)</p>'
-    keys = [k for _, ks in HEADLINE.get(kind, []) for k in ks] + ["time/iteration", "time_total"]
+    keys = [k for _, ks in HEADLINE.get(kind, []) for k in ks] + ["time/iteration"]
     chips = "".join(f"<span>{esc(k)} <b>{_fmt(m[k])}</b></span>" for k in keys if _num(m.get(k)) is not None)
     inj = "".join(f'<span class="good">replay: group {esc(r.get("group"))} got a success of it {esc(r.get("from_iteration"))} '
                   f'vm {esc(r.get("from_vm"))}</span>' for r in m.get("replay_injections") or [] if isinstance(r, dict))

@@ -89,8 +89,8 @@ def main() -> None:
     finally:
         pool.close()
 
-    total = {k: sum(m[f"time_{k}"] for m in ms) for k, _, _ in PHASES}
-    wall = sum(m["time_total"] for m in ms)
+    total = {k: sum(m[f"time/{k}"] for m in ms) for k, _, _ in PHASES}
+    wall = sum(m["time/iteration"] for m in ms)
     vm = sum(total[k] for k, side, _ in PHASES if side == "vm")
     compute = sum(total[k] for k, side, _ in PHASES if side == "compute")
     steps = sum(m["steps_mean"] * m["episodes"] for m in ms)

@@ -67,7 +67,7 @@ def run_script(script: str, fresh: list, run: str, seed: int, kills: int, n: int
 
     def between(run, before):
         after_kill()
-        starts.append(before["iteration"] if before else None)
+        starts.append(before["next_iteration"] if before else None)
         if between_extra:
             between_extra(run, before)
     t0 = time.time()
@@ -103,7 +103,7 @@ def main():
         check("policy optimizer steps = iterations", C.opt_steps(r["final"]["optimizer"]) == n, r["fails"])
         check("world-model steps = iterations that trained it", C.opt_steps(r["final"]["wm_opt"]) == sum(wm_trained), r["fails"])
     for old, new in r["pairs"]:
-        k, j = old["iteration"], new["iteration"]
+        k, j = old["next_iteration"], new["next_iteration"]
         dwm = C.opt_steps(new["wm_opt"]) - C.opt_steps(old["wm_opt"])
         check(f"world model continued across the kill at {k}", C.max_diff(old["wm"], new["wm"]) <= 5e-3 * dwm + 1e-6, r["fails"])
         check(f"adapter continued across the kill at {k}", C.max_diff(old["adapter"], new["adapter"]) <= 2e-4 * (j - k) + 1e-7, r["fails"])
@@ -126,9 +126,9 @@ def main():
     def ids(state):
         return [(t["iteration"], t["vm"]) for t, _ in state["replay"]["data"].get("notes-there", [])]
     for old, new in r["pairs"]:
-        added = [x for x in ids(new) if x[0] >= old["iteration"]]
+        added = [x for x in ids(new) if x[0] >= old["next_iteration"]]
         kept = ids(new)[:len(ids(new)) - len(added)]
-        check(f"replay buffer continued across the kill at {old['iteration']}",
+        check(f"replay buffer continued across the kill at {old['next_iteration']}",
               bool(added) and kept == ids(old)[len(ids(old)) - len(kept):] and len(kept) == min(len(ids(old)), 8 - len(added)),
               r["fails"])
     results["train_arpo.py"] = r

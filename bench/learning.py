@@ -12,7 +12,7 @@ No weights can be downloaded, so the policy is the tiny random Qwen2.5-VL of the
    prompt answered with `left_double` on each desktop icon exactly once per epoch (UI-TARS format),
    so every prompt starts with the same uniform prior over the 7 icons and every answer parses.
    Saved as an ordinary checkpoint folder (`train_arpo.py --model <folder>` loads it).
-2. Before: `train_arpo.py --eval-only --model <warm start>` at temperature 1, --eval-rollouts per task.
+2. Before: `train_arpo.py --eval-only --model <warm start>` at temperature 1, --eval-episodes per task.
 3. Train: `train_arpo.py --model <warm start> --select-tasks K ...` as a subprocess, as a user runs
    it: ARPO's task selection first, then GRPO with replay, lr 5e-4 with a 10% warm-up and a linear
    decay over --iterations (120; fewer if the --minutes budget leaves less, fixed before training).
@@ -220,7 +220,7 @@ def run_seed(a, seed: int) -> dict:
     # Before: the warm start at T=1 on every task (the selected ones are read out of it later).
     before_json = os.path.join(out, "eval_before.json")
     rc = train_arpo(["--eval-only", "--model", warm, "--task-ids", TASK_IDS, *common_flags(a),
-                     "--eval-rollouts", str(a.eval_rollouts), "--eval-temperature", "1.0",
+                     "--eval-episodes", str(a.eval_episodes), "--eval-temperature", "1.0",
                      "--sample-seed", str(1000 + seed), "--runs-dir", out, "--run-name", "before",
                      "--eval-out", before_json], log)
     if rc != 0:
@@ -229,7 +229,7 @@ def run_seed(a, seed: int) -> dict:
         before_eval = json.load(f)
     # Iterations from the time left: an iteration is about one eval wave (reset, setup, a step,
     # score) plus its update; the selection and the eval after cost what the eval before did.
-    waves = math.ceil(len(ids) * a.eval_rollouts / a.vms)
+    waves = math.ceil(len(ids) * a.eval_episodes / a.vms)
     per_wave = before_eval["seconds"] / max(1, waves)
     select_s = math.ceil(len(ids) * a.select_tasks / a.vms) * per_wave
     left = budget - (time.perf_counter() - t0) - before_eval["seconds"] - select_s - 30  # 30 s: 3 starts
@@ -258,8 +258,8 @@ def run_seed(a, seed: int) -> dict:
         metrics = [json.loads(line) for line in f if line.strip()]
     # After: the last checkpoint (the rule fixed in advance), on the selected tasks.
     after_json = os.path.join(out, "eval_after.json")
-    rc = train_arpo(["--eval-only", "--resume", run, "--task-ids", ",".join(selected), "--eval-rollouts",
-                     str(a.eval_rollouts), "--eval-temperature", "1.0", "--sample-seed", str(2000 + seed),
+    rc = train_arpo(["--eval-only", "--resume", run, "--task-ids", ",".join(selected), "--eval-episodes",
+                     str(a.eval_episodes), "--eval-temperature", "1.0", "--sample-seed", str(2000 + seed),
                      "--eval-out", after_json, "--vms", str(a.vms)], log)
     if rc != 0:
         raise SystemExit(f"the eval after training failed (exit {rc}); see {log}.")
@@ -365,7 +365,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (warm-up 10%%, then linear decay)")
     p.add_argument("--epochs", type=int, default=1, help="train_arpo.py --epochs")
     p.add_argument("--select-tasks", type=int, default=16, help="ARPO's task selection: K rollouts a task; 0 = off")
-    p.add_argument("--eval-rollouts", type=int, default=24, help="rollouts per task in each eval (T=1)")
+    p.add_argument("--eval-episodes", type=int, default=24, help="episodes per task in each eval (T=1)")
     p.add_argument("--warm-epochs", type=int, default=16, help="passes of the warm start over prompts x icons")
     p.add_argument("--warm-lr", type=float, default=6e-3, help="learning rate of the warm start")
     p.add_argument("--warm-start-only", default="", metavar="DIR",

@@ -83,13 +83,14 @@ def check_folder(run: str, allowed: set[int]) -> int:
     assert path is not None, f"no complete checkpoint left: {sorted(os.listdir(run))}"
     assert os.path.exists(os.path.join(path, "COMPLETE"))
     state, _ = rundir.load_checkpoint(run)
-    assert state["iteration"] in allowed and open(os.path.join(path, "COMPLETE")).read() == str(state["iteration"])
-    assert state["blob"].shape == (64, 64) and float(state["blob"][0, 0]) == state["iteration"]
-    return state["iteration"]
+    it = state["next_iteration"]
+    assert it in allowed and open(os.path.join(path, "COMPLETE")).read() == str(it)
+    assert state["blob"].shape == (64, 64) and float(state["blob"][0, 0]) == it
+    return it
 
 
 def make_state(it: int) -> dict:
-    return {"iteration": it, "blob": torch.full((64, 64), float(it))}
+    return {"next_iteration": it, "blob": torch.full((64, 64), float(it))}
 
 
 def prepare(run: str, start: str) -> str:
@@ -211,9 +212,9 @@ def snapshot(run: str, live: bool = False) -> dict | None:
                 assert os.path.exists(os.path.join(run, "ckpt", "COMPLETE")), os.listdir(os.path.join(run, "ckpt"))
             stamp = open(os.path.join(path, "COMPLETE")).read()
             state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-            if stamp == str(state["iteration"]) == open(os.path.join(path, "COMPLETE")).read():
+            if stamp == str(state["next_iteration"]) == open(os.path.join(path, "COMPLETE")).read():
                 return state
-            assert live, (stamp, state["iteration"])
+            assert live, (stamp, state["next_iteration"])
         except (OSError, RuntimeError, EOFError):
             if not live:
                 raise
@@ -246,10 +247,10 @@ def crash_and_resume(script: str, fresh: list[str], run: str, seed: int, kills: 
         while p.poll() is None and time.time() < deadline:
             done = rundir.latest_checkpoint(run)
             stamp = open(os.path.join(done, "COMPLETE")).read() if done else None
-            if stamp is not None and stamp != str(before and before["iteration"]) and first_new is None:
+            if stamp is not None and stamp != str(before and before["next_iteration"]) and first_new is None:
                 first_new = snapshot(run, live=True)
             if attempt < kills and kill_at is None:
-                base = (-1 if before is None else before["iteration"]) + (1 if script == "train_arpo.py" else 0)
+                base = 0 if before is None else before["next_iteration"]
                 if wait_its == 0 or (stamp is not None and int(stamp) - base >= wait_its):
                     kill_at = time.time() + delay
             if kill_at is not None and time.time() >= kill_at:
@@ -263,13 +264,13 @@ def crash_and_resume(script: str, fresh: list[str], run: str, seed: int, kills: 
         outputs.append(out[-1500:])
         after = snapshot(run)  # the folder a resume would read: complete, or no checkpoint at all
         survived += attempt < kills and p.returncode == -signal.SIGKILL
-        if before is not None and first_new is not None and first_new["iteration"] != before["iteration"]:
+        if before is not None and first_new is not None and first_new["next_iteration"] != before["next_iteration"]:
             pairs.append((before, first_new))
         assert p.returncode in (0, -signal.SIGKILL), out[-3000:]
         if attempt == kills:
             assert p.returncode == 0, out[-3000:]
         print(f"{script}: start {attempt}: {'killed' if p.returncode == -signal.SIGKILL else 'exit ' + str(p.returncode)} "
-              f"after {time.time() - t0:.1f} s, checkpoint at {after['iteration'] if after else None}")
+              f"after {time.time() - t0:.1f} s, checkpoint at {after['next_iteration'] if after else None}")
     lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     return {"tried": tried, "survived": survived, "pairs": pairs, "metrics": lines, "final": snapshot(run),
             "outputs": outputs}
@@ -292,17 +293,17 @@ def test_explore_survives_three_random_kills(desktops, speaker, tmp_path):
     assert its == list(range(n)), its  # every iteration exactly once, in order
     wm_trained = [m["wm/loss"] is not None for m in r["metrics"]]
     final = r["final"]
-    assert final["iteration"] == n - 1
+    assert final["next_iteration"] == n
     # One optimizer step per iteration (2 samples <= --mini-batch 16, actor from iteration 0) and one
     # world-model step per iteration with a valid step: the counters continue across every kill.
     assert opt_steps(final["optimizer"]) == n
     assert opt_steps(final["wm_opt"]) == sum(wm_trained)
     assert r["pairs"], "no kill fell after a checkpoint"
     for old, new in r["pairs"]:
-        k, j = old["iteration"], new["iteration"]
+        k, j = old["next_iteration"], new["next_iteration"]
         assert opt_steps(new["optimizer"]) - opt_steps(old["optimizer"]) == j - k
         dwm = opt_steps(new["wm_opt"]) - opt_steps(old["wm_opt"])
-        assert dwm == sum(wm_trained[k + 1:j + 1])
+        assert dwm == sum(wm_trained[k:j])
         # The world model and the adapter went on from the checkpoint: Adam moves each weight by at
         # most ~lr per step (5 lr leaves room for its bias correction), a fresh start would move
         # them by their whole initial scale.
@@ -326,7 +327,7 @@ def test_arpo_survives_three_random_kills(desktops, tmp_path):
              "--mini-batch", 2]
 
     def plant(run, before):  # a killed attempt's trajectory file of the iteration about to be redone
-        nxt = before["iteration"] if before else 0
+        nxt = before["next_iteration"] if before else 0
         os.makedirs(os.path.join(run, "trajectories", f"it{nxt:06d}"), exist_ok=True)
         open(os.path.join(run, "trajectories", f"it{nxt:06d}", "vm07.jsonl"), "w").write("{}\n")
 
@@ -335,7 +336,7 @@ def test_arpo_survives_three_random_kills(desktops, tmp_path):
     assert r["tried"] == 3 and r["survived"] == 3
     assert [m["iteration"] for m in r["metrics"]] == list(range(n))
     final = r["final"]
-    assert final["iteration"] == n and opt_steps(final["optimizer"]) == n
+    assert final["next_iteration"] == n and opt_steps(final["optimizer"]) == n
     assert not any(os.path.exists(os.path.join(run, "trajectories", d, "vm07.jsonl"))
                    for d in os.listdir(os.path.join(run, "trajectories")))
     assert r["pairs"], "no kill fell after a checkpoint"
@@ -343,10 +344,10 @@ def test_arpo_survives_three_random_kills(desktops, tmp_path):
     def ids(state):
         return [(t["iteration"], t["vm"]) for t, _ in state["replay"]["data"].get("notes-there", [])]
     for old, new in r["pairs"]:
-        assert opt_steps(new["optimizer"]) - opt_steps(old["optimizer"]) == new["iteration"] - old["iteration"]
+        assert opt_steps(new["optimizer"]) - opt_steps(old["optimizer"]) == new["next_iteration"] - old["next_iteration"]
         # the replay buffer went on from the checkpoint: what it held is still there, oldest first,
         # with only this run's new successes after it (and the oldest dropped past 8)
-        added = [x for x in ids(new) if x[0] >= old["iteration"]]
+        added = [x for x in ids(new) if x[0] >= old["next_iteration"]]
         kept = ids(new)[:len(ids(new)) - len(added)]
         assert added and len(kept) == min(len(ids(old)), 8 - len(added))
         assert kept == ids(old)[len(ids(old)) - len(kept):], (ids(old), ids(new))

@@ -568,57 +568,38 @@ def _with_recomputed_old_logps(model, samples, shift=0.0):
     return samples
 
 
-def test_update_policy_with_sampler_old_logps(policy):
+def test_update_policy_scores_old_logps_itself_and_logs_the_samplers_gap(policy):
+    # The samples carry "sampler" log-probs 0.5 above the trainer's own. The update must take its
+    # old log-probs from its own forward pass (every first-step ratio is 1, nothing is clipped) and
+    # report the gap: mean |trainer - sampler| over the target tokens = 0.5.
     samples = [_explore_step(policy, 60 + 10 * i, 60, i, 3 + 4 * i) for i in range(3)]  # 4, 8, 12 targets
     for s, a in zip(samples, [1.0, -0.5, -0.5]):
         s.advantage = a
-    # Carried values equal to the recomputed ones: same loss, same step as "recompute".
-    _with_recomputed_old_logps(policy.model, samples)
-    ends, losses = [], []
-    for mode in ("recompute", "sampler"):
-        net = copy.deepcopy(policy.model)
-        met = grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, micro_batch_size=3,
-                                 old_logps=mode)
-        losses.append(met["loss"])
-        ends.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
-        assert met["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
-    assert (ends[0] - ends[1]).abs().max() < 1e-5
-    # Carried values 0.5 above the trainer's: every ratio is exp(-0.5) = 0.606531, so they are used.
-    # row 0 (A = +1): min(0.606531, 0.8) -> loss -0.606531 per token
-    # rows 1, 2 (A = -0.5): min(-0.303265, 0.8 * -0.5 = -0.4) = -0.4 (clip LOW) -> loss +0.4
-    # seq-mean-token-mean: (-0.606531 + 0.4 + 0.4) / 3 = 0.064490; clip_low = (8 + 12) / 24 = 0.833333
     _with_recomputed_old_logps(policy.model, samples, shift=0.5)
-    net = copy.deepcopy(policy.model)
-    met = grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, micro_batch_size=1,
-                             old_logps=True)
-    assert met["loss"] == pytest.approx(0.064490, abs=1e-5)
-    assert met["ratio_mean"] == pytest.approx(0.606531, abs=1e-5)
-    assert met["clip_low"] == pytest.approx(0.833333, abs=1e-5) and met["clip_high"] == 0.0
-    samples[1].old_logps = None
-    with pytest.raises(ValueError, match="recompute"):
-        grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, old_logps="sampler")
-    with pytest.raises(ValueError, match="'recompute' or 'sampler'"):
-        grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, old_logps="vllm")
+    for mini in (None, 1):  # one optimizer step (the on-policy shortcut), and three
+        net = copy.deepcopy(policy.model)
+        met = grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, micro_batch_size=1,
+                                 mini_batch_size=mini)
+        assert met["logp_gap"] == pytest.approx(0.5, abs=1e-5)
+        if mini is None:  # the one step is the first: ratio 1 (later steps see weights the earlier ones moved)
+            assert met["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+            assert met["clip_low"] == 0.0 and met["clip_high"] == 0.0
 
 
-def test_update_policy_dual_clip_caps_negative_advantages(policy):
-    # Carried old log-probs 2 below the trainer's: every ratio is e^2 = 7.389056, far above c = 3.
-    # row 0 (A = +1, 4 targets): -min(7.389056, 1.28) = -1.28 (clip HIGH)
-    # rows 1, 2 (A = -0.5, 8 and 12 targets): max(3.694528, 0.64) = 3.694528, capped at 3 * 0.5 = 1.5 (DUAL)
-    # seq-mean-token-mean: (-1.28 + 1.5 + 1.5) / 3 = 0.573333 (without the cap: 2.036352)
-    # clip_dual = 20 / 24 = 0.833333, clip_high = 4 / 24 = 0.166667
-    samples = [_explore_step(policy, 60 + 10 * i, 60, i, 3 + 4 * i) for i in range(3)]  # 4, 8, 12 targets
+def test_update_policy_passes_the_dual_clip_to_the_loss(policy):
+    # Two epochs at a large step: in the second the ratios are far from 1, and the negative
+    # advantages' losses are capped at c * |A| only when dual_clip is given (the cap's arithmetic
+    # is test_grpo_loss_dual_clip_by_hand's).
+    samples = [_explore_step(policy, 60 + 10 * i, 60, i, 3 + 4 * i) for i in range(3)]
     for s, a in zip(samples, [1.0, -0.5, -0.5]):
         s.advantage = a
-    _with_recomputed_old_logps(policy.model, samples, shift=-2.0)
-    for dual, want in ((3.0, 0.573333), (None, 2.036352)):
+    mets = {}
+    for dual in (1.01, None):
         net = copy.deepcopy(policy.model)
-        met = grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), samples, micro_batch_size=2,
-                                 old_logps="sampler", dual_clip=dual)
-        assert met["loss"] == pytest.approx(want, abs=1e-5)
-        assert met["clip_dual"] == pytest.approx(0.833333 if dual else 0.0, abs=1e-5)
-        assert met["clip_high"] == pytest.approx(0.166667, abs=1e-5) and met["clip_low"] == 0.0
+        mets[dual] = grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=20.0), samples,
+                                        micro_batch_size=3, epochs=2, dual_clip=dual)
+    assert mets[1.01]["clip_dual"] > 0 and mets[None]["clip_dual"] == 0.0
+    assert mets[1.01]["loss"] < mets[None]["loss"]
 
 
 def test_update_policy_shuffles_mini_batches_with_the_given_generator(policy):

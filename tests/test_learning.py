@@ -88,7 +88,7 @@ def test_warm_start_balances_prompts_and_icons():
 def test_smoke_the_bench_end_to_end(tmp_path):
     out = tmp_path / "learn"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "learning.py"), "--method", "arpo", "--seeds", "1",
-           "--iterations", "2", "--eval-rollouts", "1", "--select-tasks", "0", "--warm-epochs", "1",
+           "--iterations", "2", "--eval-episodes", "1", "--select-tasks", "0", "--warm-epochs", "1",
            "--vms", "2", "--group-size", "2", "--settle", "0.2", "--out", str(out)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = p.stdout.strip().splitlines()

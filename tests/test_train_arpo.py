@@ -187,11 +187,11 @@ def test_lr_schedule_by_hand():
 
 
 def test_sample_seed_drives_sampling_and_leaves_the_task_order():
-    T.seed_all(small_args(seed=0, sample_seed=7))
+    rundir.seed_all(0, 7)
     a = torch.rand(3)
-    T.seed_all(small_args(seed=5, sample_seed=7))  # another --seed, the same --sample-seed
+    rundir.seed_all(5, 7)  # another --seed, the same --sample-seed
     assert torch.equal(a, torch.rand(3))
-    T.seed_all(small_args(seed=0))  # -1: sampling follows --seed
+    rundir.seed_all(0, -1)  # -1: sampling follows --seed
     b = torch.rand(3)
     torch.manual_seed(0)
     assert torch.equal(b, torch.rand(3)) and not torch.equal(a, b)
@@ -211,7 +211,7 @@ def test_task_order_and_groups():
 
 
 def test_flags():
-    args, given = T.parse_args(["--no-replay", "--lr", "2e-6", "--vms", "http://a:1,http://b:2"])
+    args, given = rundir.parse_args(T.Args, ["--no-replay", "--lr", "2e-6", "--vms", "http://a:1,http://b:2"], T.PROG)
     assert (args.replay, args.lr, args.vms, args.group_size, args.stop_on_format_error) == \
         (False, 2e-6, "http://a:1,http://b:2", 8, True)
     assert given == {"replay": False, "lr": 2e-6, "vms": "http://a:1,http://b:2"}
@@ -254,12 +254,13 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     # rewards [1.0, -0.5] (format penalty 0.5): mean 0.25, std 1.0607 -> advantages +-0.7071
     assert r["advantage"] == pytest.approx(0.70711, abs=1e-4)
     assert other["advantage"] == pytest.approx(-0.70711, abs=1e-4)
-    assert m["tokens"] == r["target_tokens"] + other["target_tokens"]  # the update consumed both
-    assert m["grad_norm"] > 0 and not torch.equal(before, tiny.model.lm_head.weight)  # and learned from them
+    assert m["actor/tokens"] == r["target_tokens"] + other["target_tokens"]  # the update consumed both
+    assert m["actor/grad_norm"] > 0 and not torch.equal(before, tiny.model.lm_head.weight)  # and learned from them
     assert len(buffer) == 1  # failures are never stored
 
     # The buffer survives a checkpoint (ARPO's own code loses it on resume).
-    T.checkpoint(tr, 2, {"epoch": 0, "pos": 1}, [task.id])
+    tr.picker = {"epoch": 0, "pos": 1}
+    T.checkpoint(tr, 2)
     state, _ = rundir.load_checkpoint(str(tmp_path))
     back = ReplayBuffer()
     back.load_state_dict(state["replay"])
@@ -270,13 +271,13 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     tr.replay = None
     m, _ = T.run_iteration(tr, 2, lambda n: [task.id] * n)
     assert m["n_injections"] == 0 and not any(b["replayed"] for b in m["batch"])
-    assert [b["advantage"] for b in m["batch"]] == [0.0, 0.0] and m["grad_norm"] == 0.0
+    assert [b["advantage"] for b in m["batch"]] == [0.0, 0.0] and m["actor/grad_norm"] == 0.0
     assert len(buffer) == 1
 
 
 def test_epochs_and_the_lr_schedule_in_a_real_iteration(pool, tmp_path):
     """--epochs 3 with one trajectory per optimizer step: 2 trajectories x 3 passes = 6 steps; the
-    optimizer runs at lr_at(iteration) (warm-up: iteration 1 of 4 -> lr / 2), logged as `lr`."""
+    optimizer runs at lr_at(iteration) (warm-up: iteration 1 of 4 -> lr / 2), logged as `actor/lr`."""
     task = TASKS["calc-open"]
     policy = load_policy("tiny", seed=1, max_pixels=SMALL)  # its own: this test trains it
     args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1, epochs=3, mini_batch=1, lr=1e-3, lr_warmup=4)
@@ -286,7 +287,7 @@ def test_epochs_and_the_lr_schedule_in_a_real_iteration(pool, tmp_path):
     tr = T.Trainer(args, pool, policy, opt, None, fn, str(tmp_path), [task])
     m, _ = T.run_iteration(tr, 1, lambda n: [task.id] * n)
     assert m["groups"][0]["scores"] == [1.0, 0.0]
-    assert m["steps"] == 6 and m["lr"] == 5e-4 and opt.param_groups[0]["lr"] == 5e-4
+    assert m["actor/steps"] == 6 and m["actor/lr"] == 5e-4 and opt.param_groups[0]["lr"] == 5e-4
 
 
 def test_every_answer_is_trained_in_the_context_and_at_the_temperature_it_was_sampled(pool, tmp_path):
@@ -304,8 +305,8 @@ def test_every_answer_is_trained_in_the_context_and_at_the_temperature_it_was_sa
     assert [b["steps"] for b in m["batch"]] == [3, 3]
     # The first K = 1 answers share a sequence, each later answer is its own: 3 sequences each.
     assert [b["sequences"] for b in m["batch"]] == [3, 3]
-    assert m["logp_gap"] < 1e-4, m["logp_gap"]
-    assert m["steps"] == 2 and "clip_dual" in m
+    assert m["actor/logp_gap"] < 1e-4, m["actor/logp_gap"]
+    assert m["actor/steps"] == 2 and "actor/clip_dual" in m
 
     # The trajectory re-encoded once with its last screenshot only trains answers 0 and 1 in a
     # context they never saw: nats away from what was sampled.
@@ -357,9 +358,9 @@ def test_replay_buffer_survives_a_real_resume(pool, tiny, tmp_path):
     assert eps[0].score == 1.0
     buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
     buffer.add(task.id, T.to_record(eps[0]), eps[0].score)
-    run = rundir.make_run_dir(str(tmp_path), "run", args)
+    run = rundir.make_run_dir(str(tmp_path / "run"), args)
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
-    T.checkpoint(T.Trainer(args, pool, tiny, opt, buffer, None, run, [task]), 1, {"epoch": 0, "pos": 1}, [task.id])
+    T.checkpoint(T.Trainer(args, pool, tiny, opt, buffer, None, run, [task], {"epoch": 0, "pos": 1}), 1)
     saved = buffer.state_dict()["data"]
 
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train_arpo.py"), "--resume", run, "--max-steps", "2"],
@@ -371,7 +372,7 @@ def test_replay_buffer_survives_a_real_resume(pool, tiny, tmp_path):
     # the random tiny policy failed both rollouts: the restored success was injected
     assert [(i["task"], i["from_iteration"], i["score"]) for i in m["replay_injections"]] == [("calc-open", 0, 1.0)]
     state, _ = rundir.load_checkpoint(run)
-    assert state["iteration"] == 2 and state["replay"]["data"] == saved  # byte for byte, screenshots too
+    assert state["next_iteration"] == 2 and state["replay"]["data"] == saved  # byte for byte, screenshots too
 
 
 # ------------------------------------------------------------------------------------------------
@@ -505,7 +506,7 @@ def test_smoke_train_resume_eval(tmp_path):
     assert [m["iteration"] for m in ms] == [0, 1]
     for m in ms:
         assert len(m["tasks"]) == 2 and m["episodes"] + m["dropped"] == 4
-        assert m["time_generation"] > 0 and m["time_update"] > 0 and m["time_env"] > 0
+        assert m["time/generation"] > 0 and m["time/update"] > 0 and m["time/env"] > 0
         assert all(b["steps"] <= 3 and b["target_tokens"] > 0 for b in m["batch"])
     assert max(b["steps"] for b in ms[0]["batch"]) == 3
     with open(os.path.join(run, "trajectories", "it000000", "vm00.jsonl")) as f:

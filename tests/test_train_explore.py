@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 import grpo
 import model as M
 import rewards as R
+import rundir
 import train_explore as T
 from env import VMPool
 
@@ -115,9 +116,12 @@ def test_smoke_then_resume(speaker, tmp_path):
                 assert abs(r["reward"] - want) < 1e-4 and r["valid"] == (r["rewards"]["format"] == 1.0)
             steps += rows
     assert any(s["valid"] and s["reward"] > 0 for s in steps), "the speaker produced no valid step"
-    assert (rd / "ckpt" / "COMPLETE").exists() and (rd / "ckpt" / "policy" / "config.json").exists()
+    assert (rd / "ckpt" / "COMPLETE").exists()
     # The actor's and the world model's optimizers are the release's AdamW (betas 0.9, 0.95).
     state = torch.load(rd / "ckpt" / "state.pt", weights_only=False)
+    # LoRA: the adapter alone, on top of the run's starting model; a resume starts at iteration 2
+    assert state["next_iteration"] == 2 and state["adapter"] and state["start_model"] == speaker
+    assert not (rd / "ckpt" / "policy").exists()
     assert {g["betas"] for k in ("optimizer", "wm_opt") for g in state[k]["param_groups"]} == {(0.9, 0.95)}
     # The warm-up (2 updates from lr / 2) is what the optimizer stepped with, and what was logged.
     assert [m["actor/lr"] for m in lines] == [2e-5, 4e-5] and state["optimizer"]["param_groups"][0]["lr"] == 4e-5
@@ -126,6 +130,11 @@ def test_smoke_then_resume(speaker, tmp_path):
     assert "resumed" in p.stdout
     assert [m["iteration"] for m in metrics(rd)] == [0, 1, 2]  # continues, nothing logged twice
     assert (rd / "trajectories" / "it000002" / "vm00.jsonl").exists()
+    # --eval-only --resume: the checkpoint's policy, evaluated into the run's eval_it<N>/
+    ok(run("--eval-only", "--resume", rd, "--episodes", 2, "--steps", 1, "--no-eval-random"))
+    report = json.loads((rd / "eval_it000003" / "eval.json").read_text())
+    assert report["policy"]["summary"]["episodes"] == 2 and "random" not in report
+    assert [m["iteration"] for m in metrics(rd)] == [0, 1, 2]  # the run's own record untouched
 
     # This run handed to train_arpo.py's --resume: one sentence (not a KeyError), the run untouched.
     saved = (rd / "args.json").read_text()
@@ -312,13 +321,14 @@ def test_score_rewards_curiosity_before_the_world_model_learns():
         wm = R.WorldModel(hidden=32)
         opt = T.adamw(wm.parameters(), 1e-2)
         untrained = copy.deepcopy(wm)
-        r, m = T.score(buffer, flags, None, wm, opt, T.Args(wm_train_first=train_first), {})
+        learner = T.Learner(None, None, "", None, 1, wm, opt, flags, None)
+        r, m = T.score(buffer, learner, T.Args(wm_train_first=train_first), {})
         assert m["wm/loss"] > 0 and any(not torch.equal(a, b) for a, b in zip(wm.parameters(), untrained.parameters()))
         scorer = wm if train_first else untrained  # the model whose guess curiosity must be
         want = 1 - R.cosine(s2, R.predict_next(scorer, s, [act])[0])  # (1,)
         assert torch.allclose(r.image_world_model, want.expand(8), atol=1e-5), (train_first, r.image_world_model, want)
         assert torch.allclose(r.total, r.image_world_model)
-    assert T.parse_args(["--wm-train-first"])[0].wm_train_first and not T.Args().wm_train_first
+    assert rundir.parse_args(T.Args, ["--wm-train-first"], T.PROG)[0].wm_train_first and not T.Args().wm_train_first
 
 
 def test_actor_lr_schedule_by_hand():
@@ -384,8 +394,8 @@ def test_pairwise_diversity():
 
 
 def test_episodes_flag_is_an_alias():
-    assert T.parse_args(["--episodes", "7"])[0].eval_episodes == 7
-    assert T.parse_args(["--eval-episodes", "5"])[0].eval_episodes == 5
+    assert rundir.parse_args(T.Args, ["--episodes", "7"], T.PROG)[0].eval_episodes == 7
+    assert rundir.parse_args(T.Args, ["--eval-episodes", "5"], T.PROG)[0].eval_episodes == 5
 
 
 def test_top_steps_keeps_the_best_fraction_of_each_iteration():

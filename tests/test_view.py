@@ -219,7 +219,7 @@ def test_arpo_report_shows_episodes_scores_and_curves(arpo_run, tmp_path):
     assert "eval_it000002.json: success rate, 2 episodes (0 lost)" in dom
     assert re.search(r"<tr><td>calc-open</td><td>[\d.]+</td><td>[\d.]+</td></tr>.*<tr><td>overall</td>", dom)
     c = curves(dom)
-    for key in ("reward_mean", "score_mean", "success_rate", "format_rate", "kl", "clip_low", "clip_high"):
+    for key in ("reward_mean", "score_mean", "success_rate", "format_rate", "actor/kl", "actor/clip_low", "actor/clip_high"):
         assert c.get(key) == 2, (key, c.get(key))
 
 

@@ -84,6 +84,7 @@ import rewards as R
 import progress
 import rundir
 from actions import cursor_after
+from chat import encode_chat, explore_messages
 from env import Action, Parsed, VMPool, parse_action
 
 # -----------------------------------------------------------------------------------------------
@@ -272,7 +273,7 @@ def policy_chooser(policy, a: Args):
     """(images, pointers) -> [(text, Parsed | None, Generation)] with ONE batched generate for all
     desktops. A pointer is where that desktop's mouse is: DragTo(x, y) drags from there."""
     def choose(images, cursors):
-        gens = M.generate(policy, [M.explore_messages(im) for im in images], a.max_new_tokens, a.temperature,
+        gens = M.generate(policy, [explore_messages(im) for im in images], a.max_new_tokens, a.temperature,
                           a.top_p)
         # Coordinates are in the resized image the model saw; parse_action maps them to the screen.
         return [(g.text, parse_action(g.text, "explore", im.size, g.prompt.image_sizes[0], cursor=c), g)
@@ -441,7 +442,7 @@ def distill_samples(policy, run: str, upto: int) -> list:
             for line in fh:
                 d = json.loads(line)
                 with Image.open(os.path.join(run, "distill", d["image"])) as im:
-                    enc = M.encode_chat(policy, M.explore_messages(im.convert("RGB")))
+                    enc = encode_chat(policy, explore_messages(im.convert("RGB")))
                 samples.append(grpo.step_sample(enc, d["completion_ids"]))
     return samples
 
@@ -799,7 +800,8 @@ if __name__ == "__main__":
         if args.eval_only:
             policy = load(args.model, args, lora=False)
             if args.engine == "vllm":
-                policy.engine = M.VLLMEngine(policy, os.path.join(run, "vllm_init"))
+                from vllm_engine import VLLMEngine
+                policy.engine = VLLMEngine(policy, os.path.join(run, "vllm_init"))
             choosers = {"policy": policy_chooser(policy, args)}
             if args.eval_random:
                 choosers["random"] = random_chooser(random.Random(args.seed))
@@ -829,7 +831,8 @@ if __name__ == "__main__":
             print(f"resumed {run} at iteration {start_it} (generation E{generation})", flush=True)
         ref_fn = reference_fn(start_model, args)
         if args.engine == "vllm":
-            policy.engine = M.VLLMEngine(policy, os.path.join(run, "vllm_init"))
+            from vllm_engine import VLLMEngine
+            policy.engine = VLLMEngine(policy, os.path.join(run, "vllm_init"))
 
         new_run = None  # set up: from here on the folder holds results
         trackers = progress.open_trackers(run, rundir.public_args(args), wandb=args.wandb, tensorboard=args.tensorboard)

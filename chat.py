@@ -1,20 +1,23 @@
-"""chat.py: what the policy is shown. The two prompts, and chat messages -> token ids, target mask, pixels.
+"""chat.py: what the policy is shown. Qwen's special tokens and chat format, the two prompts, and
+chat messages -> token ids, target mask, pixels.
 
-    from model import load_policy; from chat import explore_messages, encode_chat   # (model re-exports them)
+    from model import load_policy; from chat import explore_messages, encode_chat
     enc = encode_chat(policy, explore_messages(screenshot))   # .input_ids, .target_mask, .pixel_values
     python -m pytest -q tests/test_model.py                   # exact masks, chat template, image tokens
 
-Split out of model.py (one concept per file): model.py loads, saves and samples from the policy;
-this file builds its inputs. We do the Qwen2.5-VL processor's job ourselves: Qwen2VLImageProcessorPil
-for the pixels and our own <|image_pad|> expansion, because the processor class needs torchvision,
-which cannot load beside CPU torch. model.py serves every name here lazily (`model.encode_chat`).
+The bottom of the learner side: this file imports nothing of ours. model.py loads, saves and
+samples from the policy and imports the constants and encoding from here. A `policy` argument
+below is a model.Policy, used through three attributes only: .tokenizer, .image_processor and
+.pixels (the cache of processed screenshots). We do the Qwen2.5-VL processor's job ourselves:
+Qwen2VLImageProcessorPil for the pixels and our own <|image_pad|> expansion, because the processor
+class needs torchvision, which cannot load beside CPU torch.
 
 Screenshots are processed once: a policy keeps the processed pixels of every image object that is
 still alive (Policy.pixels; an entry goes when its image is garbage-collected). ARPO re-sends each
-desktop's last 15 screenshots at every step and once more for the update; without this, each went
-through the image processor (~45 ms at 1280x720) every time. No size cap is needed: the entries
-live as long as the screenshots the trainer holds anyway, and the batch that uses them holds the
-same pixels. Images are treated as immutable once encoded: draw on a copy.
+desktop's last 15 screenshots at every step and once more for the update; without this cache, each
+would go through the image processor (~45 ms at 1280x720) every time. No size cap is needed: the
+entries live as long as the screenshots the trainer holds anyway, and the batch that uses them
+holds the same pixels. Images are treated as immutable once encoded: draw on a copy.
 
 Where we depart from the papers:
   - ScreenExplorer's exact prompt text is not published in full; ours asks for the same JSON
@@ -33,7 +36,37 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from model import DEFAULT_SYSTEM, VISION_TOKENS, Policy, _special
+# --------------------------------------------------------------------------------------------
+# Constants: Qwen's special tokens and chat format
+
+# The special tokens of Qwen2/2.5-VL, in their vocabulary order (151643 ... 151656 in the real one).
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+# Tokens a policy must never sample: they mean "an image goes here" to the model's forward pass.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+DEFAULT_SYSTEM = "You are a helpful assistant."
+
+# Qwen's ChatML template (what the real checkpoints ship, written out for the tiny tokenizer).
+# encode_chat builds the same token sequence piece by piece so it can mark the assistant tokens;
+# a test checks that the two agree.
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}{%- if loop.first and m['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\\n" + DEFAULT_SYSTEM + "<|im_end|>\\n' }}{%- endif -%}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' }}{%- if m['content'] is string -%}{{ m['content'] }}"
+    "{%- else -%}{%- for p in m['content'] -%}{%- if p['type'] == 'image' -%}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{%- elif p['type'] == 'text' -%}{{ p['text'] }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}{{ '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def special_id(tokenizer, token: str) -> int:
+    """The id of one special token (e.g. "<|image_pad|>") in this tokenizer's vocabulary."""
+    return tokenizer.convert_tokens_to_ids(token)
+
 
 
 @dataclass
@@ -141,15 +174,15 @@ def expand_image_tokens(ids: list[int], mask: list[int], grid_thw: torch.Tensor,
     return out_ids, out_mask
 
 
-def _text_ids(policy: Policy, text: str) -> list[int]:
+def _text_ids(policy, text: str) -> list[int]:
     ids = policy.tokenizer(text, add_special_tokens=False).input_ids
     # A vision token written as text ("<|image_pad|>" in a thought) would desynchronise images
     # and placeholders; it carries no meaning in text, so it is dropped.
-    vision = {_special(policy, t) for t in VISION_TOKENS}
+    vision = {special_id(policy.tokenizer, t) for t in VISION_TOKENS}
     return [i for i in ids if i not in vision]
 
 
-def encode_chat(policy: Policy, messages: list[dict], add_generation_prompt: bool = True,
+def encode_chat(policy, messages: list[dict], add_generation_prompt: bool = True,
                 processed: tuple | None = None) -> Encoded:
     """Token ids of a chat in Qwen's ChatML format, with images processed and expanded.
 
@@ -159,8 +192,9 @@ def encode_chat(policy: Policy, messages: list[dict], add_generation_prompt: boo
     the turn but is NOT a target, since the model never sampled it. `processed` is what
     _process_images returned for this chat's images, if the caller already ran it (encode_chats).
     """
-    im_start, im_end = _special(policy, "<|im_start|>"), _special(policy, "<|im_end|>")
-    pad = _special(policy, "<|image_pad|>")
+    tok = policy.tokenizer
+    im_start, im_end = special_id(tok, "<|im_start|>"), special_id(tok, "<|im_end|>")
+    pad = special_id(tok, "<|image_pad|>")
     ids, mask, images = [], [], []
 
     def add(tokens, target=0):
@@ -183,7 +217,7 @@ def encode_chat(policy: Policy, messages: list[dict], add_generation_prompt: boo
         for part in parts:
             if part["type"] == "image":
                 images.append(part["image"])
-                add([_special(policy, "<|vision_start|>"), pad, _special(policy, "<|vision_end|>")])
+                add([special_id(tok, "<|vision_start|>"), pad, special_id(tok, "<|vision_end|>")])
             elif part["type"] == "text":
                 add(_text_ids(policy, part["text"]), target)
         add([im_end], target)
@@ -202,7 +236,7 @@ def encode_chat(policy: Policy, messages: list[dict], add_generation_prompt: boo
                    image_grid_thw=grid, image_sizes=sizes)
 
 
-def _process_images(policy: Policy, images: list) -> tuple:
+def _process_images(policy, images: list) -> tuple:
     """Resize under the pixel caps, normalise, cut into patches: (pixel_values, image_grid_thw),
     (N_patches, 1176) and (N_img, 3). An image object processed before comes from Policy.pixels."""
     done = []
@@ -218,13 +252,13 @@ def _process_images(policy: Policy, images: list) -> tuple:
     return torch.cat([h[1] for h in done]), torch.cat([h[2] for h in done])  # (N_patches, 1176), (N_img, 3)
 
 
-def _image_parts(messages: list[dict]) -> list[dict]:
+def image_parts(messages: list[dict]) -> list[dict]:
     """The image parts of a chat, in order (what encode_chat turns into <|image_pad|> runs)."""
     return [p for m in messages if not isinstance(m["content"], str)
             for p in m["content"] if isinstance(p, Mapping) and p.get("type") == "image"]
 
 
-def encode_chats(policy: Policy, batch_messages: list[list[dict]]) -> list[Encoded]:
+def encode_chats(policy, batch_messages: list[list[dict]]) -> list[Encoded]:
     """encode_chat for N chats, with their screenshots processed in parallel threads.
 
     The image processor (Pillow resize, numpy normalise/patchify) costs ~45 ms per 1280x720
@@ -233,7 +267,7 @@ def encode_chats(policy: Policy, batch_messages: list[list[dict]]) -> list[Encod
     chats share (one screenshot, a group of prompts) is processed once. The tokenizer part stays
     serial: a Rust tokenizer shared across threads can fail with "Already borrowed".
     """
-    chats = [[p["image"] for p in _image_parts(msgs)] for msgs in batch_messages]
+    chats = [[p["image"] for p in image_parts(msgs)] for msgs in batch_messages]
     unique = list({id(im): im for ims in chats for im in ims}.values())
     for im in unique:
         im.load()  # decode lazily opened files here: Pillow's lazy loading is not thread-safe

@@ -1,6 +1,6 @@
 """The policy: a Qwen2.5-VL that looks at screenshots and writes actions.
 
-    from model import load_policy, explore_messages, generate
+    from chat import explore_messages; from model import load_policy, generate
     policy = load_policy("tiny")                      # random weights, CPU, no download
     policy = load_policy("Qwen/Qwen2.5-VL-3B-Instruct", lora_rank=64)   # a real checkpoint (GPU)
     gens = generate(policy, [explore_messages(img)] * 8, max_new_tokens=128)
@@ -13,12 +13,13 @@ log_softmax), `python bench/gpu_update.py` (one GRPO update of a random Qwen2.5-
 Top to bottom: load_policy/save_policy (transformers + peft LoRA, or "tiny": a random-weight
 Qwen2.5-VL of the REAL class from a small config, with a byte-level BPE tokenizer trained in
 milliseconds on an embedded corpus; every test and CPU run uses it); generate (one batched,
-left-padded HF generate for N prompts, with sampling log-probs). One concept per file: the
-prompts and encode_chat (messages -> ids, target mask, pixels) live in chat.py, the vLLM engine
-(VLLMEngine, sync_weights) in vllm_engine.py, and the vision tower's batched window attention in
-vision_windows.py. The first two are re-exported here lazily (`from model import encode_chat,
-VLLMEngine` works); vLLM is only imported when an engine is built (GPU only, untested on this
-CPU machine).
+left-padded HF generate for N prompts, with sampling log-probs) and sync_weights (push new
+weights to a generation engine). Where the other names live: Qwen's special tokens, the chat
+template, the prompts and encode_chat (messages -> ids, target mask, pixels) in chat.py, which
+this file builds on; the image size caps in actions.py (smart_resize uses the same ones); the vLLM
+engine (VLLMEngine) in vllm_engine.py, which builds on this file and is imported only when an
+engine is built (GPU only, untested on this CPU machine); the vision tower's batched window
+attention in vision_windows.py.
 
 Where we depart from the papers (the prompts' departures are in chat.py):
   - Sampling never emits the vision placeholder tokens (`<|image_pad|>` & co.): a random model
@@ -28,49 +29,19 @@ Where we depart from the papers (the prompts' departures are in chat.py):
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-import vision_windows  # ours: the vision tower's batched window attention
-
-if TYPE_CHECKING:  # chat.py imports this module; its names are served lazily (see the end)
-    from chat import Encoded
-
-# --------------------------------------------------------------------------------------------
-# Constants: Qwen's special tokens, the chat format, image size caps
-
-# The special tokens of Qwen2/2.5-VL, in their vocabulary order (151643 ... 151656 in the real one).
-SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-]
-# Tokens a policy must never sample: they mean "an image goes here" to the model's forward pass.
-VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
-DEFAULT_SYSTEM = "You are a helpful assistant."
-
-# Qwen's ChatML template (what the real checkpoints ship, written out for the tiny tokenizer).
-# encode_chat builds the same token sequence piece by piece so it can mark the assistant tokens;
-# a test checks that the two agree.
-CHAT_TEMPLATE = (
-    "{%- for m in messages -%}{%- if loop.first and m['role'] != 'system' -%}"
-    "{{ '<|im_start|>system\\n" + DEFAULT_SYSTEM + "<|im_end|>\\n' }}{%- endif -%}"
-    "{{ '<|im_start|>' + m['role'] + '\\n' }}{%- if m['content'] is string -%}{{ m['content'] }}"
-    "{%- else -%}{%- for p in m['content'] -%}{%- if p['type'] == 'image' -%}"
-    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{%- elif p['type'] == 'text' -%}{{ p['text'] }}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}{{ '<|im_end|>\\n' }}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
-)
-
-# Image size caps (pixels of the resized image). 1280 * 28 * 28 = at most 1280 image tokens (one per
-# 28x28 px after the 2x2 merge): a 1280x720 screen passes at full resolution, 1288x728 -> 1196.
-DEFAULT_MIN_PIXELS = 4 * 28 * 28
-DEFAULT_MAX_PIXELS = 1280 * 28 * 28
+import vision_windows  # the vision tower's batched window attention
+# Image size caps, in pixels of the resized image: 1280 * 28 * 28 = at most 1280 image tokens (one per
+# 28x28 px after the 2x2 merge), so a 1280x720 screen passes at full resolution (1288x728 -> 1196).
+from actions import MAX_PIXELS, MIN_PIXELS
+from chat import (CHAT_TEMPLATE, DEFAULT_SYSTEM, EXPLORE_PROMPT, SPECIAL_TOKENS, UITARS_PROMPT, VISION_TOKENS,
+                  Encoded, encode_chats, special_id)
 
 
 class ModelNotFound(SystemExit):
@@ -87,13 +58,13 @@ class Policy:
     name: str
     lora: bool
     engine: Any = None          # a VLLMEngine when generation runs on vLLM, else None (HF generate)
-    # id(image) -> (weakref to it, pixel_values, grid) of live screenshots (chat._process_images)
+    # id(image) -> (weakref to it, pixel_values, grid) of live screenshots (filled by chat.encode_chat)
     pixels: dict = field(default_factory=dict, repr=False)
 
     def suppressed_ids(self) -> list[int]:
         """The ids sampling never emits (VISION_TOKENS). The trainer removes them too (grpo's
         per_token_logps), so it scores exactly the distribution the tokens were drawn from."""
-        return [self.tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
+        return [special_id(self.tokenizer, t) for t in VISION_TOKENS]
 
 
 @dataclass
@@ -118,7 +89,7 @@ def _image_processor_class():
     return getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
 
 
-def qwen_image_processor(min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS):
+def qwen_image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS):
     """Qwen2.5-VL's image processor built from its constants (14-pixel patches, 2x2 merge, 2 frames),
     for models made from a config: the tiny one here, the random 3B in bench/."""
     return _image_processor_class()(min_pixels=min_pixels, max_pixels=max_pixels,
@@ -128,7 +99,6 @@ def qwen_image_processor(min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int =
 # A small corpus for the tiny tokenizer's BPE merges: the prompts and answers it will actually see,
 # so that prompts come out a few hundred tokens long instead of one token per byte.
 def _tiny_corpus() -> list[str]:
-    from chat import EXPLORE_PROMPT, UITARS_PROMPT
     lines = [EXPLORE_PROMPT, UITARS_PROMPT, DEFAULT_SYSTEM]
     for x, y in [(12, 640), (300, 200), (1000, 512), (77, 33), (640, 360), (5, 715)]:
         lines += [f'{{"intent": "Open the file manager to look at the files", "action": "Click({x}, {y})"}}',
@@ -204,8 +174,8 @@ def _neutral_generation_config(model, tokenizer):
         top_p=1.0, repetition_penalty=1.0)
 
 
-def _inner_model(model):
-    # The Qwen2_5_VLModel inside: model.model, or one level deeper through a peft wrapper.
+def inner_model(model):
+    """The Qwen2_5_VLModel inside: model.model, or one level deeper through a peft wrapper."""
     return model.get_base_model().model if hasattr(model, "get_base_model") else model.model
 
 
@@ -215,8 +185,8 @@ def mm_token_types(model, input_ids: torch.Tensor) -> dict:
     HF generate() computes the 3D rotary positions of the prompt from this argument before any
     forward runs, so generate must be given it explicitly (the hook below only covers forwards).
     """
-    config = _inner_model(model).config
-    if "mm_token_type_ids" not in inspect.signature(_inner_model(model).forward).parameters:
+    config = inner_model(model).config
+    if "mm_token_type_ids" not in inspect.signature(inner_model(model).forward).parameters:
         return {}
     types = (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()  # (B, T)
     return {"mm_token_type_ids": types}
@@ -234,12 +204,12 @@ def _add_mrope_hook(model):
             kwargs.update(mm_token_types(model, ids))
         return args, kwargs
 
-    _inner_model(model).register_forward_pre_hook(hook, with_kwargs=True)
+    inner_model(model).register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def load_policy(name: str = "tiny", lora_rank: int = 0, lora_alpha: int = 16,
                 gradient_checkpointing: bool = False, device: str | None = None, dtype=None,
-                min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS,
+                min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
                 seed: int = 0, vocab_size: int | None = None) -> Policy:
     """A Hugging Face id, a local checkpoint folder (e.g. one save_policy wrote), or "tiny".
 
@@ -309,20 +279,6 @@ def wrap_policy(model, tokenizer, image_processor, name: str, device, dtype, lor
                   device=torch.device(device), dtype=dtype, name=name, lora=lora_rank > 0)
 
 
-@contextlib.contextmanager
-def disabled_adapter(policy: Policy):
-    """Inside this block the policy IS the base model: reference log-probs for the KL term.
-
-    With LoRA the base weights never change, so switching the adapter off gives the reference
-    model without a second copy in memory. Full fine-tuning has no such switch.
-    """
-    if not policy.lora:
-        raise ValueError("A KL term against the base model needs LoRA (--lora-rank > 0); with full "
-                         "fine-tuning set the KL coefficient to 0.")
-    with policy.model.disable_adapter():
-        yield policy
-
-
 def merged_weights(policy: Policy):
     """Yield (name, tensor) in the plain Hugging Face naming, LoRA folded in: W + B @ A * scale.
 
@@ -361,12 +317,8 @@ def save_policy(policy: Policy, path: str) -> None:
     policy.image_processor.save_pretrained(path)
 
 
-def _special(policy: Policy, token: str) -> int:
-    return policy.tokenizer.convert_tokens_to_ids(token)
-
-
 # --------------------------------------------------------------------------------------------
-# Generation: one batched HF generate call
+# Generation: one batched HF generate call, and the weight sync of a vLLM engine
 
 
 def _left_pad(policy: Policy, encs: list[Encoded]):
@@ -403,7 +355,6 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
         return policy.engine.generate(policy, batch_messages, max_new_tokens, temperature, top_p)
     from transformers import GenerationConfig
 
-    from chat import encode_chats
     encs = encode_chats(policy, batch_messages)  # screenshots processed in parallel threads
     batch = {k: v.to(policy.device) for k, v in _left_pad(policy, encs).items()}
     if "pixel_values" in batch:
@@ -439,20 +390,7 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
     return gens
 
 
-# --------------------------------------------------------------------------------------------
-# chat.py (prompts, encoding) and vllm_engine.py import this module. Their names are served from
-# here on first use (PEP 562 module __getattr__), so `from model import encode_chat, VLLMEngine`
-# keeps working without a circular import; vLLM itself still loads only when an engine is built.
-_CHAT_NAMES = ("Encoded", "EXPLORE_PROMPT", "UITARS_PROMPT", "explore_messages", "uitars_messages",
-               "expand_image_tokens", "encode_chat", "encode_chats", "_text_ids", "_process_images", "_image_parts")
-_VLLM_NAMES = ("VLLMEngine", "sync_weights", "_collapse_image_pads")
-
-
-def __getattr__(name: str):
-    if name in _CHAT_NAMES:
-        import chat
-        return getattr(chat, name)
-    if name in _VLLM_NAMES:
-        import vllm_engine
-        return getattr(vllm_engine, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def sync_weights(policy: Policy) -> None:
+    """After an optimizer step: push the new weights to the generation engine (no-op for HF)."""
+    if policy.engine is not None:
+        policy.engine.sync_weights(policy)

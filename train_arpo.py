@@ -80,8 +80,8 @@ from actions import parse_action, smart_resize
 from chat import encode_chat, uitars_messages
 from env import Task, TaskError, VMPool, load_tasks
 from grpo import ReplayBuffer, group_advantages, trajectory_sample, update_policy
-from model import Generation, generate, load_policy
-from vllm_engine import VLLMEngine, needed_model_len, sync_weights
+from model import Generation, generate, load_policy, sync_weights
+from vllm_engine import VLLMEngine, needed_model_len
 
 PROG = "train_arpo.py"
 

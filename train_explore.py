@@ -85,8 +85,8 @@ import rundir
 from actions import Action, Parsed, cursor_after, parse_action
 from chat import encode_chat, explore_messages
 from env import VMPool
-from model import generate, load_policy, save_policy
-from vllm_engine import VLLMEngine, sync_weights
+from model import generate, load_policy, save_policy, sync_weights
+from vllm_engine import VLLMEngine
 
 PROG = "train_explore.py"
 

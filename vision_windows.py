@@ -23,9 +23,10 @@ GPU still gets its flash / cuDNN kernels, which a mask would rule out.
 Where we depart: nothing in the model changes; we replace the forward of each vision attention
 module of this one model instance (not the class), and only when the model is NOT using
 flash-attention, whose varlen kernel already does this (an eager or flex model gets sdpa here:
-the same math). install() decides once; switch attention implementations before calling it. The forward mirrors transformers 5.17-5.24
-(qkv projection, 2D rotary, attention, proj); install() checks that the module still has those
-parts and leaves the model alone if a future version changed them.
+the same math). install() decides once; switch attention implementations before calling it.
+The forward mirrors transformers 5.17-5.24 (qkv projection, 2D rotary, attention, proj);
+install() checks that the module still has those parts and leaves the model alone if a future
+version changed them.
 """
 
 from __future__ import annotations

@@ -1,20 +1,21 @@
 """vllm_engine.py: generation on vLLM, colocated with the trainer, with in-place weight sync.
 
-    from model import load_policy, generate, sync_weights, VLLMEngine   # (re-exported by model.py)
+    from model import load_policy, generate, sync_weights; from vllm_engine import VLLMEngine
     policy = load_policy("Qwen/Qwen2.5-VL-3B-Instruct", lora_rank=64)
     policy.engine = VLLMEngine(policy, "runs/x/vllm_init")  # model.generate now runs on vLLM
     gens = generate(policy, prompts)
     ... optimizer step ...; sync_weights(policy)             # push the new weights to vLLM
 
-Split out of model.py (one concept per file): model.py holds the policy and HF generation; this
-file only what vLLM needs. model.py re-exports every name here lazily, so `from model import
-VLLMEngine, sync_weights` works and vLLM itself is imported only when a VLLMEngine is built.
-Run through `train_explore.py --engine vllm` / `train_arpo.py --engine vllm` (GPU only).
+One concept per file: model.py holds the policy and HF generation (its generate and sync_weights
+hand over to policy.engine when one is set); this file holds only what vLLM needs, on top of
+model.py and chat.py. The trainers import it only with `--engine vllm`, and vLLM itself is
+imported only when a VLLMEngine is built. Run through `train_explore.py --engine vllm` /
+`train_arpo.py --engine vllm` (GPU only).
 
 UNTESTED: vLLM needs CUDA, so this cannot run on a CPU machine. Written against vLLM's documented
 LLM API (generate with multi_modal_data; apply_model / collective_rpc to load weights) and kept
-small so that it is easy to fix. (The small helpers below are tested on CPU: _collapse_image_pads
-through model.py, needed_model_len in tests/test_model.py.)
+small so that it is easy to fix. The small helpers below are tested on CPU in tests/test_model.py
+(collapse_image_pads, needed_model_len).
 
 Where this departs from the papers: nothing algorithmic, this is plumbing. The engine runs in the
 trainer's own process, so a weight sync is a tensor copy, not a transfer over a socket. Its
@@ -30,8 +31,8 @@ import os
 
 from PIL import Image
 
-from chat import _image_parts, encode_chats
-from model import VISION_TOKENS, Generation, Policy, _special, merged_weights, save_policy
+from chat import VISION_TOKENS, encode_chats, image_parts, special_id
+from model import Generation, Policy, merged_weights, save_policy
 
 
 def needed_model_len(max_images: int, max_pixels: int, answer_tokens: int, prompt_tokens: int = 2048,
@@ -56,8 +57,9 @@ def needed_model_len(max_images: int, max_pixels: int, answer_tokens: int, promp
     return need
 
 
-def _collapse_image_pads(ids: list[int], pad: int) -> list[int]:
-    # vLLM expands <|image_pad|> itself from the image it is given: hand it one pad per image.
+def collapse_image_pads(ids: list[int], pad: int) -> list[int]:
+    """Each run of <|image_pad|> collapsed to one pad, as the chat template writes it: vLLM expands
+    the pad itself from the image it is given."""
     return [t for i, t in enumerate(ids) if t != pad or i == 0 or ids[i - 1] != pad]
 
 
@@ -101,19 +103,19 @@ class VLLMEngine:
     def generate(self, policy, batch_messages, max_new_tokens, temperature, top_p):
         from vllm import SamplingParams
         encs = encode_chats(policy, batch_messages)
-        pad = _special(policy, "<|image_pad|>")
+        pad = special_id(policy.tokenizer, "<|image_pad|>")
         stop = list(policy.model.generation_config.eos_token_id)
         params = SamplingParams(
             temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
             stop_token_ids=stop, skip_special_tokens=True,
-            logit_bias={_special(policy, t): -100.0 for t in VISION_TOKENS})
+            logit_bias={special_id(policy.tokenizer, t): -100.0 for t in VISION_TOKENS})
         prompts = []
         for messages, enc in zip(batch_messages, encs):
             # The images resized to exactly what the HF path saw, so vLLM's own resize is a no-op
             # and its prompt equals enc.input_ids (which the trainer will score).
             images = [p["image"].convert("RGB").resize(size, Image.BICUBIC)
-                      for p, size in zip(_image_parts(messages), enc.image_sizes)]
-            prompt = {"prompt_token_ids": _collapse_image_pads(enc.input_ids, pad)}
+                      for p, size in zip(image_parts(messages), enc.image_sizes)]
+            prompt = {"prompt_token_ids": collapse_image_pads(enc.input_ids, pad)}
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             prompts.append(prompt)
@@ -136,8 +138,3 @@ class VLLMEngine:
             self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(weights))
         self.llm.reset_prefix_cache()  # cached KV of old weights would be reused otherwise
 
-
-def sync_weights(policy: Policy) -> None:
-    """After an optimizer step: push the new weights to the generation engine (no-op for HF)."""
-    if policy.engine is not None:
-        policy.engine.sync_weights(policy)

@@ -27,6 +27,7 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
+from chat import encode_chats, uitars_messages  # noqa: E402
 
 
 def main():
@@ -44,10 +45,10 @@ def main():
     hist = [[shot() for _ in range(args.images)] for _ in range(args.vms)]
 
     def encode() -> float:
-        chats = [M.uitars_messages("Do it.", h[-args.images:], ["Thought: a\nAction: wait()"] * (len(h) - 1))
+        chats = [uitars_messages("Do it.", h[-args.images:], ["Thought: a\nAction: wait()"] * (len(h) - 1))
                  for h in hist]
         t = time.perf_counter()
-        M.encode_chats(policy, chats)
+        encode_chats(policy, chats)
         return time.perf_counter() - t
 
     cold = encode()

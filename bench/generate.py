@@ -20,12 +20,12 @@ times the steps; the decode column shows that. The prefill is per-image arithmet
 batch away: the tiny tower's full-attention block over 4,784 patches and the image processor cost
 the same in both ways. So the end-to-end speedup shrinks as images grow, and the script prints its
 ceiling (sequential time / batched prefill time). Two things keep the batched prefill small: the
-screenshots are processed in parallel threads (model.encode_chats) and the vision tower attends
+screenshots are processed in parallel threads (chat.encode_chats) and the vision tower attends
 all windows of one length in one call (vision_windows.py).
 Measured on this 2-core machine (8 prompts, 128 tokens): at the default size 2.19x end to end
-(0.93 s vs 2.04 s), decode alone 4.52x, ceiling 3.11x; at 256*28*28, 4.42x end to end. The
-issue's >= 4x holds for the decode and for the smaller screenshots, not end to end at the default
-size, where the ceiling itself is below 4.
+(0.93 s vs 2.04 s), decode alone 4.52x, ceiling 3.11x; at 256*28*28, 4.42x end to end. So 4x
+or more holds for the decode and for the smaller screenshots, not end to end at the default size,
+where the ceiling itself is below 4.
 """
 from __future__ import annotations
 
@@ -40,13 +40,15 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
+from actions import MAX_PIXELS  # noqa: E402
+from chat import encode_chat, explore_messages  # noqa: E402
 
 
 def measure(args, max_pixels: int, shots: list) -> dict:
     """Best-of-`repeats` seconds for both ways at one image size, plus what they produced."""
     policy = M.load_policy("tiny", max_pixels=max_pixels)
-    prompts = [M.explore_messages(s) for s in shots]
-    enc = M.encode_chat(policy, prompts[0])
+    prompts = [explore_messages(s) for s in shots]
+    enc = encode_chat(policy, prompts[0])
 
     def batched(n=args.max_new_tokens):
         return M.generate(policy, prompts, max_new_tokens=n, temperature=0)
@@ -78,7 +80,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=8, help="prompts (one screenshot each)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="train_explore's default (the paper's 128)")
-    ap.add_argument("--max-pixels", type=int, nargs="+", default=[M.DEFAULT_MAX_PIXELS, 256 * 28 * 28],
+    ap.add_argument("--max-pixels", type=int, nargs="+", default=[MAX_PIXELS, 256 * 28 * 28],
                     help="image size caps, one table row pair each; the headline is the first")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads; 0 = all cores (on a machine shared with other jobs, 1 is far steadier)")
@@ -109,7 +111,7 @@ def main():
     # cost nothing in the batched call would leave it; this is the most any batching could give.
     bound = t["sequential"] / t["batched prefill"]
     print(f"speedup at each size: {', '.join(f'{mp}: {s:.2f}x' for mp, s in speedups.items())}; "
-          f"headline: max_pixels {first}" + (" (the library default)" if first == M.DEFAULT_MAX_PIXELS else ""))
+          f"headline: max_pixels {first}" + (" (the library default)" if first == MAX_PIXELS else ""))
     print(f"at {first}: the batched prefill alone takes {t['batched prefill']:.3f} s, so no batching can beat "
           f"{bound:.2f}x end to end there; the decode phase alone is "
           f"{(t['sequential'] - t['sequential prefill']) / (t['batched'] - t['batched prefill']):.2f}x")

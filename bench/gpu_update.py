@@ -31,7 +31,8 @@ its traceback (a number from some other code would measure nothing we ship).
 Measured on an H200 (torch 2.11, transformers 5.17), 11,840 tokens + 38,272 patches per update:
   full fine-tuning, micro-batch 4: 2.29 s/update, 5,177 tokens/s, 35.5 GB peak, MFU 16.5%
   LoRA r=64:                       2.43 s/update, 4,869 tokens/s, 12.9 GB peak, MFU 15.9%
-  (before vision_windows.py: 8.67 s and 9.31 s, MFU 4.3% / 4.1%; see bench/gpu_profile.py)
+  (with transformers' stock one-call-per-window vision attention instead of vision_windows.py:
+   8.67 s and 9.31 s, MFU 4.3% / 4.1%; see bench/gpu_profile.py)
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from PIL import Image
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
 import model as M  # noqa: E402
+from chat import SPECIAL_TOKENS, encode_chat, explore_messages  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100 / H200 SXM dense bf16
 
@@ -71,7 +73,7 @@ def build_3b(lora_rank: int, device: str):
     """Qwen2.5-VL-3B with random bf16 weights, created directly on the GPU (seconds, no CPU copy)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     tok = M.build_tiny_tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for t in M.SPECIAL_TOKENS}
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = Qwen2_5_VLConfig(
         **QWEN25_VL_3B, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
@@ -90,7 +92,7 @@ def make_samples(policy, n: int, completion: int):
     samples = []
     for i in range(n):
         shot = Image.fromarray((rng.rand(720, 1280, 3) * 255).astype("uint8"))
-        prompt = M.encode_chat(policy, M.explore_messages(shot))
+        prompt = encode_chat(policy, explore_messages(shot))
         done = rng.randint(0, vocab, size=completion - 1).tolist() + [policy.tokenizer.convert_tokens_to_ids("<|im_end|>")]
         s = grpo.step_sample(prompt, done, reward=float(i % 2))
         s.advantage = 1.0 if i % 2 else -1.0

@@ -72,6 +72,7 @@ def child(variant: str, mode: str) -> dict:
     """Runs in its own process: build, warm up, measure one call."""
     import grpo
     import model as M
+    from chat import encode_chat, uitars_messages
     from PIL import Image
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
@@ -79,8 +80,8 @@ def child(variant: str, mode: str) -> dict:
     net = policy.model.train() if mode == "train" else policy.model.eval()
     shots = [Image.new("RGB", (1280, 720), (40 * i, 90, 200)) for i in range(N_IMAGES)]
     answer = "Thought: I open the calculator from the desktop.\nAction: left_double(start_box='(40,120)')"
-    prompt = M.encode_chat(policy, M.uitars_messages("Open the calculator and compute 12 * 34.", shots,
-                                                     [answer] * (N_IMAGES - 1)))
+    prompt = encode_chat(policy, uitars_messages("Open the calculator and compute 12 * 34.", shots,
+                                                 [answer] * (N_IMAGES - 1)))
     g = torch.Generator().manual_seed(0)
     completion = torch.randint(0, 700, (N_COMPLETION,), generator=g).tolist()
     batch = grpo.collate([grpo.step_sample(prompt, completion)], pad_id=policy.tokenizer.pad_token_id)

@@ -124,10 +124,11 @@ def main():
     if not args.no_policy:
         import grpo
         import model as M
+        from chat import encode_chat, explore_messages
         policy = M.load_policy("tiny")
         samples = []
         for i in range(n):
-            enc = M.encode_chat(policy, M.explore_messages(before[i]))
+            enc = encode_chat(policy, explore_messages(before[i]))
             samples.append(grpo.step_sample(enc, [rng.randint(10, 200) for _ in range(48)], reward=rng.random()))
         grpo.assign_advantages(samples)
         popt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=1e-5)

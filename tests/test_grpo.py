@@ -399,6 +399,7 @@ import copy
 from PIL import Image
 
 import model as M
+from chat import encode_chat, explore_messages, uitars_messages
 
 
 @pytest.fixture(scope="module")
@@ -435,7 +436,7 @@ def _naive_logps(model, batch):
 
 
 def _explore_step(policy, w, h, seed, n_comp):
-    prompt = M.encode_chat(policy, M.explore_messages(_image(w, h, seed)))
+    prompt = encode_chat(policy, explore_messages(_image(w, h, seed)))
     return grpo.step_sample(prompt, _completion(policy, n_comp, seed), reward=float(seed))
 
 
@@ -471,8 +472,8 @@ def test_per_token_logps_matches_naive_on_padded_image_batch(policy):
 
 def _trajectory(policy, turns):
     shots = [_image(100 + 20 * i, 80, 10 + i) for i in range(len(turns))]
-    msgs = M.uitars_messages("Open the calculator.", shots, turns)
-    return M.encode_chat(policy, msgs, add_generation_prompt=False)
+    msgs = uitars_messages("Open the calculator.", shots, turns)
+    return encode_chat(policy, msgs, add_generation_prompt=False)
 
 
 def test_per_token_logps_matches_naive_on_multi_turn_trajectory(policy):
@@ -627,7 +628,7 @@ def test_trainer_scores_the_sampling_temperature(policy):
     # Sampled at T = 0.7: the trainer's log-probs of the sampled tokens at the same T are the
     # sampler's (Generation.logprobs), token by token; scored at T = 1 they are ~0.6 nats off.
     torch.manual_seed(0)
-    prompts = [M.explore_messages(_image(64, 48, 5)), [{"role": "user", "content": "hello"}]]
+    prompts = [explore_messages(_image(64, 48, 5)), [{"role": "user", "content": "hello"}]]
     gens = M.generate(policy, prompts, max_new_tokens=16, temperature=0.7)
     samples = [grpo.step_sample(g.prompt, g.completion_ids, old_logps=g.logprobs) for g in gens]
     gaps = {}
@@ -699,7 +700,7 @@ def test_grpo_learns_a_simple_reward():
 def test_no_target_tokens_and_bad_values_do_not_crash(policy):
     # A sample without any target token (e.g. a step whose completion was empty) contributes
     # nothing and breaks nothing; a -inf log-prob off the mask cannot produce NaN.
-    empty = grpo.step_sample(M.encode_chat(policy, [{"role": "user", "content": "hi"}]), [], reward=1.0)
+    empty = grpo.step_sample(encode_chat(policy, [{"role": "user", "content": "hi"}]), [], reward=1.0)
     net = copy.deepcopy(policy.model)
     met = grpo.update_policy(net, torch.optim.SGD(net.parameters(), lr=0.1), [empty])
     assert met["tokens"] == 0 and met["loss"] == 0.0 and met["skipped"] == 0.0

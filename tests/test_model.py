@@ -1,16 +1,17 @@
-"""Tests for model.py on the tiny random-weight Qwen2.5-VL (the real transformers class, CPU).
+"""Tests for model.py, chat.py and vllm_engine.py's CPU-side helpers, on the tiny random-weight
+Qwen2.5-VL (the real transformers class, CPU).
 
 Run: python -m pytest -q tests/test_model.py        (about half a minute on 2 CPU cores)
 
-What they pin down: the tiny model is the real class and fast; images become exactly
-t*h*w/4 placeholder tokens; the target mask covers exactly the assistant tokens of every turn;
-the UI-TARS history keeps only the last K screenshots; batched (left-padded, 3D-rope) greedy
-generation equals one-prompt-at-a-time; the returned log-probs are the sampling distribution's;
-save/load keeps the logits (full and LoRA); LoRA and full fine-tuning both learn; bad names
-give one clear sentence.
+What they pin down: the tiny model is the real class and small; a sampled answer trains the
+language model and the vision tower; images become exactly t*h*w/4 placeholder tokens; the target
+mask covers exactly the assistant tokens of every turn; the UI-TARS history keeps only the last K
+screenshots; batched (left-padded, 3D-rope) greedy generation equals one-prompt-at-a-time; the
+returned log-probs are the sampling distribution's; save/load keeps the logits (full and LoRA);
+LoRA and full fine-tuning both learn, and LoRA switched off is the base model; vLLM's context
+length covers the flags; bad names give one clear sentence.
 """
 import io
-import time
 
 import numpy as np
 import pytest
@@ -18,6 +19,10 @@ import torch
 from PIL import Image
 
 import model as M
+from actions import smart_resize
+from chat import (SPECIAL_TOKENS, VISION_TOKENS, encode_chat, encode_chats, expand_image_tokens, explore_messages,
+                  image_parts, uitars_messages)
+from vllm_engine import collapse_image_pads, needed_model_len
 
 
 def _img(w, h, seed):
@@ -57,7 +62,7 @@ def test_tiny_is_real_class_small_and_reproducible(policy):
     assert cfg.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
     assert cfg.vision_start_token_id == tok.convert_tokens_to_ids("<|vision_start|>")
     assert cfg.text_config.vocab_size >= len(tok)
-    for t in M.SPECIAL_TOKENS:  # each special token is one token
+    for t in SPECIAL_TOKENS:  # each special token is one token
         assert len(tok(t, add_special_tokens=False).input_ids) == 1
     # Same seed -> same tokenizer and weights; another seed -> other weights.
     again = M.load_policy("tiny", seed=0)
@@ -69,27 +74,24 @@ def test_tiny_is_real_class_small_and_reproducible(policy):
     assert big.model.lm_head.weight.shape[0] == 151936
 
 
-def test_generate_and_backward_are_fast(policy, images):
-    # The issue asks for "well under a second". Quiet, this machine takes ~0.03 s for each; the
-    # best of 3 keeps another helper's test run on the same 2 cores from failing this one.
-    msgs = M.explore_messages(images[0])
-    M.generate(policy, [msgs], max_new_tokens=4)  # warm-up (first-call overheads)
-    t_gen = t_bwd = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        gen = M.generate(policy, [msgs], max_new_tokens=16)[0]
-        t_gen = min(t_gen, time.perf_counter() - t)
-        enc = M.encode_chat(policy, msgs + [{"role": "assistant", "content": gen.completion_ids}],
-                            add_generation_prompt=False)
-        t = time.perf_counter()
-        ids = torch.tensor([enc.input_ids])  # (1, T)
-        logits = policy.model(input_ids=ids, pixel_values=enc.pixel_values,
-                              image_grid_thw=enc.image_grid_thw).logits  # (1, T, V)
-        logits[0, :-1][torch.tensor(enc.target_mask[1:]).bool()].logsumexp(-1).sum().backward()
-        t_bwd = min(t_bwd, time.perf_counter() - t)
-        policy.model.zero_grad(set_to_none=True)
-    print(f"tiny model: generate 16 tokens {t_gen:.3f}s, forward+backward {t_bwd:.3f}s ({len(ids[0])} tokens)")
-    assert t_gen < 1.0 and t_bwd < 1.0, (t_gen, t_bwd)
+def test_generate_then_backward_reaches_every_part(policy, images):
+    # One sampled answer, encoded back as a training sample: its target log-probs send gradients
+    # through the language model AND the vision tower (the image is part of the same forward).
+    msgs = explore_messages(images[0])
+    gen = M.generate(policy, [msgs], max_new_tokens=16)[0]
+    assert 0 < len(gen.completion_ids) == len(gen.logprobs) <= 16
+    enc = encode_chat(policy, msgs + [{"role": "assistant", "content": gen.completion_ids}],
+                      add_generation_prompt=False)
+    assert sum(enc.target_mask) == len(gen.completion_ids)
+    ids = torch.tensor([enc.input_ids])  # (1, T)
+    logits = policy.model(input_ids=ids, pixel_values=enc.pixel_values,
+                          image_grid_thw=enc.image_grid_thw).logits  # (1, T, V)
+    logits[0, :-1][torch.tensor(enc.target_mask[1:]).bool()].logsumexp(-1).sum().backward()
+    visual = M.inner_model(policy.model).visual
+    for part in (policy.model.lm_head, visual.patch_embed):
+        grads = [q.grad for q in part.parameters()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    policy.model.zero_grad(set_to_none=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,13 +101,13 @@ def test_generate_and_backward_are_fast(policy, images):
 def test_expand_image_tokens_by_hand():
     # grid (t=1, h=4, w=6) -> 24 patches -> 24 / 2**2 = 6 tokens; grid (1, 2, 2) -> 1 token.
     P = 9
-    ids, mask = M.expand_image_tokens([1, P, 2, P, 3], [0, 0, 1, 0, 1], torch.tensor([[1, 4, 6], [1, 2, 2]]), P, 2)
+    ids, mask = expand_image_tokens([1, P, 2, P, 3], [0, 0, 1, 0, 1], torch.tensor([[1, 4, 6], [1, 2, 2]]), P, 2)
     assert ids == [1] + [P] * 6 + [2, P, 3]
     assert mask == [0] + [0] * 6 + [1, 0, 1]
 
 
 def test_image_token_count_matches_grid(policy, images):
-    enc = M.encode_chat(policy, [{"role": "user", "content": [
+    enc = encode_chat(policy, [{"role": "user", "content": [
         {"type": "image", "image": im} for im in images] + [{"type": "text", "text": "hi"}]}])
     pad = policy.model.config.image_token_id
     grid = enc.image_grid_thw
@@ -124,16 +126,13 @@ def test_image_token_count_matches_grid(policy, images):
 
 def test_image_caps(images):
     small = M.load_policy("tiny", max_pixels=56 * 56)
-    enc = M.encode_chat(small, M.explore_messages(_img(1280, 720, 3)))
+    enc = encode_chat(small, explore_messages(_img(1280, 720, 3)))
     w, h = enc.image_sizes[0]
     assert w * h <= 56 * 56 and w % 28 == 0 and h % 28 == 0
 
 
 def test_vllm_context_length_fits_the_flags(policy):
     # vLLM is CUDA-only; its context length is a pure function of the flags, checked here.
-    from actions import smart_resize
-    from chat import uitars_messages
-    from vllm_engine import needed_model_len
     # ARPO: a 1920x1080 screen at max_pixels 2,116,800 is resized to 1932x1092 = 69 x 39 = 2,691
     # tokens. Bound per screenshot: 2,116,800 // 784 = 2,700 + 7 ChatML/vision tokens = 2,707;
     # 15 of them 40,605, + 15 answers of 256 + 6 = 3,930, + 2,048 prompt = 46,583 -> 47,104 (46 x 1024),
@@ -146,7 +145,7 @@ def test_vllm_context_length_fits_the_flags(policy):
     big = replace(policy, image_processor=M.qwen_image_processor(max_pixels=2116800), pixels={})
     shot = _img(1920, 1080, 4)
     answer = list(range(100, 356))  # 256 ordinary token ids
-    enc = M.encode_chat(big, uitars_messages("Open the file manager. " * 20, [shot] * 3, [answer] * 2, max_images=3))
+    enc = encode_chat(big, uitars_messages("Open the file manager. " * 20, [shot] * 3, [answer] * 2, max_images=3))
     assert len(enc.input_ids) + 256 <= needed_model_len(3, 2116800, 3 * (256 + 6))
     with pytest.raises(ValueError, match="lower --max-images or --max-pixels"):
         needed_model_len(15, 2116800, 15 * 262, limit=32768)
@@ -156,10 +155,10 @@ def test_encode_matches_chat_template(policy, images):
     msgs = [{"role": "user", "content": [{"type": "image", "image": images[0]}, {"type": "text", "text": "Go."}]},
             {"role": "assistant", "content": "Thought: ok\nAction: wait()"},
             {"role": "user", "content": "next"}]
-    enc = M.encode_chat(policy, msgs)
+    enc = encode_chat(policy, msgs)
     pad = policy.model.config.image_token_id
     # The template writes one <|image_pad|> per image; ours expands it. Collapse and compare.
-    ours = M._collapse_image_pads(enc.input_ids, pad)
+    ours = collapse_image_pads(enc.input_ids, pad)
     theirs = policy.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
     theirs = theirs["input_ids"] if isinstance(theirs, dict) or hasattr(theirs, "keys") else theirs
     assert ours == list(theirs)
@@ -173,7 +172,7 @@ def test_target_mask_covers_exactly_the_assistant_turns(policy, images):
     for im, a in zip(images, answers):
         msgs += [{"role": "user", "content": [{"type": "image", "image": im}, {"type": "text", "text": "go on"}]},
                  {"role": "assistant", "content": a}]
-    enc = M.encode_chat(policy, msgs, add_generation_prompt=False)
+    enc = encode_chat(policy, msgs, add_generation_prompt=False)
     tok = policy.tokenizer
     assert len(enc.target_mask) == len(enc.input_ids)
     target = [t for t, m in zip(enc.input_ids, enc.target_mask) if m]
@@ -189,15 +188,15 @@ def test_assistant_ids_verbatim(policy):
     tok = policy.tokenizer
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     prompt = [{"role": "user", "content": "hello"}]
-    head = M.encode_chat(policy, prompt).input_ids
+    head = encode_chat(policy, prompt).input_ids
     ids = [5, 300, 7]
     # Stopped: the sampled <|im_end|> is the last target; nothing added.
-    done = M.encode_chat(policy, prompt + [{"role": "assistant", "content": ids + [im_end]}], add_generation_prompt=False)
+    done = encode_chat(policy, prompt + [{"role": "assistant", "content": ids + [im_end]}], add_generation_prompt=False)
     assert done.input_ids[:len(head)] == head
     assert done.input_ids[len(head):len(head) + 4] == ids + [im_end]
     assert done.target_mask[len(head):len(head) + 4] == [1, 1, 1, 1] and sum(done.target_mask) == 4
     # Truncated at max_new_tokens: <|im_end|> closes the turn but is not a target.
-    cut = M.encode_chat(policy, prompt + [{"role": "assistant", "content": ids}], add_generation_prompt=False)
+    cut = encode_chat(policy, prompt + [{"role": "assistant", "content": ids}], add_generation_prompt=False)
     assert cut.input_ids[len(head):len(head) + 4] == ids + [im_end]
     assert cut.target_mask[len(head):len(head) + 4] == [1, 1, 1, 0]
 
@@ -205,12 +204,12 @@ def test_assistant_ids_verbatim(policy):
 def test_encode_chats_equals_encode_chat_one_by_one(policy, images):
     # generate() encodes through encode_chats (screenshots processed in threads); it must give
     # exactly what encode_chat gives alone, for chats with 0, 1 and 3 images and sampled ids.
-    ids = M.encode_chat(policy, M.explore_messages(images[0])).input_ids[:5]
+    ids = encode_chat(policy, explore_messages(images[0])).input_ids[:5]
     chats = [[{"role": "user", "content": "no image here"}],
-             M.explore_messages(images[1]),
-             M.uitars_messages("Do it.", images[:3], ["Thought: a\nAction: wait()", "x"]),
-             [*M.explore_messages(images[2]), {"role": "assistant", "content": ids}]]
-    for one, many in zip([M.encode_chat(policy, c) for c in chats], M.encode_chats(policy, chats)):
+             explore_messages(images[1]),
+             uitars_messages("Do it.", images[:3], ["Thought: a\nAction: wait()", "x"]),
+             [*explore_messages(images[2]), {"role": "assistant", "content": ids}]]
+    for one, many in zip([encode_chat(policy, c) for c in chats], encode_chats(policy, chats)):
         assert one.input_ids == many.input_ids and one.target_mask == many.target_mask
         assert one.image_sizes == many.image_sizes
         if one.pixel_values is None:
@@ -218,14 +217,14 @@ def test_encode_chats_equals_encode_chat_one_by_one(policy, images):
         else:
             assert torch.equal(one.pixel_values, many.pixel_values)
             assert torch.equal(one.image_grid_thw, many.image_grid_thw)
-    assert [len(e.image_sizes) for e in M.encode_chats(policy, chats)] == [0, 1, 3, 1]
+    assert [len(e.image_sizes) for e in encode_chats(policy, chats)] == [0, 1, 3, 1]
     # One lazily opened file shared by a group of prompts (Image.open decodes on first use, and
     # that decoding is not thread-safe): processed once, the same for all.
     buf = io.BytesIO()
     images[0].save(buf, format="PNG")
     lazy = Image.open(io.BytesIO(buf.getvalue()))
-    ref = M.encode_chat(policy, M.explore_messages(images[0]))
-    for e in M.encode_chats(policy, [M.explore_messages(lazy)] * 8):
+    ref = encode_chat(policy, explore_messages(images[0]))
+    for e in encode_chats(policy, [explore_messages(lazy)] * 8):
         assert e.input_ids == ref.input_ids and torch.equal(e.pixel_values, ref.pixel_values)
 
 
@@ -238,13 +237,13 @@ def test_screenshots_are_processed_once_while_they_live(images, monkeypatch):
     real = policy.image_processor.__class__.__call__
     monkeypatch.setattr(policy.image_processor.__class__, "__call__",
                         lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
-    history = M.uitars_messages("Do it.", images[:3], ["Thought: a\nAction: wait()"] * 2)
-    first = M.encode_chat(policy, history)
+    history = uitars_messages("Do it.", images[:3], ["Thought: a\nAction: wait()"] * 2)
+    first = encode_chat(policy, history)
     assert len(calls) == 3
-    again = M.encode_chats(policy, [history, history])  # the next step: nothing new to process
+    again = encode_chats(policy, [history, history])  # the next step: nothing new to process
     assert len(calls) == 3 and all(torch.equal(e.pixel_values, first.pixel_values) for e in again)
     copy = images[0].copy()
-    M.encode_chat(policy, M.explore_messages(copy))  # same pixels, another object
+    encode_chat(policy, explore_messages(copy))  # same pixels, another object
     assert len(calls) == 4 and len(policy.pixels) == 4
     del copy
     gc.collect()
@@ -254,21 +253,21 @@ def test_screenshots_are_processed_once_while_they_live(images, monkeypatch):
 def test_uitars_keeps_only_last_k_images(policy):
     shots = [_img(56 + 28 * i, 56, i) for i in range(5)]  # widths 56..168 tell them apart
     answers = [f"Thought: step {i}\nAction: wait()" for i in range(4)]
-    msgs = M.uitars_messages("Open the calculator.", shots, answers, max_images=2)
+    msgs = uitars_messages("Open the calculator.", shots, answers, max_images=2)
     assert "Open the calculator." in msgs[0]["content"] and "click(start_box=" in msgs[0]["content"]
-    kept = M._image_parts(msgs)
+    kept = image_parts(msgs)
     assert [p["image"] for p in kept] == shots[-2:]
     assert [m["content"] for m in msgs if m["role"] == "assistant"] == answers  # all answers stay
     assert msgs[-1]["role"] == "user"  # a prompt for step 5
-    enc = M.encode_chat(policy, msgs)
+    enc = encode_chat(policy, msgs)
     assert [w for w, h in enc.image_sizes] == [140, 168]
     # Fewer screenshots than K: all kept; equal counts: ends with the last answer (training).
-    assert len(M._image_parts(M.uitars_messages("x", shots[:3], answers[:3], max_images=15))) == 3
-    assert M.uitars_messages("x", shots[:3], answers[:3])[-1]["role"] == "assistant"
+    assert len(image_parts(uitars_messages("x", shots[:3], answers[:3], max_images=15))) == 3
+    assert uitars_messages("x", shots[:3], answers[:3])[-1]["role"] == "assistant"
 
 
 def test_explore_prompt_lists_the_actions(images):
-    msgs = M.explore_messages(images[0])
+    msgs = explore_messages(images[0])
     text = msgs[0]["content"][1]["text"]
     for a in ["Move(", "Click(", "RightClick(", "DoubleClick(", "ScrollUp(", "ScrollDown(", "Text(", "Key(", '"intent"']:
         assert a in text
@@ -280,8 +279,8 @@ def test_explore_prompt_lists_the_actions(images):
 
 
 def test_batched_greedy_equals_one_by_one(policy, images):
-    prompts = [M.explore_messages(images[0]), [{"role": "user", "content": "no image at all"}],
-               M.explore_messages(images[2]), M.uitars_messages("Do it.", images[:2], ["Thought: a\nAction: wait()"])]
+    prompts = [explore_messages(images[0]), [{"role": "user", "content": "no image at all"}],
+               explore_messages(images[2]), uitars_messages("Do it.", images[:2], ["Thought: a\nAction: wait()"])]
     batched = M.generate(policy, prompts, max_new_tokens=12, temperature=0)
     for msgs, b in zip(prompts, batched):
         one = M.generate(policy, [msgs], max_new_tokens=12, temperature=0)[0]
@@ -292,14 +291,14 @@ def test_batched_greedy_equals_one_by_one(policy, images):
 
 def test_sampling_logprobs_equal_a_forward_pass(policy, images):
     torch.manual_seed(0)
-    prompts = [M.explore_messages(images[1]), [{"role": "user", "content": "hello"}]]
+    prompts = [explore_messages(images[1]), [{"role": "user", "content": "hello"}]]
     for temperature in (1.0, 0.7):
         gens = M.generate(policy, prompts, max_new_tokens=10, temperature=temperature)
-        banned = [policy.tokenizer.convert_tokens_to_ids(t) for t in M.VISION_TOKENS]
+        banned = [policy.tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
         for msgs, g in zip(prompts, gens):
             assert len(g.logprobs) == len(g.completion_ids) > 0
             assert not set(g.completion_ids) & set(banned)
-            enc = M.encode_chat(policy, msgs + [{"role": "assistant", "content": g.completion_ids}],
+            enc = encode_chat(policy, msgs + [{"role": "assistant", "content": g.completion_ids}],
                                 add_generation_prompt=False)
             n = len(g.prompt.input_ids)
             logits = _forward_logits(policy, enc)[n - 1:n - 1 + len(g.completion_ids)]  # (N, V)
@@ -316,7 +315,7 @@ def test_top_p_logprobs_are_renormalised(policy, images):
     torch.manual_seed(1)
     msgs = [{"role": "user", "content": "hello"}]
     g = M.generate(policy, [msgs], max_new_tokens=8, temperature=1.0, top_p=0.5)[0]
-    enc = M.encode_chat(policy, msgs + [{"role": "assistant", "content": g.completion_ids}], add_generation_prompt=False)
+    enc = encode_chat(policy, msgs + [{"role": "assistant", "content": g.completion_ids}], add_generation_prompt=False)
     n = len(g.prompt.input_ids)
     full = torch.log_softmax(_forward_logits(policy, enc)[n - 1:n - 1 + len(g.completion_ids)], -1)
     full = full.gather(-1, torch.tensor(g.completion_ids)[:, None])[:, 0]
@@ -326,7 +325,7 @@ def test_top_p_logprobs_are_renormalised(policy, images):
 def test_mrope_positions_are_3d(policy, images):
     # The hook makes a plain forward use the 3D image positions (as generate does): passing the
     # token types explicitly changes nothing, pretending everything is text changes the logits.
-    enc = M.encode_chat(policy, M.explore_messages(images[0]))
+    enc = encode_chat(policy, explore_messages(images[0]))
     ids = torch.tensor([enc.input_ids])  # (1, T)
     kw = dict(input_ids=ids, pixel_values=enc.pixel_values, image_grid_thw=enc.image_grid_thw)
     with torch.no_grad():
@@ -357,7 +356,7 @@ def _step(policy, enc, lr=1e-2):
 @pytest.fixture(scope="module")
 def train_enc(images):
     p = M.load_policy("tiny")
-    return M.encode_chat(p, M.explore_messages(images[0]) + [
+    return encode_chat(p, explore_messages(images[0]) + [
         {"role": "assistant", "content": '{"intent": "open", "action": "Click(10, 20)"}'}], add_generation_prompt=False)
 
 
@@ -376,13 +375,9 @@ def test_lora_and_full_finetuning_step_and_round_trip(tmp_path, train_enc, lora_
     assert not torch.allclose(before, after, atol=1e-4)   # the step changed the output
     assert _step(p, train_enc) < first                    # and it went the right way
     after = _forward_logits(p, train_enc)
-    if lora_rank:  # adapter off = the untouched base model (the KL reference)
-        with M.disabled_adapter(p):
+    if lora_rank:  # adapter off = the untouched base model (grpo.update_policy's KL reference)
+        with p.model.disable_adapter():
             assert torch.allclose(_forward_logits(p, train_enc), before, atol=1e-5)
-    else:
-        with pytest.raises(ValueError, match="LoRA"):
-            with M.disabled_adapter(p):
-                pass
     M.save_policy(p, str(tmp_path))
     back = M.load_policy(str(tmp_path))
     assert not back.lora  # LoRA is saved merged: a plain checkpoint

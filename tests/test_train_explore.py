@@ -28,6 +28,7 @@ import model as M
 import rewards as R
 import rundir
 import train_explore as T
+from chat import encode_chat, explore_messages
 from env import VMPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +42,7 @@ def speaking_tiny(path: str, max_pixels: int = 12544, steps: int = 70, seed: int
     """The tiny random Qwen2.5-VL, SFT'd on random valid explore answers, saved to `path`."""
     torch.set_num_threads(1)  # next to the desktops of other tests, more threads run slower
     policy = M.load_policy("tiny", max_pixels=max_pixels, seed=seed)
-    enc = M.encode_chat(policy, M.explore_messages(Image.new("RGB", (1280, 720), (48, 96, 144))))
+    enc = encode_chat(policy, explore_messages(Image.new("RGB", (1280, 720), (48, 96, 144))))
     w, h = enc.image_sizes[0]
     im_end = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
     rng = random.Random(seed)

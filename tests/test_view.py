@@ -31,6 +31,7 @@ import grpo
 import model as M
 import progress
 import view
+from chat import encode_chat, explore_messages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHROME = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -49,7 +50,7 @@ def speaking_tiny(path: str) -> str:
     """The tiny random Qwen2.5-VL after ~8 s of SFT on valid explore answers of six action kinds."""
     torch.set_num_threads(1)
     policy = M.load_policy("tiny", max_pixels=12544, seed=0)
-    enc = M.encode_chat(policy, M.explore_messages(Image.new("RGB", (1280, 720), DESKTOP_BLUE)))
+    enc = encode_chat(policy, explore_messages(Image.new("RGB", (1280, 720), DESKTOP_BLUE)))
     w, h = enc.image_sizes[0]  # (140, 84): the model's coordinates live in this image
     im_end = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
     rng = random.Random(0)

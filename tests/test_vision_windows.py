@@ -33,7 +33,7 @@ def _stock(module):
 
 def test_same_outputs_and_gradients_as_the_stock_loop():
     policy = M.load_policy("tiny", seed=3)
-    visual = M._inner_model(policy.model).visual
+    visual = M.inner_model(policy.model).visual
     attn = [b.attn for b in visual.blocks]
     assert all("forward" in vars(a) for a in attn), "load_policy must install the batched forward"
 
@@ -60,7 +60,7 @@ def test_same_outputs_and_gradients_as_the_stock_loop():
 def test_window_lengths_really_vary_and_calls_are_few():
     # The point of the file: one attention call per distinct window length, not one per window.
     policy = M.load_policy("tiny")
-    visual = M._inner_model(policy.model).visual
+    visual = M.inner_model(policy.model).visual
     pixels, grid = _pixels(policy, [(1280, 720)] * 4)
     calls = []
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -85,7 +85,7 @@ def test_window_lengths_really_vary_and_calls_are_few():
 
 def test_install_skips_flash_attention_and_counts_modules():
     policy = M.load_policy("tiny")
-    visual = M._inner_model(policy.model).visual
+    visual = M.inner_model(policy.model).visual
     for b in visual.blocks:
         _stock(b.attn)
     visual.config._attn_implementation = "flash_attention_2"  # its varlen kernel needs no help

@@ -166,7 +166,7 @@ class Sample:
 
 def step_sample(prompt, completion_ids: Sequence[int], reward: float = 0.0, group: int | str = 0,
                 old_logps: Sequence[float] | None = None) -> Sample:
-    """ScreenExplorer step: an Encoded prompt (model.encode_chat) followed by the sampled tokens,
+    """ScreenExplorer step: an Encoded prompt (chat.encode_chat) followed by the sampled tokens,
     used verbatim (re-tokenising the text could give other ids than the ones sampled).
     old_logps: the sampler's log-prob of each completion token (Generation.logprobs), optional."""
     ids = list(prompt.input_ids) + [int(t) for t in completion_ids]
@@ -177,7 +177,7 @@ def step_sample(prompt, completion_ids: Sequence[int], reward: float = 0.0, grou
 
 def trajectory_sample(encoded, reward: float = 0.0, group: int | str = 0,
                       old_logps: Sequence[float] | None = None) -> Sample:
-    """ARPO trajectory: the whole conversation encoded once (model.encode_chat with
+    """ARPO trajectory: the whole conversation encoded once (chat.encode_chat with
     add_generation_prompt=False), target_mask already 1 on every assistant turn.
     old_logps: one per target token, i.e. every turn's sampler log-probs concatenated, optional."""
     olds = None if old_logps is None else [float(x) for x in old_logps]

@@ -76,7 +76,7 @@ from transformers.utils import logging as hf_logging
 
 import progress
 import rundir
-from actions import parse_action, smart_resize
+from actions import MIN_PIXELS, parse_action, smart_resize
 from chat import encode_chat, uitars_messages
 from env import Task, TaskError, VMPool, load_tasks
 from grpo import ReplayBuffer, group_advantages, trajectory_sample, update_policy
@@ -111,7 +111,7 @@ class Args:
     lora_alpha: int = arg(16, "LoRA alpha")
     gradient_checkpointing: bool = arg(False, "trade compute for memory in the update")
     max_pixels: int = arg(2116800, "max pixels of a screenshot as the model sees it (ARPO: 2116800)")
-    min_pixels: int = arg(3136, "min pixels of a screenshot as the model sees it")
+    min_pixels: int = arg(MIN_PIXELS, "min pixels of a screenshot as the model sees it")
     max_new_tokens: int = arg(256, "tokens one answer may take (Thought + Action)")
     # rollout
     iterations: int = arg(100, "training iterations (each: one rollout of every group + one update)")

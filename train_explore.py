@@ -82,7 +82,7 @@ import grpo
 import progress
 import rewards as R
 import rundir
-from actions import Action, Parsed, cursor_after, parse_action
+from actions import MAX_PIXELS, MIN_PIXELS, Action, Parsed, cursor_after, parse_action
 from chat import encode_chat, explore_messages
 from env import VMPool
 from model import generate, load_policy, save_policy, sync_weights
@@ -104,8 +104,8 @@ class Args:
     lora_rank: int = field(default=64, metadata={"help": "LoRA rank (paper: 64); 0 = full fine-tuning"})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (paper: 16)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "trade compute for memory in the policy update"})
-    max_pixels: int = field(default=1280 * 28 * 28, metadata={"help": "screenshot size cap for the model, in pixels of the resized image"})
-    min_pixels: int = field(default=4 * 28 * 28, metadata={"help": "screenshot size floor for the model, in pixels of the resized image"})
+    max_pixels: int = field(default=MAX_PIXELS, metadata={"help": "screenshot size cap for the model, in pixels of the resized image"})
+    min_pixels: int = field(default=MIN_PIXELS, metadata={"help": "screenshot size floor for the model, in pixels of the resized image"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = half the cores (the desktops and OCR need the rest)"})
     # rollout
     steps: int = field(default=10, metadata={"help": "steps per episode (one episode per desktop per iteration)"})

@@ -29,7 +29,7 @@ No weights can be downloaded, so the policy is the tiny random Qwen2.5-VL of the
    metrics.jsonl, replayed members excluded). Parse rate: the share of answers that parsed, in
    both evals and in every quarter of training; "throughout" = the lowest of these.
 
-Last line, in the issue's form (the worst seed: the smallest gain, the largest p, the lowest parse):
+Last line, one verdict over all seeds (the worst seed: the smallest gain, the largest p, the lowest parse):
     learning_arpo: before 0.18 after 0.71 gain +0.53 p 0.0000 parse 0.99 seeds 2: pass
 Pass = in every seed: gain >= 0.25, p < 0.01, parse >= 0.85, wall time <= --minutes.
 Also written: <out>/learning_arpo.png (fresh success per iteration, every seed) and

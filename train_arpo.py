@@ -76,7 +76,8 @@ from PIL import Image
 
 import progress
 import rundir
-from env import Task, TaskError, VMError, VMPool, load_tasks, parse_action, smart_resize
+from actions import parse_action, smart_resize
+from env import Task, TaskError, VMError, VMPool, load_tasks
 from grpo import ReplayBuffer, group_advantages, trajectory_sample, update_policy
 from chat import encode_chat, uitars_messages
 from model import Generation, generate, load_policy, save_policy, sync_weights

@@ -83,8 +83,8 @@ import model as M
 import rewards as R
 import progress
 import rundir
-from actions import cursor_after
-from env import Action, Parsed, VMPool, parse_action
+from actions import Action, Parsed, cursor_after, parse_action
+from env import VMPool
 
 # -----------------------------------------------------------------------------------------------
 # Args

@@ -18,9 +18,11 @@ x_screen = x * screen_w / image_w (same for y), rounded half up and clamped into
 numbers) stands for its centre.
 
 Anything unparseable -- garbage, truncated, huge, an unknown action -- is None: a format failure
-for the reward, never an exception. env.py re-exports the schema and `parse_action`, so `from env
-import parse_action` keeps working. Tested by `python -m pytest -q tests/test_parse_action.py`
-(hand-written real-shaped outputs) and tests/test_fuzz_parse.py (20,000 mutated ones).
+for the reward, never an exception. vm_server.py checks POST /action against the same table and
+limits (ACTION_FIELDS, MAX_TEXT_CHARS, MAX_KEYS, DIRECTIONS), so this file is copied into each VM
+too; it imports nothing but the standard library. Tested by `python -m pytest -q
+tests/test_parse_action.py` (hand-written real-shaped outputs) and tests/test_fuzz_parse.py
+(20,000 mutated ones).
 
 Where we follow the reference parsers (UI-TARS's Python parser and its PyPI package ui-tars,
 UI-TARS-desktop's TypeScript parser, ARPO's, ScreenExplorer's):
@@ -61,17 +63,20 @@ from typing import Any
 # ------------------------------------------------------------------------------------------------
 # 1. Actions
 
-# type -> (required fields, optional fields): the same table vm_server.py checks POST /action with.
-_ACTION_FIELDS = {
-    "move": (("x", "y"), ()), "click": ((), ("x", "y")), "double_click": ((), ("x", "y")),
-    "right_click": ((), ("x", "y")), "drag": (("x", "y", "x2", "y2"), ()),
-    "scroll": (("direction",), ("x", "y", "amount")), "type": (("text",), ("x", "y")),
-    "key": (("keys",), ()), "wait": ((), ("amount",)), "done": ((), ()), "fail": ((), ()),
+# type -> {field: (JSON type, required)}: what each action takes. vm_server.py checks POST /action
+# against it, and Action.from_dict reads a stored action back with it.
+_POINT = {"x": (int, False), "y": (int, False)}  # optional; given together or not at all
+ACTION_FIELDS = {
+    "move": {"x": (int, True), "y": (int, True)}, "click": _POINT, "double_click": _POINT,
+    "right_click": _POINT, "drag": {"x": (int, True), "y": (int, True), "x2": (int, True), "y2": (int, True)},
+    "scroll": {"direction": (str, True), **_POINT, "amount": (int, False)},
+    "type": {"text": (str, True), **_POINT}, "key": {"keys": (list, True)},
+    "wait": {"amount": (int, False)}, "done": {}, "fail": {},
 }
-ACTION_TYPES = tuple(_ACTION_FIELDS)
+ACTION_TYPES = tuple(ACTION_FIELDS)
 DIRECTIONS = ("up", "down", "left", "right")
-MAX_TEXT_CHARS = 2000  # longest `type` text we accept; mirrors the server's limit (a runaway
-                       # generation is a format failure here, not a 400 from the VM later)
+MAX_TEXT_CHARS = 2000  # longest `type` text; the server refuses longer, and a runaway generation
+                       # is a format failure here rather than a 400 from the VM later
 MAX_KEYS = 8           # a hotkey longer than this is not a hotkey
 
 
@@ -96,18 +101,18 @@ class Action:
         """Validate a dict (e.g. a trajectory line read back from disk) with the server's rules
         (except the screen bounds and key names, which only the VM knows) and build the Action."""
         t = d.get("type") if isinstance(d, dict) else None
-        if t not in _ACTION_FIELDS:
+        if t not in ACTION_FIELDS:
             raise ValueError(f"an action needs 'type' in {list(ACTION_TYPES)}, got {t!r}.")
         d = {k: v for k, v in d.items() if v is not None}
-        required, optional = _ACTION_FIELDS[t]
-        extra = sorted(set(d) - {"type", *required, *optional})
+        fields = ACTION_FIELDS[t]
+        extra = sorted(set(d) - {"type", *fields})
         if extra:
             raise ValueError(f"a {t!r} action does not take field(s) {extra}.")
-        missing = [k for k in required if k not in d]
+        missing = [k for k, (_, required) in fields.items() if required and k not in d]
         if missing or ("x" in d) != ("y" in d):
             raise ValueError(f"a {t!r} action needs field(s) {missing or ['x', 'y']}.")
-        for k in ("x", "y", "x2", "y2", "amount"):
-            if k in d and (isinstance(d[k], bool) or not isinstance(d[k], int)):
+        for k, (kind, _) in fields.items():  # the text, keys and direction get their own checks below
+            if kind is int and k in d and (isinstance(d[k], bool) or not isinstance(d[k], int)):
                 raise ValueError(f"action field {k!r} must be an integer, got {d[k]!r}.")
         if t == "type" and not (isinstance(d["text"], str) and 0 < len(d["text"]) <= MAX_TEXT_CHARS
                                 and "\0" not in d["text"]):

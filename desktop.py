@@ -16,10 +16,10 @@ stays on the host's loopback. `--no-sandbox` runs without it. Xt's per-user reso
 (`~/XTerm`, `~/XCalc`, `~/.Xdefaults-<host>`) are switched off in the desktop's environment:
 they are code (a translations resource types into the shell).
 
-Only vm_server.py imports this file, lazily, when `--xvfb` is given: without `--xvfb`, vm_server.py
-stays ONE file you copy into your own VM. vm_server.py re-exports the public names here
-(`from vm_server import desktop_icons` works). The process-tree cleanup (`kill_tree`, `reap`) stays
-in vm_server.py, because a real VM's /reset and the server's exit need it too.
+vm_server.py imports this file lazily, only when `--xvfb` is given, so a VM serving its own display
+runs without it. The programs and windows on a desktop, and the process-tree cleanup (`spawn`,
+`list_windows`, `kill_tree`, `reap`), are in procs.py, because a real VM's /reset and the server's
+exit need them too.
 Tested through `python -m pytest -q tests/test_vm_server.py tests/test_sandbox.py` (real Xvfb desktops).
 
 Where this departs from the papers' environment (OSWorld: one Ubuntu VM per episode, restored
@@ -44,8 +44,7 @@ import time
 
 from PIL import ImageGrab
 
-# vm_server registers itself under this name before importing us, even when it runs as a script.
-from vm_server import Desktop, _prctl, descendants, list_windows, spawn
+from procs import Desktop, descendants, list_windows, prctl, spawn
 
 # -------------------------------------------------------------------------------------------------
 # The icons and the HOME template
@@ -137,7 +136,7 @@ def start_xvfb(screen: tuple[int, int]) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.DEVNULL,
         # PR_SET_PDEATHSIG (1): the kernel SIGTERMs Xvfb when our main thread ends, so even a
         # `kill -9` of the server leaves no orphan display (its clients then die with it).
-        preexec_fn=lambda: _prctl(1, signal.SIGTERM))
+        preexec_fn=lambda: prctl(1, signal.SIGTERM))
     os.close(w)
     num, deadline = b"", time.time() + 20
     while not num.endswith(b"\n") and time.time() < deadline and proc.poll() is None:

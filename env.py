@@ -7,8 +7,9 @@ What is here, top to bottom:
   3. `Task` + `load_tasks`: ARPO's task files (tasks/*.json).
 
 The action schema and the model-text parser (`Action`, `Parsed`, `smart_resize`, `to_screen`,
-`parse_action`) live in actions.py: one concept per file, and parsing needs no VM. They are
-re-exported here, so `from env import Action, parse_action` works as before.
+`parse_action`) are in actions.py: one concept per file, and parsing needs no VM. The schema of
+task files' setup steps and checks is vm_tasks.py's (STEP_FIELDS, CHECK_FIELDS), the one the
+server checks requests with.
 
 Used by train_explore.py / train_arpo.py; tested by `python -m pytest -q tests/test_env.py`
 (and tests/test_parse_action.py for actions.py); `python bench/fanout.py` measures the lockstep
@@ -43,9 +44,8 @@ from typing import Any
 import requests
 from PIL import Image
 
-# The action schema and parser moved to actions.py; every name stays importable from env.
-from actions import (ACTION_TYPES, DIRECTIONS, MAX_INPUT_CHARS, MAX_KEYS, MAX_PIXELS,  # noqa: F401
-                     MAX_TEXT_CHARS, MIN_PIXELS, Action, Parsed, parse_action, smart_resize, to_screen)
+from actions import Action
+from vm_tasks import CHECK_FIELDS, STEP_FIELDS
 
 # ------------------------------------------------------------------------------------------------
 # 1. One VM over HTTP, and N of them in lockstep
@@ -452,23 +452,8 @@ class Task:
     apps: tuple[str, ...] = ()
 
 
-_NUM_T = (int, float)
-# type -> {field: (allowed Python types, required)}; mirrors what vm_server.py's /setup and
-# /evaluate accept, so a typo fails when the tasks load, not in the middle of a run.
-_STEPS = {
-    "launch": {"argv": (list, True)},
-    "open": {"path": (str, True)},
-    "write_file": {"path": (str, True), "content": (str, True)},
-    "sleep": {"seconds": (_NUM_T, True)},
-    "command": {"argv": (list, True), "timeout": (_NUM_T, False)},
-}
-_CHECKS = {
-    "file_exists": {"path": (str, True), "exists": (bool, False)},
-    "file_contains": {"path": (str, True), "text": (str, False), "regex": (str, False)},
-    "window_exists": {"title": (str, True), "exists": (bool, False)},
-    "command": {"argv": (list, True), "stdout": (str, False), "regex": (str, False),
-                "exit_code": (int, False), "timeout": (_NUM_T, False)},
-}
+# A task file is checked against the server's own schema of steps and checks (vm_tasks.STEP_FIELDS,
+# CHECK_FIELDS), so a typo fails when the tasks load, not in the middle of a run.
 _TASK = {"id": (str, True), "instruction": (str, True), "apps": (list, False), "setup": (list, False),
          "evaluator": (dict, True), "max_steps": (int, False), "infeasible": (bool, False)}
 
@@ -522,14 +507,14 @@ def _task_from_dict(d: Any, where: str) -> Task:
     if len(setup) > 64:
         fail("setup", "has more than 64 steps")
     for j, step in enumerate(setup):
-        _check_entry(step, _STEPS, f"setup[{j}]", fail)
+        _check_entry(step, STEP_FIELDS, f"setup[{j}]", fail)
     _check_fields(ev, {"conj": (str, False), "checks": (list, True)}, "evaluator.", fail)
     if ev.get("conj", "and") not in ("and", "or"):
         fail("evaluator.conj", "must be 'and' or 'or'")
     if not 0 < len(ev["checks"]) <= 64 and not (infeasible and not ev["checks"]):
         fail("evaluator.checks", "must hold 1 to 64 checks (only an infeasible task may have none)")
     for j, check in enumerate(ev["checks"]):
-        _check_entry(check, _CHECKS, f"evaluator.checks[{j}]", fail)
+        _check_entry(check, CHECK_FIELDS, f"evaluator.checks[{j}]", fail)
     return Task(d["id"], d["instruction"], setup, {"conj": ev.get("conj", "and"), "checks": ev["checks"]},
                 d.get("max_steps", 15), infeasible, tuple(d.get("apps", [])))
 

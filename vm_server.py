@@ -20,7 +20,7 @@ this server included, runs inside bubblewrap (desktop.sandbox; --no-sandbox turn
 Where this departs from OSWorld's in-VM server (the papers' environment):
   - No endpoint runs code sent by the client: setup/evaluate are a handful of typed steps, the
     programs they may start are an allow-list, and each program's arguments are checked
-    (ARGV_RULES, in vm_tasks.py), so no step can run code or touch a file outside HOME. The token is still the
+    (ARGV_RULES, in vm_rules.py), so no step can run code or touch a file outside HOME. The token is still the
     security boundary of the desktop itself: its holder drives the mouse and keyboard, and the
     desktop's terminal runs anything typed into it.
   - Evaluators are generic checks (files, window titles, a command's output) instead of
@@ -28,18 +28,17 @@ Where this departs from OSWorld's in-VM server (the papers' environment):
   - `--xvfb` builds a whole desktop (Xvfb, openbox, tint2 taskbar, pcmanfm icons) per server, with
     its own HOME copied from a template, so N local desktops stand in for N VMs.
 
-What to copy into your VM: vm_server.py and vm_tasks.py (the /setup and /evaluate steps and checks,
-the allow-list and its argv rules, HOME confinement; imported at the top, its names re-exported
-here). desktop.py is the `--xvfb` desktop, imported only with `--xvfb`, so a VM serving its own
-display does without it. Its public names (desktop_icons, template_files, DESKTOP_APPS, ...) stay
-importable from here, loaded on first use.
+What to copy into your VM: vm_server.py, vm_tasks.py (the /setup and /evaluate steps and checks),
+vm_rules.py (the allow-list and its argv rules, HOME confinement, the request checks), procs.py
+(the desktop's processes and windows) and actions.py (the action schema POST /action takes; stdlib
+only). desktop.py is the `--xvfb` desktop, imported only with `--xvfb`, so a VM serving its own
+display does without it. Nothing imports this file: it is the program you run.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import hmac
 import io
 import ipaddress
@@ -50,132 +49,38 @@ import re
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 from PIL import ImageGrab
 
-# When run as a script we are __main__: registered under our own name, desktop.py's and vm_tasks.py's
-# `from vm_server import` find this copy instead of loading a second one.
-sys.modules.setdefault("vm_server", sys.modules[__name__])
-
-# /setup and /evaluate (steps, checks, argv rules, HOME confinement) live in vm_tasks.py; its names
-# stay importable from here.
-from vm_tasks import (  # noqa: E402,F401
-    APP_SETTLE, ARGV_RULES, CHECK_FIELDS, DEFAULT_ALLOW, HOME_QUOTA, MAX_BODY, MAX_ITEMS, MAX_OUTPUT, MAX_READ, MAX_TEXT,
-    REQUEST_SECONDS, STEP_FIELDS, TEXT_EXTS, XDOTOOL_COMMANDS, BadRequest, _argv, _items, _number, _obj, _regex, _str,
-    _under, check_args, check_check, check_step, evaluate, program, resolve, run_check, run_command, run_step,
-    runnable, setup, visible_in_home,
-)
+from actions import ACTION_FIELDS, DIRECTIONS, MAX_KEYS, MAX_TEXT_CHARS
+from procs import Desktop, app_windows, kill_tree, prctl, reap
+from vm_rules import DEFAULT_ALLOW, MAX_BODY, BadRequest, check_number, check_object, check_str
+from vm_tasks import evaluate, setup
 
 # -------------------------------------------------------------------------------------------------
-# Limits (the body/text limits, the allow-list and its argv rules are in vm_tasks.py)
+# Limits (a request's body, the allow-list and its argv rules are in vm_rules.py; the type-text
+# and hotkey limits are the action schema's, in actions.py)
 
-MAX_KEYS = 8             # a hotkey longer than this is not a hotkey
 PNG_LEVEL = 1            # zlib level: 1 is the fastest that still squeezes flat screen colours well
-REQUEST_SECONDS = 120.0  # a request must arrive whole within this long (--request-timeout)
+REQUEST_TIMEOUT = 120.0  # a request must arrive whole within this long (--request-timeout)
 MAX_CONNECTIONS = 64     # open connections; past it the longest-waiting unanswered one is closed
 LISTEN_BACKLOG = 1024    # connections the kernel queues before we accept them (the kernel may cap it)
 
 
 # -------------------------------------------------------------------------------------------------
-# The desktop: what we serve on, the programs on it, our process tree
-# (the --xvfb desktop itself -- Xvfb, session, icons, HOME template -- is in desktop.py)
-
-
-@dataclass
-class Desktop:
-    screen: tuple[int, int]
-    home: str                 # every path in setup/evaluate stays inside it
-    env: dict                 # the environment of every program we start
-    allow: frozenset          # programs setup/evaluate may run
-    xvfb: subprocess.Popen | None = None   # None: a real VM's existing display
-    tmp: str | None = None    # --xvfb: holds template/, home/, run/; removed at exit
-    display: str = ""
-
-
-def _prctl(option: int, arg: int) -> None:
-    ctypes.CDLL(None).prctl(option, arg)
-
-
-def list_windows(desk: Desktop) -> list[tuple[int, int, str]]:
-    """(X window id, workspace, title) of every managed window; workspace -1 = sticky (the desktop
-    icons and the taskbar, which are part of the desktop, not windows an agent opened)."""
-    out = subprocess.run(["wmctrl", "-l"], env=desk.env, capture_output=True, text=True,
-                         errors="replace", timeout=10).stdout
-    rows = [line.split(None, 3) + [""] for line in out.splitlines()]  # id, workspace, host, title
-    return [(int(r[0], 16), int(r[1]), r[3]) for r in rows
-            if len(r) >= 4 and r[1].lstrip("-").isdigit() and re.fullmatch(r"0x[0-9a-fA-F]{1,8}", r[0])]
-
-
-def app_windows(desk: Desktop) -> list[tuple[int, str]]:
-    """(X window id, title) of the application windows: the ones an agent can open or close."""
-    return [(i, title) for i, ws, title in list_windows(desk) if ws != -1]
-
-
-def spawn(desk: Desktop, argv: list[str]) -> subprocess.Popen:
-    """Start a program detached (own session, no stdio). We keep no handle: /reset and exit find
-    every program by walking our process tree, double-forked ones included (we are a subreaper)."""
-    return subprocess.Popen(argv, cwd=desk.home, env=desk.env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def descendants(root: int) -> list[int]:
-    """Every live (not zombie) process below `root`, from /proc."""
-    children, zombies = {}, set()
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]  # fields after "pid (comm)"
-        except (OSError, ValueError):
-            continue
-        children.setdefault(int(ppid), []).append(int(name))
-        zombies.update([int(name)] if state == b"Z" else [])
-    out, todo = [], [root]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return [p for p in out if p not in zombies]
-
-
-def reap() -> None:
-    """Collect the exit status of every finished child: closed apps, and orphans we adopted as a
-    subreaper. It runs under the request lock, like setup commands, so it never steals the status
-    subprocess.run is waiting for (a Popen whose child we reaped just reports it gone)."""
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-    except ChildProcessError:
-        pass
-
-
-def kill_tree(keep: set[int]) -> None:
-    """SIGTERM every process below us but `keep`; SIGKILL whatever is left after 2 s."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids, deadline = [p for p in descendants(os.getpid()) if p not in keep], time.time() + 2
-        for p in pids:
-            try:
-                os.kill(p, sig)
-            except ProcessLookupError:
-                pass
-        while pids and time.time() < deadline:
-            time.sleep(0.05)
-            reap()
-            pids = [p for p in descendants(os.getpid()) if p not in keep]
-        if not pids:
-            return
+# The desktop: /reset (the programs on it and our process tree are in procs.py, the --xvfb desktop
+# itself -- Xvfb, session, icons, HOME template -- in desktop.py)
 
 
 def _desktop():
-    """desktop.py (the --xvfb desktop), imported on first use. It imports Desktop, spawn & co. from
-    us (run as a script, we registered as `vm_server` at the top, so that is this same copy)."""
+    """desktop.py (the --xvfb desktop), imported only when a --xvfb server needs it: a VM serving
+    its own display runs without the file."""
     try:
         import desktop
     except ModuleNotFoundError as e:
@@ -184,17 +89,6 @@ def _desktop():
         sys.exit("vm_server: --xvfb needs desktop.py next to vm_server.py; copy it too, or serve an "
                  "existing display without --xvfb.")
     return desktop
-
-
-_DESKTOP_NAMES = ("DESKTOP_APPS", "ICON_ORIGIN", "ICON_PITCH", "ICON_ROWS", "ICON_CENTRE", "BG_COLOUR",
-                  "desktop_icons", "template_files", "start_xvfb", "start_session", "restore_home",
-                  "local_desktop")
-
-
-def __getattr__(name: str):  # `from vm_server import desktop_icons` & co. keep working (PEP 562)
-    if name in _DESKTOP_NAMES:
-        return getattr(_desktop(), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def reset(desk: Desktop) -> None:
@@ -213,25 +107,18 @@ def reset(desk: Desktop) -> None:
 # -------------------------------------------------------------------------------------------------
 # POST /action
 
-ACTION_FIELDS = {  # type -> (required fields, optional fields)
-    "move": (("x", "y"), ()), "click": ((), ("x", "y")), "double_click": ((), ("x", "y")),
-    "right_click": ((), ("x", "y")), "drag": (("x", "y", "x2", "y2"), ()),
-    "scroll": (("direction",), ("x", "y", "amount")), "type": (("text",), ("x", "y")),
-    "key": (("keys",), ()), "wait": ((), ("amount",)), "done": ((), ()), "fail": ((), ()),
-}
-
-
 def check_action(desk: Desktop, body) -> dict:
+    """The body of POST /action, checked against actions.ACTION_FIELDS and this screen."""
     import pyautogui
-    a = _obj(body, "action", ACTION_FIELDS)
+    a = check_object(body, "action", ACTION_FIELDS)
     t = a["type"]
     if ("x" in a) != ("y" in a):
         raise BadRequest("'x' and 'y' must be given together.")
     for kx, ky in (("x", "y"), ("x2", "y2")):
         if kx in a:  # an off-screen point is the client's bug (env.py clamps model output)
-            _number(a, kx, 0, desk.screen[0] - 1), _number(a, ky, 0, desk.screen[1] - 1)
+            check_number(a, kx, 0, desk.screen[0] - 1), check_number(a, ky, 0, desk.screen[1] - 1)
     if t == "type":
-        _str(a, "text", MAX_TEXT)
+        check_str(a, "text", MAX_TEXT_CHARS)
     elif t == "key":
         keys = a["keys"]
         if not (isinstance(keys, list) and 0 < len(keys) <= MAX_KEYS and all(isinstance(k, str) for k in keys)):
@@ -240,11 +127,11 @@ def check_action(desk: Desktop, body) -> dict:
         if bad:
             raise BadRequest(f"unknown key name(s) {bad}; use pyautogui's names, e.g. 'ctrl', 'enter', 'a'.")
     elif t == "scroll":
-        if a["direction"] not in ("up", "down", "left", "right"):
+        if a["direction"] not in DIRECTIONS:
             raise BadRequest("'direction' must be one of 'up', 'down', 'left', 'right'.")
-        a["amount"] = _number(a, "amount", 1, 50, default=5)  # wheel clicks; GTK scrolls ~3 lines each
+        a["amount"] = check_number(a, "amount", 1, 50, default=5)  # wheel clicks; GTK scrolls ~3 lines each
     elif t == "wait":
-        a["amount"] = _number(a, "amount", 0, 5, default=1)   # seconds
+        a["amount"] = check_number(a, "amount", 0, 5, default=1)   # seconds
     return a
 
 
@@ -382,7 +269,7 @@ def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[in
         do_action(desk, check_action(desk, body))
         return 200, {"ok": True}, ""
     if path == "/reset":
-        _obj({} if body is None else body, "the /reset body")
+        check_object({} if body is None else body, "the /reset body")
         reset(desk)
         return 200, {"ok": True}, ""
     if path == "/setup":  # every step checked and the whole request planned before any runs
@@ -420,8 +307,8 @@ def local_names(host: str, port: int) -> frozenset[str]:
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"   # keep-alive: a screenshot loop skips the TCP handshake
     disable_nagle_algorithm = True  # headers and body go out at once, no 40 ms delayed-ACK stall
-    request_timeout = REQUEST_SECONDS  # from the previous answer (or the connection) to the whole request
-    timeout = REQUEST_SECONDS       # sending an answer: at most this long
+    request_timeout = REQUEST_TIMEOUT  # from the previous answer (or the connection) to the whole request
+    timeout = REQUEST_TIMEOUT       # sending an answer: at most this long
     desk: Desktop = None
     token: str | None = None
     names: frozenset = frozenset()  # local_names() of the server: Host values allowed without a token
@@ -616,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--screen", default="1280x720", help="WxH of the --xvfb screen")
     p.add_argument("--no-sandbox", action="store_true",
                    help="--xvfb: run the desktop unconfined, not inside bubblewrap (for machines without bwrap)")
-    p.add_argument("--request-timeout", type=float, default=REQUEST_SECONDS,
+    p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT,
                    help="seconds a client has to send each whole request, counted from the previous answer")
     p.add_argument("--allow-exec", default="", help="comma-separated extra programs setup/evaluate may run")
     p.add_argument("--verbose", action="store_true", help="log every request")
@@ -641,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: sys.exit(0))
     # env.launch_local_vms names its own pid here: a desktop it started then goes away with the
     # trainer, even a trainer killed with SIGKILL (its atexit cleanup never runs). Not set for a
-    # server you start yourself, which outlives its shell as before.
+    # server you start yourself, which outlives its shell.
     parent = os.environ.pop("VM_SERVER_PARENT", "")
     if parent.isdigit():
         threading.Thread(target=exit_with_parent, args=(int(parent),), daemon=True).start()
@@ -652,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
               f"unconfined on this machine as {pwd.getpwuid(os.getuid()).pw_name}", file=sys.stderr, flush=True)
     # PR_SET_CHILD_SUBREAPER (36): programs that double-fork (GLib's app launching does) are
     # re-parented to us instead of init, so /reset and exit still find them.
-    _prctl(36, 1)
+    prctl(36, 1)
     desk = None
     try:
         try:  # bind first: a taken port fails at once, not after the desktop has started

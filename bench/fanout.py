@@ -23,7 +23,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from env import Action, VMPool, launch_local_vms  # noqa: E402
+from actions import Action  # noqa: E402
+from env import VMPool, launch_local_vms  # noqa: E402
 
 
 def lockstep_times(pool: VMPool, steps: int, warmup: int, settle: float) -> list[float]:

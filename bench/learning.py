@@ -125,7 +125,8 @@ def warm_start(out: str, seed: int, task_ids: list[str], epochs: int, lr: float,
     import torch
 
     from chat import encode_chat, uitars_messages
-    from env import VMPool, load_tasks, smart_resize
+    from actions import smart_resize
+    from env import VMPool, load_tasks
     from grpo import distill_step, trajectory_sample
     from model import load_policy, save_policy
 

@@ -52,7 +52,7 @@ import transformers  # noqa: E402
 import grpo  # noqa: E402
 import model as M  # noqa: E402
 from chat import encode_chat, explore_messages  # noqa: E402
-from env import VMPool, smart_resize  # noqa: E402
+from env import VMPool  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()  # the warm start's save: no progress bar in the table
 
@@ -104,7 +104,7 @@ def desktop_screens(n: int, seed: int) -> list:
 def build_warm_start(path: str, seed: int, screens: list, a) -> dict:
     """The tiny Qwen2.5-VL (weights from `seed`), SFT'd on balanced random answers; saved to `path`.
     -> {"nll_first", "nll_last", "seconds", "parse"} (parse: fraction of sampled answers that parse)."""
-    from env import parse_action
+    from actions import parse_action
     t0 = time.perf_counter()
     policy = M.load_policy("tiny", max_pixels=a.max_pixels, seed=seed)
     encs = [encode_chat(policy, explore_messages(im)) for im in screens]

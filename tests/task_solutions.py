@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from vm_server import desktop_icons  # noqa: E402 -- the icon layout every --xvfb desktop uses
+from desktop import desktop_icons  # noqa: E402 -- the icon layout every --xvfb desktop uses
 
 SCREEN = (1280, 720)
 # Seconds to wait for a dialog (New Folder, Rename, Save As, a confirmation) to map before typing

@@ -16,8 +16,8 @@ import time
 import pytest
 from PIL import Image
 
-from env import (Action, Task, TaskError, VMClient, VMError, VMPool, launch_local_vms,
-                 load_tasks, parse_action)
+from actions import Action, parse_action
+from env import Task, TaskError, VMClient, VMError, VMPool, launch_local_vms, load_tasks
 
 
 

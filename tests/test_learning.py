@@ -74,7 +74,7 @@ def test_warm_start_balances_prompts_and_icons():
     """Every prompt is paired with each of the 7 icons once per epoch, answers parse onto the
     icons on the screen, and the folder loads as an ordinary checkpoint."""
     from desktop import desktop_icons
-    from env import parse_action
+    from actions import parse_action
     pts = L.icon_points((140, 84), (1280, 720))
     assert len(pts) == len(set(pts)) == 7
     icons = list(desktop_icons((1280, 720)).values())

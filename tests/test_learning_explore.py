@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import learning_explore as L  # noqa: E402
-from env import parse_action  # noqa: E402
+from actions import parse_action  # noqa: E402
 
 
 def test_warm_answers_are_balanced_and_parse():

@@ -1,4 +1,4 @@
-"""Tests for env.parse_action / env.smart_resize / env.Action: model text -> screen actions.
+"""Tests for actions.parse_action / actions.smart_resize / actions.Action: model text -> screen actions.
 
 Run: python -m pytest -q tests/test_parse_action.py   (pure Python, no desktop, a few seconds)
 
@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from env import Action, Parsed, parse_action, smart_resize, to_screen
-from actions import cursor_after
+from actions import Action, Parsed, cursor_after, parse_action, smart_resize, to_screen
 
 S = (1280, 720)
 

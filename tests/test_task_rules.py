@@ -29,6 +29,7 @@ import types
 
 import pytest
 
+import vm_rules
 import vm_tasks
 from conftest import ROOT, vm_call
 from test_hostile_input import armed, home_snapshot, mouse, processes_under  # noqa: F401 (armed: a fixture)
@@ -51,10 +52,10 @@ def refused_here(argv: list[str]) -> bool:
     """vm_tasks' rules refuse argv, judged in this process without running anything: a clock
     attack is only sent once this holds, so a broken rule fails the test instead of setting the
     clock of the machine running it."""
-    desk = types.SimpleNamespace(home=ROOT, allow=vm_tasks.DEFAULT_ALLOW, env=dict(os.environ))
+    desk = types.SimpleNamespace(home=ROOT, allow=vm_rules.DEFAULT_ALLOW, env=dict(os.environ))
     try:
-        vm_tasks.check_args(desk, argv)
-    except vm_tasks.BadRequest:
+        vm_rules.check_args(desk, argv)
+    except vm_rules.BadRequest:
         return True
     return False
 
@@ -261,7 +262,7 @@ def test_no_x_resource_file_is_made(agent_traps):
     vm, outside = agent_traps
     send_all(vm, xt_attacks(os.path.join(outside, "pwned")), outside)
     made = sorted(os.path.relpath(os.path.join(d, n), vm.home) for d, _, files in os.walk(vm.home) for n in files
-                  if n.lower().startswith(vm_tasks.XT_CLASSES))
+                  if n.lower().startswith(vm_rules.XT_CLASSES))
     assert made == ["Desktop/xcalc.desktop", "xtsrc/XTerm"]  # the template's icon and the agent's file, nothing else
 
 
@@ -334,14 +335,14 @@ def test_home_grown_from_outside_the_request_stops_it_at_the_step(armed):
     vm, _ = armed
     big = os.path.join(vm.home, "Downloads", "big.bin")
     with open(big, "wb") as f:
-        f.truncate(vm_tasks.HOME_QUOTA)  # sparse, but its size counts
+        f.truncate(vm_rules.HOME_QUOTA)  # sparse, but its size counts
     r = vm_call(vm, "POST", "/setup", {"steps": [{"type": "write_file", "path": "a.txt", "content": "x"}]})
     assert r.status_code == 413 and "quota" in r.json()["error"] and not os.path.exists(os.path.join(vm.home, "a.txt")), r.text
     os.unlink(big)
 
     def fill():
         with open(big, "wb") as f:
-            f.truncate(vm_tasks.HOME_QUOTA)
+            f.truncate(vm_rules.HOME_QUOTA)
     filler = threading.Timer(0.3, fill)
     filler.start()
     r = vm_call(vm, "POST", "/setup", {"steps": [{"type": "write_file", "path": "a.txt", "content": "x"},
@@ -356,7 +357,7 @@ def test_home_grown_from_outside_the_request_stops_it_at_the_step(armed):
 
 
 def fake_desk(tmp_path):
-    return types.SimpleNamespace(home=str(tmp_path), allow=vm_tasks.DEFAULT_ALLOW, env=dict(os.environ))
+    return types.SimpleNamespace(home=str(tmp_path), allow=vm_rules.DEFAULT_ALLOW, env=dict(os.environ))
 
 
 def test_usage_counts_bytes_plus_one_entry_cost_each(tmp_path):
@@ -364,7 +365,7 @@ def test_usage_counts_bytes_plus_one_entry_cost_each(tmp_path):
     (tmp_path / "d" / "a").write_text("x" * 10)
     (tmp_path / "b").write_text("y" * 20)
     os.symlink("/etc/passwd", tmp_path / "l")  # not followed: an entry, no bytes
-    e = vm_tasks.ENTRY_BYTES
+    e = vm_rules.ENTRY_BYTES
     # entries: tmp_path, d, d/a, b, l = 5; bytes 10 + 20
     assert vm_tasks.usage(str(tmp_path)) == 5 * e + 30
     assert vm_tasks.usage(str(tmp_path / "d")) == 2 * e + 10
@@ -372,7 +373,7 @@ def test_usage_counts_bytes_plus_one_entry_cost_each(tmp_path):
 
 
 def test_plan_predicts_the_worst_case_of_each_step(tmp_path, monkeypatch):
-    desk, e = fake_desk(tmp_path), vm_tasks.ENTRY_BYTES
+    desk, e = fake_desk(tmp_path), vm_rules.ENTRY_BYTES
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "f").write_text("x" * 1000)  # usage(a) = 2e + 1000
     s = 2 * e + 1000
@@ -388,7 +389,7 @@ def test_plan_predicts_the_worst_case_of_each_step(tmp_path, monkeypatch):
     monkeypatch.setattr(vm_tasks, "HOME_QUOTA", home + (s + e) + (s + 2 * e))
     vm_tasks.plan(desk, [cp, {**cp, "argv": ["cp", "-r", "b", "a"]}], "step")  # exactly at the quota: fits
     monkeypatch.setattr(vm_tasks, "HOME_QUOTA", home + (s + e) + (s + 2 * e) - 1)
-    with pytest.raises(vm_tasks.BadRequest, match="step 2 could take HOME"):
+    with pytest.raises(vm_rules.BadRequest, match="step 2 could take HOME"):
         vm_tasks.plan(desk, [cp, {**cp, "argv": ["cp", "-r", "b", "a"]}], "step")
 
 
@@ -396,7 +397,7 @@ def test_plan_sums_sleeps_and_command_timeouts(tmp_path):
     desk = fake_desk(tmp_path)
     sleep, cmd = {"type": "sleep", "seconds": 30}, {"type": "command", "argv": ["true"], "timeout": 30}
     vm_tasks.plan(desk, [sleep, sleep, cmd, cmd, {"type": "launch", "argv": ["xclock"], "timeout": 30}], "step")  # 120 s
-    with pytest.raises(vm_tasks.BadRequest, match="add up to 120.5 s"):
+    with pytest.raises(vm_rules.BadRequest, match="add up to 120.5 s"):
         vm_tasks.plan(desk, [sleep, sleep, cmd, cmd, {"type": "sleep", "seconds": 0.5}], "step")
 
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from conftest import start_vm_server
-from env import Action, Task, VMClient, load_tasks
+from actions import Action
+from env import Task, VMClient, load_tasks
 from task_solutions import SCREEN, SOLUTIONS
 from train_arpo import outcome_scores
 

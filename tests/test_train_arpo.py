@@ -107,7 +107,7 @@ def scripted(plans):
 
 
 def test_scripted_text_parses_back_to_the_solution():
-    from env import parse_action, smart_resize
+    from actions import parse_action, smart_resize
     h, w = smart_resize(720, 1280, max_pixels=SMALL)
     for a in SOLUTIONS["calc-to-editor"] + SOLUTIONS["files-rename"]:
         p = parse_action(uitars_text(a, (w, h), (1280, 720)), "uitars", (1280, 720), (w, h))

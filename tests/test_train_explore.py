@@ -212,7 +212,7 @@ def test_eval_only_reports_diversity(tmp_path):
 def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
     """In process, on the session's real desktop: a scripted chooser that opens the terminal (a
     double-click on its icon) and a still one that only moves the mouse, through run_eval."""
-    from env import Action, Parsed
+    from actions import Action, Parsed
     from task_solutions import ICONS
 
     def chooser(first: Action):
@@ -309,7 +309,7 @@ def test_score_rewards_curiosity_before_the_world_model_learns():
     model learn; --wm-train-first scores with the model after it learned (the release's order)."""
     import copy
 
-    from env import Action, Parsed
+    from actions import Action, Parsed
     before = Image.new("RGB", (1280, 720), (40, 40, 40))
     after = before.copy()
     after.paste((230, 230, 230), (300, 200, 900, 600))  # a window opened

@@ -23,8 +23,9 @@ from conftest import SERVER, proc_alive, proc_descendants, start_vm_server, vm_c
 
 sys.path.insert(0, os.path.dirname(SERVER))
 import vm_server  # noqa: E402
+from desktop import desktop_icons  # noqa: E402
 
-ICONS = vm_server.desktop_icons((1280, 720))
+ICONS = desktop_icons((1280, 720))
 BG = (0x2F, 0x5F, 0x8F)
 
 

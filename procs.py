@@ -1,0 +1,103 @@
+"""procs.py: the desktop a server drives, and the processes it starts on it.
+
+The bottom of the VM side: `Desktop` (screen, HOME, environment, allow-list of one served desktop),
+starting a program on it (`spawn`), its windows (`list_windows`, `app_windows`), and our process
+tree (`descendants`, `reap`, `kill_tree`). vm_server.py, vm_tasks.py, vm_rules.py and desktop.py build on
+it, and it imports nothing of ours (stdlib only). Nothing here runs on its own; it is copied into
+a VM with vm_server.py. Tested through tests/test_vm_server.py and tests/test_sandbox.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class Desktop:
+    screen: tuple[int, int]
+    home: str                 # every path in setup/evaluate stays inside it
+    env: dict                 # the environment of every program we start
+    allow: frozenset          # programs setup/evaluate may run
+    xvfb: subprocess.Popen | None = None   # None: a real VM's existing display
+    tmp: str | None = None    # --xvfb: holds template/, home/, run/; removed at exit
+    display: str = ""
+
+
+def prctl(option: int, arg: int) -> None:
+    """Linux prctl(2) on this process (PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, ...)."""
+    ctypes.CDLL(None).prctl(option, arg)
+
+
+def list_windows(desk: Desktop) -> list[tuple[int, int, str]]:
+    """(X window id, workspace, title) of every managed window; workspace -1 = sticky (the desktop
+    icons and the taskbar, which are part of the desktop, not windows an agent opened)."""
+    out = subprocess.run(["wmctrl", "-l"], env=desk.env, capture_output=True, text=True,
+                         errors="replace", timeout=10).stdout
+    rows = [line.split(None, 3) + [""] for line in out.splitlines()]  # id, workspace, host, title
+    return [(int(r[0], 16), int(r[1]), r[3]) for r in rows
+            if len(r) >= 4 and r[1].lstrip("-").isdigit() and re.fullmatch(r"0x[0-9a-fA-F]{1,8}", r[0])]
+
+
+def app_windows(desk: Desktop) -> list[tuple[int, str]]:
+    """(X window id, title) of the application windows: the ones an agent can open or close."""
+    return [(i, title) for i, ws, title in list_windows(desk) if ws != -1]
+
+
+def spawn(desk: Desktop, argv: list[str]) -> subprocess.Popen:
+    """Start a program detached (own session, no stdio). We keep no handle: /reset and exit find
+    every program by walking our process tree, double-forked ones included (we are a subreaper)."""
+    return subprocess.Popen(argv, cwd=desk.home, env=desk.env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def descendants(root: int) -> list[int]:
+    """Every live (not zombie) process below `root`, from /proc."""
+    children, zombies = {}, set()
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]  # fields after "pid (comm)"
+        except (OSError, ValueError):
+            continue
+        children.setdefault(int(ppid), []).append(int(name))
+        zombies.update([int(name)] if state == b"Z" else [])
+    out, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return [p for p in out if p not in zombies]
+
+
+def reap() -> None:
+    """Collect the exit status of every finished child: closed apps, and orphans we adopted as a
+    subreaper. The server runs it under its request lock, like setup commands, so it never steals
+    the status subprocess.run is waiting for (a Popen whose child we reaped just reports it gone)."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def kill_tree(keep: set[int]) -> None:
+    """SIGTERM every process below us but `keep`; SIGKILL whatever is left after 2 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids, deadline = [p for p in descendants(os.getpid()) if p not in keep], time.time() + 2
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        while pids and time.time() < deadline:
+            time.sleep(0.05)
+            reap()
+            pids = [p for p in descendants(os.getpid()) if p not in keep]
+        if not pids:
+            return

@@ -279,7 +279,7 @@ CLICK_TYPES = ("click", "double_click", "right_click")  # the release's click-li
 
 
 def _fields(action) -> dict:
-    """An env.Action, its dict, or None -> a dict (duck-typed so this file needs nothing from env.py)."""
+    """An actions.Action, its dict, or None -> a dict (duck-typed so this file needs nothing from env.py)."""
     if action is None:
         return {}
     if isinstance(action, dict):

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 import train_arpo as T  # noqa: E402
 from env import VMPool, load_tasks  # noqa: E402
+from grpo import ReplayBuffer  # noqa: E402
 from model import load_policy  # noqa: E402
 
 PHASES = [("reset", "vm", "reset + task setup"), ("env", "vm", "env steps (screenshots + actions)"),
@@ -79,7 +80,7 @@ def main() -> None:
     try:
         opt = torch.optim.AdamW(policy.model.parameters(), lr=args.lr)
         fn = T.model_policy(policy, args, args.temperature)
-        tr = T.Trainer(args, pool, policy, opt, T.ReplayBuffer(), acting(fn, a.seed) if a.act == "random" else fn,
+        tr = T.Trainer(args, pool, policy, opt, ReplayBuffer(), acting(fn, a.seed) if a.act == "random" else fn,
                        None, tasks)
         picker, ids, ms = {"epoch": 0, "pos": 0}, [t.id for t in tasks], []
         for it in range(a.iterations):

@@ -310,14 +310,15 @@ def test_every_answer_is_trained_in_the_context_and_at_the_temperature_it_was_sa
 
     # The trajectory re-encoded once with its last screenshot only trains answers 0 and 1 in a
     # context they never saw: nats away from what was sampled.
-    from grpo import collate, per_token_logps
+    from chat import encode_chat, uitars_messages
+    from grpo import collate, per_token_logps, trajectory_sample
     ep = eps[0]
     pieces = T.episode_samples(policy, ep, args)
     assert [sum(p.target_mask) for p in pieces] == [len(a) for a in ep.assistant]
     assert sum(p.weight for p in pieces) == pytest.approx(1.0)
-    whole = T.encode_chat(policy, T.uitars_messages(task.instruction, ep.screenshots, ep.assistant, max_images=1),
+    whole = encode_chat(policy, uitars_messages(task.instruction, ep.screenshots, ep.assistant, max_images=1),
                           add_generation_prompt=False)
-    one = T.trajectory_sample(whole, old_logps=[x for lp in ep.logprobs for x in lp])
+    one = trajectory_sample(whole, old_logps=[x for lp in ep.logprobs for x in lp])
     gaps = []
     for samples in (pieces, [one]):
         b = {**collate(samples), "temperature": 0.7, "suppressed": policy.suppressed_ids()}

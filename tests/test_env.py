@@ -9,7 +9,6 @@ processes killed with real signals. The shared desktop comes from tests/conftest
 import json
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -18,6 +17,7 @@ from PIL import Image
 
 from env import (Action, Task, TaskError, VMClient, VMError, VMPool, launch_local_vms,
                  load_tasks, parse_action)
+from conftest import free_port, wait_for
 
 
 
@@ -33,21 +33,6 @@ def client(vm):
     c.reset()  # every test starts from the initial desktop...
     yield c
     c.reset()  # ...and leaves it that way for the next test that shares it
-
-
-def _wait_for(fn, timeout=10.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if fn():
-            return True
-        time.sleep(0.2)
-    return False
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -80,7 +65,7 @@ def test_client_errors_name_the_url(vm):
     with pytest.raises(VMError) as e:
         VMClient(vm.url, "wrong-token").health()
     assert e.value.status == 401 and vm.url in str(e.value)
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(VMError) as e:
         VMClient(dead, timeout=2).screenshot()  # retried, then a clear error
     assert e.value.status is None and dead in str(e.value) and "vm_server.py" in str(e.value)
@@ -92,7 +77,7 @@ def test_parsed_actions_drive_the_desktop(client):
     p = parse_action('{"intent": "open a terminal", "action": "DoubleClick(74, 46)"}', "explore", (1280, 720))
     client.act(p.action)
     xterm = {"checks": [{"type": "window_exists", "title": "xterm"}]}
-    assert _wait_for(lambda: client.evaluate(xterm)["score"] == 1.0)
+    wait_for(lambda: client.evaluate(xterm)["score"] == 1.0, "the xterm the DoubleClick opens", 10)
     # 2. Text(x, y, "...") is one `type` action with x, y: the server clicks there first. Move the
     # focus away to the desktop, then type into the terminal by its coordinates: the command only
     # runs if that click landed and focused the terminal.
@@ -106,7 +91,7 @@ def test_parsed_actions_drive_the_desktop(client):
     assert p.action.type == "type" and p.action.x is not None
     client.act(p.action)
     made = {"checks": [{"type": "file_exists", "path": "made_by_text.txt"}]}
-    assert _wait_for(lambda: client.evaluate(made)["score"] == 1.0)
+    wait_for(lambda: client.evaluate(made)["score"] == 1.0, "the file the typed command makes", 10)
     # 3. reset closes it again
     client.reset()
     assert client.evaluate(xterm)["score"] == 0.0
@@ -184,7 +169,7 @@ def test_pool_survives_killed_and_frozen_vms():
 
 
 def test_pool_of_urls_with_one_dead(vm):
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     pool = VMPool(f"{vm.url}, {dead}", token=vm.token, timeout=5)  # what --vms URL,URL gives
     try:
         assert pool.urls == [vm.url, dead] and pool.local is None

@@ -38,6 +38,7 @@ import pytest
 import requests
 
 from conftest import SERVER, vm_call
+from conftest import mouse
 
 N_MIN = 500
 
@@ -327,13 +328,6 @@ def home_snapshot(home: str) -> dict:
                 with open(p, "rb") as f:
                     snap[rel] = ("file", hashlib.sha256(f.read()).hexdigest())
     return snap
-
-
-def mouse(vm) -> tuple[int, int]:
-    out = subprocess.run(["xdotool", "getmouselocation", "--shell"], env={**os.environ, "DISPLAY": vm.display},
-                         capture_output=True, text=True, timeout=10).stdout
-    d = dict(line.split("=", 1) for line in out.split())
-    return int(d["X"]), int(d["Y"])
 
 
 def processes_under(pid: int) -> set[tuple[int, str]]:

@@ -28,6 +28,7 @@ import time
 import pytest
 
 from conftest import SERVER, start_vm_server, vm_call
+from conftest import mouse
 
 sys.path.insert(0, os.path.dirname(SERVER))
 import vm_server  # noqa: E402
@@ -126,13 +127,6 @@ def eof(s: socket.socket) -> bool:
         return False
     except ConnectionResetError:
         return True
-
-
-def mouse(vm_desktop) -> tuple[int, int]:
-    out = subprocess.run(["xdotool", "getmouselocation", "--shell"], env={**os.environ, "DISPLAY": vm_desktop.display},
-                         capture_output=True, text=True, timeout=10).stdout
-    d = dict(line.split("=", 1) for line in out.split())
-    return int(d["X"]), int(d["Y"])
 
 
 def threads(pid: int) -> int:

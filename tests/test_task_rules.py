@@ -31,7 +31,8 @@ import pytest
 
 import vm_tasks
 from conftest import ROOT, vm_call
-from test_hostile_input import armed, home_snapshot, mouse, processes_under  # noqa: F401 (armed: a fixture)
+from test_hostile_input import armed, home_snapshot, processes_under  # noqa: F401 (armed: a fixture)
+from conftest import mouse
 
 def setup(*steps) -> tuple[str, dict]:
     return "/setup", {"steps": list(steps)}

@@ -36,6 +36,7 @@ from env import VMPool, load_tasks  # noqa: E402
 from grpo import ReplayBuffer  # noqa: E402
 from model import load_policy  # noqa: E402
 from task_solutions import SOLUTIONS  # noqa: E402
+from conftest import free_port  # noqa: E402
 
 SMALL = 64 * 28 * 28  # screenshots of ~64 visual tokens for the tiny model: fast on CPU
 TASKS = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
@@ -467,13 +468,6 @@ def _metrics(run):
         return [json.loads(line) for line in f]
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("flags, says", [
     (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
     (["--model", "/no/such/model"], "No model folder at '/no/such/model'"),
@@ -485,7 +479,7 @@ def _free_port():
     (["--dual-clip", "0.5"], "--dual-clip must be above 1"),
 ])
 def test_user_errors_end_in_one_sentence(flags, says, tmp_path):
-    flags = [f.format(port=_free_port()) for f in flags]
+    flags = [f.format(port=free_port()) for f in flags]
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train_arpo.py"), "--vms", "1", *flags,
                         "--runs-dir", str(tmp_path), "--run-name", "x"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)

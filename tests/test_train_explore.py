@@ -13,7 +13,6 @@ text sometimes, so every run sees both kinds of step.
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 
@@ -28,6 +27,7 @@ import model as M
 import rewards as R
 import train_explore as T
 from env import VMPool
+from conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "train_explore.py")
@@ -244,12 +244,6 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
     assert len(view.load_run(str(tmp_path / "still"))["trajectories"][0][0]["steps"]) == 3
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("argv, says", [
     (["--bogus", "1"], "unrecognized arguments"),
     (["--steps", "0"], "--steps must be at least 1"),
@@ -258,7 +252,7 @@ def _free_port():
     (["--vms", "1", "--model", "/no/such/model"], "No model folder at '/no/such/model'"),  # found after the run folder
 ])
 def test_user_errors_end_in_one_sentence(argv, says, tmp_path):
-    argv = [a.format(port=_free_port()) for a in argv] + ["--run-name", str(tmp_path / "x")]
+    argv = [a.format(port=free_port()) for a in argv] + ["--run-name", str(tmp_path / "x")]
     p = run(*argv, timeout=120)
     assert p.returncode != 0 and says in p.stderr and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr

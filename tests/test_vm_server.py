@@ -20,6 +20,7 @@ import requests
 from PIL import Image, ImageChops
 
 from conftest import SERVER, proc_alive, proc_descendants, start_vm_server, vm_call
+from conftest import mouse, wait_for
 
 sys.path.insert(0, os.path.dirname(SERVER))
 import vm_server  # noqa: E402
@@ -52,23 +53,8 @@ def windows(vm) -> list[str]:
     return [r[3] for r in rows if r[1] != "-1"]
 
 
-def wait_for(cond, what: str, timeout: float = 15.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def wait_window(vm, title: str) -> None:
     wait_for(lambda: title in windows(vm), f"window {title!r} (have {windows(vm)})")
-
-
-def mouse(vm) -> tuple[int, int]:
-    out = dict(line.split("=") for line in x11(vm, "xdotool", "getmouselocation", "--shell").split())
-    return int(out["X"]), int(out["Y"])
 
 
 def geometry(vm, title: str) -> tuple[int, int, int, int]:

@@ -130,29 +130,28 @@ def test_pool_survives_killed_and_frozen_vms():
         victim = pool.local[1]
         killer = threading.Timer(0.3, os.kill, (victim.proc.pid, signal.SIGKILL))
         killer.start()
-        t0 = time.time()
         res = pool.act([Action("wait", amount=1)] * 3)
-        assert time.time() - t0 < timeout
         assert res[0].ok and res[2].ok
-        assert not res[1].ok and victim.url in res[1].error
+        # the broken connection tells the pool at once: a connection error, not the pool's timeout
+        assert not res[1].ok and victim.url in res[1].error and "cannot reach" in res[1].error, res[1].error
         assert pool.alive == [True, False, True]
         res = pool.act([Action("move", x=5, y=5), Action("move", x=5, y=5), None])
         assert res[0].ok and not res[1].ok and "down" in res[1].error
         assert res[2].ok and res[2].value is None  # None: nothing sent to that VM
 
         # 2. SIGSTOP VM 2 (its process group: the server runs in a sandbox below the pid we hold):
-        # its call hangs; the pool still answers within the timeout.
+        # its call hangs; the pool gives up on it at the timeout (not before: the VM had its time)
+        # and answers for the others. Only a hang past the timeout crosses 3x it.
         frozen = pool.local[2]
         os.killpg(frozen.proc.pid, signal.SIGSTOP)
         t0 = time.time()
         res = pool.screenshots()
         took = time.time() - t0
-        assert timeout - 0.5 < took < timeout + 1.5, took
-        assert res[0].ok and not res[2].ok and "within" in res[2].error
-        # The stuck call does not block the next ones: VM 2 is skipped at once.
-        t0 = time.time()
+        assert timeout - 0.5 < took < 3 * timeout, took
+        assert res[0].ok and not res[2].ok and "within" in res[2].error, res[2].error
+        # The stuck call does not block the next ones: VM 2 is marked down and skipped, not called.
         res = pool.screenshots()
-        assert time.time() - t0 < 2.0 and res[0].ok and not res[2].ok
+        assert res[0].ok and not res[2].ok and "is down" in res[2].error, res[2].error
         assert pool.alive == [True, False, False]
 
         # 3. reset() restarts both dead local desktops, then everything works again.

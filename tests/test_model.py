@@ -2,15 +2,14 @@
 
 Run: python -m pytest -q tests/test_model.py        (about half a minute on 2 CPU cores)
 
-What they pin down: the tiny model is the real class and fast; images become exactly
-t*h*w/4 placeholder tokens; the target mask covers exactly the assistant tokens of every turn;
+What they pin down: the tiny model is the real class and small (bench/tiny_model.py times it);
+images become exactly t*h*w/4 placeholder tokens; the target mask covers exactly the assistant tokens of every turn;
 the UI-TARS history keeps only the last K screenshots; batched (left-padded, 3D-rope) greedy
 generation equals one-prompt-at-a-time; the returned log-probs are the sampling distribution's;
 save/load keeps the logits (full and LoRA); LoRA and full fine-tuning both learn; bad names
 give one clear sentence.
 """
 import io
-import time
 
 import numpy as np
 import pytest
@@ -67,29 +66,6 @@ def test_tiny_is_real_class_small_and_reproducible(policy):
     assert not torch.equal(M.load_policy("tiny", seed=1).model.lm_head.weight, w0)
     big = M.load_policy("tiny", vocab_size=151936)
     assert big.model.lm_head.weight.shape[0] == 151936
-
-
-def test_generate_and_backward_are_fast(policy, images):
-    # The issue asks for "well under a second". Quiet, this machine takes ~0.03 s for each; the
-    # best of 3 keeps another helper's test run on the same 2 cores from failing this one.
-    msgs = M.explore_messages(images[0])
-    M.generate(policy, [msgs], max_new_tokens=4)  # warm-up (first-call overheads)
-    t_gen = t_bwd = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        gen = M.generate(policy, [msgs], max_new_tokens=16)[0]
-        t_gen = min(t_gen, time.perf_counter() - t)
-        enc = M.encode_chat(policy, msgs + [{"role": "assistant", "content": gen.completion_ids}],
-                            add_generation_prompt=False)
-        t = time.perf_counter()
-        ids = torch.tensor([enc.input_ids])  # (1, T)
-        logits = policy.model(input_ids=ids, pixel_values=enc.pixel_values,
-                              image_grid_thw=enc.image_grid_thw).logits  # (1, T, V)
-        logits[0, :-1][torch.tensor(enc.target_mask[1:]).bool()].logsumexp(-1).sum().backward()
-        t_bwd = min(t_bwd, time.perf_counter() - t)
-        policy.model.zero_grad(set_to_none=True)
-    print(f"tiny model: generate 16 tokens {t_gen:.3f}s, forward+backward {t_bwd:.3f}s ({len(ids[0])} tokens)")
-    assert t_gen < 1.0 and t_bwd < 1.0, (t_gen, t_bwd)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -515,9 +515,15 @@ def test_smoke_train_resume_eval(tmp_path):
     out = _run("--resume", run, "--vms", "2", "--eval-only", "--max-steps", "2")
     with open(os.path.join(run, "eval_it000003.json")) as f:
         res = json.load(f)
-    for proto in ("standard", "hard"):
+    assert len(res["details"]) == res["episodes"] == 4 * res["rollouts_per_task"] - res["lost"]
+    # every rate is the mean of the episode scores saved beside it (OSWorld's success rate)
+    for proto, key in (("standard", "score_standard"), ("hard", "score_hard")):
         assert set(res[proto]["per_task"]) == {"calc-open", "clock-open", "terminal-open", "infeasible-email"}
-        assert 0.0 <= res[proto]["overall"] <= 1.0
+        scores = [d[key] for d in res["details"]]
+        assert res[proto]["overall"] == pytest.approx(sum(scores) / len(scores))
+        for task, rate in res[proto]["per_task"].items():
+            mine = [d[key] for d in res["details"] if d["task"] == task]
+            assert rate == pytest.approx(sum(mine) / len(mine)), (proto, task)
     # The random policy never writes call_user(), so the infeasible task passes only by timing out.
     assert res["standard"]["per_task"]["infeasible-email"] == 1.0
     assert res["hard"]["per_task"]["infeasible-email"] == 0.0

@@ -270,11 +270,13 @@ def test_setup_steps(vm):
              {"type": "open", "path": "Documents/todo.txt"}, {"type": "open", "path": "Documents"},
              {"type": "launch", "argv": ["xeyes"]}, {"type": "sleep", "seconds": 0.5},
              {"type": "command", "argv": ["cat", "a/b/ü.txt"]},
-             {"type": "command", "argv": ["sleep", "5"], "timeout": 0.3}]
+             {"type": "command", "argv": ["sleep", "60"], "timeout": 0.3}]
     t = time.time()
     r = vm_call(vm, "POST", "/setup", {"steps": steps})
     assert r.status_code == 200, r.text
-    assert 0.8 <= time.time() - t < 4  # the sleep step and the timed-out command each took time
+    # the sleep step and the timed-out command each took their time; the command was killed at its
+    # 0.3 s timeout, not run to its 60 s
+    assert 0.8 <= time.time() - t < 30
     res = r.json()["results"]
     assert [s["type"] for s in res] == [s["type"] for s in steps]
     assert res[0]["bytes"] == len("grüße\n".encode())
@@ -286,12 +288,11 @@ def test_setup_steps(vm):
 
 def test_health_answers_while_a_long_setup_runs(vm):
     import threading
-    slow = threading.Thread(target=vm_call, args=(vm, "POST", "/setup", {"steps": [{"type": "sleep", "seconds": 2}]}))
+    slow = threading.Thread(target=vm_call, args=(vm, "POST", "/setup", {"steps": [{"type": "sleep", "seconds": 5}]}))
     slow.start()
     time.sleep(0.3)
-    t = time.time()
     assert vm_call(vm, "GET", "/health").json()["ok"] is True
-    assert time.time() - t < 1.0  # not queued behind the sleep
+    assert slow.is_alive()  # /health answered while the setup still slept: not queued behind it
     slow.join()
 
 
@@ -366,7 +367,7 @@ def test_a_pathological_regex_fails_its_check_instead_of_freezing_the_server(vm)
                   {"type": "command", "argv": ["cat", "evil.txt"], "regex": evil}]:
         t = time.time()
         d = vm_call(vm, "POST", "/evaluate", {"checks": [check]}).json()
-        assert time.time() - t < 5, check  # REGEX_SECONDS is 2
+        assert time.time() - t < 60, check  # REGEX_SECONDS is 2; the regex alone would run for days
         assert d["score"] == 0.0 and "regex did not finish within 2 s" in d["details"][0]["info"], d
     # ...and the server goes on: the same checks with a sane regex pass, and /health answers
     sane = [{"type": "file_contains", "path": "evil.txt", "regex": r"a{40}b"},

@@ -239,9 +239,8 @@ def hostile_requests(rng: random.Random, token: str, outside: str) -> list[tuple
               ".local/share/applications/x.desktop", "~/.bashrc"):
         post(f"hidden write_file {p}", "/setup", {"steps": [{"type": "write_file", "path": p, "content": "touch " + pwn}]})
         post(f"hidden open {p}", "/setup", {"steps": [{"type": "open", "path": p}]})
-    # `date -s` only without its argument: when the rules were missing, `date -s 2000-01-01` here set
-    # this machine's clock (the server runs as whoever starts it, root on CI), so a regression must
-    # not be able to do that again.
+    # `date -s` only without its argument: a `date -s 2000-01-01` that got through would set this
+    # machine's clock (the server runs as whoever starts it, root on CI).
     argvs = [
         ["cat", "/etc/passwd"], ["cat", "../../../etc/passwd"], ["cat", "out_link/x"], ["head", "etc_link/passwd"],
         ["ls", "/"], ["ls", ".."], ["ls", "etc_link"], ["grep", "-r", "root", "/etc"], ["grep", "--file=/etc/passwd", "notes.txt"],

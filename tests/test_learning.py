@@ -6,7 +6,7 @@
 - the balanced warm start: every task prompt x every icon, answers that parse onto the icons;
 - smoke: `bench/learning.py --method arpo` end to end on a tiny budget (one seed, 2 desktops, 2
   iterations, one eval rollout a task): real desktops, train_arpo.py as subprocesses, and the last
-  line in the issue's form. The numbers of so short a run mean nothing; their form and files do.
+  line in its documented form. The numbers of so short a run mean nothing; their form and files do.
 """
 from __future__ import annotations
 

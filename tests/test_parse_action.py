@@ -143,7 +143,7 @@ def test_uitars_table(text, expected):
 
 
 def test_tables_are_big_enough():
-    # The issue asks for at least 30 realistic outputs per format.
+    # At least 30 realistic outputs per format: every action kind, in several spellings.
     assert len(EXPLORE) >= 30 and len(UITARS) >= 30
 
 

@@ -179,7 +179,7 @@ def test_distillation_across_a_generation_boundary_and_no_world_model(speaker, t
 
 def test_eval_only_reports_diversity(tmp_path):
     rd = tmp_path / "eval"
-    # `--episodes` as issue 4 writes it (an alias of --eval-episodes)
+    # `--episodes`: the alias of --eval-episodes
     p = ok(run("--eval-only", "--vms", 2, "--model", "tiny", "--episodes", 3, "--steps", 2, "--run-name", rd, *FAST))
     report = json.loads((rd / "eval.json").read_text())
     assert report["same_screen_hash_bits"] == 2

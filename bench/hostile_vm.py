@@ -38,6 +38,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from conftest import SERVER, proc_children, proc_descendants, start_vm_server, vm_call  # noqa: E402
+from conftest import mouse  # noqa: E402
 import test_hostile_input as H  # noqa: E402
 
 CALLS = ("health", "action", "screenshot")
@@ -86,7 +87,7 @@ def attack(vm, seed: int, nthreads: int, outside: str) -> dict:
     """One round of the hostile requests against one desktop, with the three calls watched meanwhile."""
     vm_call(vm, "POST", "/action", {"type": "move", "x": 321, "y": 123})
     time.sleep(0.3)
-    home0, procs0, mouse0 = H.home_snapshot(vm.home), H.processes_under(vm.proc.pid), H.mouse(vm)
+    home0, procs0, mouse0 = H.home_snapshot(vm.home), H.processes_under(vm.proc.pid), mouse(vm)
     work = H.hostile_requests(random.Random(seed), vm.token, outside)
     random.Random(seed).shuffle(work)
     fails, lock = [], threading.Lock()
@@ -113,7 +114,7 @@ def attack(vm, seed: int, nthreads: int, outside: str) -> dict:
     vm_call(vm, "POST", "/action", {"type": "move", "x": 321, "y": 123})  # the watcher moved it; put it back
     time.sleep(0.3)
     return {"load": load, "n": len(work), "fails": fails, "wall": wall,
-            "clean": H.home_snapshot(vm.home) == home0 and H.mouse(vm) == mouse0
+            "clean": H.home_snapshot(vm.home) == home0 and mouse(vm) == mouse0
             and not H.processes_under(vm.proc.pid) - procs0 and os.listdir(outside) == []}
 
 

@@ -5,6 +5,7 @@ the whole test run and yields a `ServedDesktop`, which unpacks as `url, token, h
 and also carries `.display` (for xdotool/wmctrl in tests) and `.proc`. The desktop is shared:
 a test that changes it should POST /reset first (`vm_call(vm_desktop, "POST", "/reset")`).
 `start_vm_server(...)` starts an extra one (or one on an existing DISPLAY with xvfb=False) when a test needs its own (stop it with `.stop()`).
+Plain helpers the test files share (`from conftest import wait_for`): wait_for, free_port, mouse.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import socket
 import signal
 import subprocess
 import sys
@@ -122,6 +124,33 @@ def vm_call(vm: ServedDesktop, method: str, path: str, body=None, token: str | N
     token = vm.token if token == "" else token
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return requests.request(method, vm.url + path, json=body, headers=headers, timeout=timeout)
+
+
+def wait_for(cond, what: str, timeout: float = 20.0, every: float = 0.1):
+    """Poll `cond()` until it returns something truthy, and return that; AssertionError naming
+    `what` if it has not within `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on (the kernel's pick; free when this returns)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mouse(vm: ServedDesktop) -> tuple[int, int]:
+    """The pointer's position on the desktop's display, read with xdotool from outside the server."""
+    out = subprocess.run(["xdotool", "getmouselocation", "--shell"], env={**os.environ, "DISPLAY": vm.display},
+                         capture_output=True, text=True, timeout=10).stdout
+    d = dict(line.split("=", 1) for line in out.split())
+    return int(d["X"]), int(d["Y"])
 
 
 @pytest.fixture(scope="session")

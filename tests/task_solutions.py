@@ -22,8 +22,8 @@ from desktop import desktop_icons  # noqa: E402 -- the icon layout every --xvfb 
 
 SCREEN = (1280, 720)
 # Seconds to wait for a dialog (New Folder, Rename, Save As, a confirmation) to map before typing
-# into it. One was not always enough: on a loaded CI machine the New Folder dialog once took longer
-# and "archive" went to the file view instead. Two, as for an app start (see launch).
+# into it. Two, as for an app start (see launch): on a loaded CI machine the New Folder dialog can
+# take more than one, and "archive" then goes to the file view instead.
 DIALOG = 2
 ICONS = desktop_icons(SCREEN)  # label -> (x, y) centre of the icon, e.g. "Terminal" -> (74, 46)
 

@@ -119,7 +119,7 @@ def test_rng_state_round_trip_and_old_checkpoints():
     rundir.set_rng_state(state)                        # ...and is killed and resumed
     assert draws == (random.random(), np.random.rand(), torch.rand(3).tolist(),
                      torch.rand(3, device="cuda").tolist() if torch.cuda.is_available() else None)
-    old = {k: v for k, v in state.items() if k != "cuda"}  # a checkpoint from before "cuda" was saved
+    old = {k: v for k, v in state.items() if k != "cuda"}  # a checkpoint without CUDA's RNG state
     rundir.set_rng_state(old)
     assert random.random() == draws[0]
 

@@ -9,7 +9,6 @@ processes killed with real signals. The shared desktop comes from tests/conftest
 import json
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -18,6 +17,7 @@ from PIL import Image
 
 from actions import Action, parse_action
 from env import Task, TaskError, VMClient, VMError, VMPool, launch_local_vms, load_tasks
+from conftest import free_port, wait_for
 
 
 
@@ -33,21 +33,6 @@ def client(vm):
     c.reset()  # every test starts from the initial desktop...
     yield c
     c.reset()  # ...and leaves it that way for the next test that shares it
-
-
-def _wait_for(fn, timeout=10.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if fn():
-            return True
-        time.sleep(0.2)
-    return False
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -80,7 +65,7 @@ def test_client_errors_name_the_url(vm):
     with pytest.raises(VMError) as e:
         VMClient(vm.url, "wrong-token").health()
     assert e.value.status == 401 and vm.url in str(e.value)
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(VMError) as e:
         VMClient(dead, timeout=2).screenshot()  # retried, then a clear error
     assert e.value.status is None and dead in str(e.value) and "vm_server.py" in str(e.value)
@@ -92,7 +77,7 @@ def test_parsed_actions_drive_the_desktop(client):
     p = parse_action('{"intent": "open a terminal", "action": "DoubleClick(74, 46)"}', "explore", (1280, 720))
     client.act(p.action)
     xterm = {"checks": [{"type": "window_exists", "title": "xterm"}]}
-    assert _wait_for(lambda: client.evaluate(xterm)["score"] == 1.0)
+    wait_for(lambda: client.evaluate(xterm)["score"] == 1.0, "the xterm the DoubleClick opens", 10)
     # 2. Text(x, y, "...") is one `type` action with x, y: the server clicks there first. Move the
     # focus away to the desktop, then type into the terminal by its coordinates: the command only
     # runs if that click landed and focused the terminal.
@@ -106,7 +91,7 @@ def test_parsed_actions_drive_the_desktop(client):
     assert p.action.type == "type" and p.action.x is not None
     client.act(p.action)
     made = {"checks": [{"type": "file_exists", "path": "made_by_text.txt"}]}
-    assert _wait_for(lambda: client.evaluate(made)["score"] == 1.0)
+    wait_for(lambda: client.evaluate(made)["score"] == 1.0, "the file the typed command makes", 10)
     # 3. reset closes it again
     client.reset()
     assert client.evaluate(xterm)["score"] == 0.0
@@ -145,29 +130,28 @@ def test_pool_survives_killed_and_frozen_vms():
         victim = pool.local[1]
         killer = threading.Timer(0.3, os.kill, (victim.proc.pid, signal.SIGKILL))
         killer.start()
-        t0 = time.time()
         res = pool.act([Action("wait", amount=1)] * 3)
-        assert time.time() - t0 < timeout
         assert res[0].ok and res[2].ok
-        assert not res[1].ok and victim.url in res[1].error
+        # the broken connection tells the pool at once: a connection error, not the pool's timeout
+        assert not res[1].ok and victim.url in res[1].error and "cannot reach" in res[1].error, res[1].error
         assert pool.alive == [True, False, True]
         res = pool.act([Action("move", x=5, y=5), Action("move", x=5, y=5), None])
         assert res[0].ok and not res[1].ok and "down" in res[1].error
         assert res[2].ok and res[2].value is None  # None: nothing sent to that VM
 
         # 2. SIGSTOP VM 2 (its process group: the server runs in a sandbox below the pid we hold):
-        # its call hangs; the pool still answers within the timeout.
+        # its call hangs; the pool gives up on it at the timeout (not before: the VM had its time)
+        # and answers for the others. Only a hang past the timeout crosses 3x it.
         frozen = pool.local[2]
         os.killpg(frozen.proc.pid, signal.SIGSTOP)
         t0 = time.time()
         res = pool.screenshots()
         took = time.time() - t0
-        assert timeout - 0.5 < took < timeout + 1.5, took
-        assert res[0].ok and not res[2].ok and "within" in res[2].error
-        # The stuck call does not block the next ones: VM 2 is skipped at once.
-        t0 = time.time()
+        assert timeout - 0.5 < took < 3 * timeout, took
+        assert res[0].ok and not res[2].ok and "within" in res[2].error, res[2].error
+        # The stuck call does not block the next ones: VM 2 is marked down and skipped, not called.
         res = pool.screenshots()
-        assert time.time() - t0 < 2.0 and res[0].ok and not res[2].ok
+        assert res[0].ok and not res[2].ok and "is down" in res[2].error, res[2].error
         assert pool.alive == [True, False, False]
 
         # 3. reset() restarts both dead local desktops, then everything works again.
@@ -184,7 +168,7 @@ def test_pool_survives_killed_and_frozen_vms():
 
 
 def test_pool_of_urls_with_one_dead(vm):
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     pool = VMPool(f"{vm.url}, {dead}", token=vm.token, timeout=5)  # what --vms URL,URL gives
     try:
         assert pool.urls == [vm.url, dead] and pool.local is None
@@ -296,8 +280,8 @@ def test_load_tasks_file_level_errors(tmp_path):
 
 
 def test_shipped_tasks_load():
-    # Whatever the repo ships in tasks/ must load (the ARPO issue adds the files).
+    # Every task file the repo ships in tasks/ loads (one task a file there), each id once.
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tasks")
-    if not any(n.endswith(".json") for n in os.listdir(root)):
-        pytest.skip("no task files shipped yet")
-    assert load_tasks(root)
+    files = [n for n in os.listdir(root) if n.endswith(".json")]
+    ids = [t.id for t in load_tasks(root)]
+    assert files and len(ids) == len(set(ids)) == len(files), (files, ids)

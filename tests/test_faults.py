@@ -6,12 +6,13 @@ train_arpo.py's own `run_iteration` (reset, setup, rollout, evaluate, replay, GR
 the tiny real Qwen2.5-VL on 4 local desktops in 2 groups of 2. In the middle of the rollout (while
 the model answers step 1) desktop 1 is killed (SIGKILL to its vm_server's process group) and
 desktop 2 is frozen (SIGSTOP to its process group: it accepts connections and never answers). Must
-hold: the iteration ends within a clean iteration's time (after a warm-up one) plus about one
---vm-timeout; both drop out of their groups and nothing of theirs is trained on; the update still
-runs on the other two; the next iteration restarts both desktops (the frozen one is woken and
-stopped, no process left behind) and plays on all 4. The figures (clean / faulty / restarted iteration times against the
-timeout) are printed; `python bench/vm_faults.py` also runs train_explore.py as a subprocess with a
-desktop killed and one frozen from outside.
+hold: the frozen desktop costs the iteration one --vm-timeout and no more (one call to it expires,
+every later call skips it; the killed one fails on its broken connection, no timeout at all); both
+drop out of their groups and nothing of theirs is trained on; the update still runs on the other
+two; the next iteration restarts both desktops (the frozen one is woken and stopped, no process
+left behind) and plays on all 4. The figures (clean / faulty / restarted iteration times against
+the timeout) are printed, not asserted; `python bench/vm_faults.py` measures them, and also runs
+train_explore.py as a subprocess with a desktop killed and one frozen from outside.
 """
 from __future__ import annotations
 
@@ -77,10 +78,18 @@ def test_a_killed_and_a_frozen_vm_mid_iteration(trainer):
             faults["at"] = time.perf_counter()
         return model_fn(observations)
     tr.policy_fn = faulty
+    calls, pool_map = [], pool.map  # every VM call of the iteration: (call, each VM's error or None)
+
+    def logged_map(fn_name, *args, **kwargs):
+        res = pool_map(fn_name, *args, **kwargs)
+        calls.append((fn_name, [r.error for r in res]))
+        return res
+    pool.map = logged_map
     t = time.perf_counter()
     m1, eps = T.run_iteration(tr, 2, pick)
     faulty_s = time.perf_counter() - t
     tr.policy_fn = model_fn
+    del pool.map
     assert faults, "the faults never fired: the rollout did not reach step 1"
     assert eps[1].end == "dropped" and eps[2].end == "dropped", [(e.vm, e.end, e.error) for e in eps]
     assert "frozen" in eps[2].error or "within" in eps[2].error, eps[2].error  # dropped by the deadline
@@ -90,8 +99,11 @@ def test_a_killed_and_a_frozen_vm_mid_iteration(trainer):
     assert [(g["group"], g["n"]) for g in m1["groups"]] == [(0, 1), (1, 1)]
     assert sorted(b["vm"] for b in m1["batch"]) == [0, 3] and m1["tokens"] > 0
     assert steps(tr.optimizer) == 3
-    # within the clean time plus about one timeout (the frozen VM's one call that had to expire)
-    assert faulty_s < clean + VM_TIMEOUT + 10, (clean, faulty_s)
+    # One call waited out the timeout, the frozen VM's ("<url> did not finish/answer ... within");
+    # later calls skipped it ("<url> is down (...)"), and none waited on the killed one.
+    expired = [(fn, i) for fn, errors in calls for i, e in enumerate(errors)
+               if e and e.split(" ", 1)[1].startswith("did not")]
+    assert len(expired) == 1 and expired[0][1] == 2, calls
     assert not pool.alive[1] and not pool.alive[2]
 
     # 2. the next iteration restarts both desktops and plays on all 4

@@ -132,9 +132,9 @@ def fuzz(style: str, seed: int) -> dict:
         extra = (cursor,) if style == "explore" else ()
         text = "".join(rng.choice(NOISE) for _ in range(rng.randint(0, 300))) if rng.random() < 0.1 \
             else mutate(rng, realistic(rng, style, image))
-        t0 = time.perf_counter()
+        t0 = time.process_time()  # CPU time of this process: other jobs on the machine do not count
         p = parse_action(text, style, screen, image, rel, *extra)
-        stats["slowest_ms"] = max(stats["slowest_ms"], 1000 * (time.perf_counter() - t0))
+        stats["slowest_ms"] = max(stats["slowest_ms"], 1000 * (time.process_time() - t0))
         if len(text) <= A.MAX_INPUT_CHARS:
             try:  # the parser itself, without parse_action's catch-all
                 q = inner(text, screen, image, rel, *extra)
@@ -153,11 +153,11 @@ def fuzz(style: str, seed: int) -> dict:
 
 
 def _run(style: str, seed: int, all_types: set) -> None:
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     s = fuzz(style, seed)
-    dt = time.perf_counter() - t0
+    dt = time.process_time() - t0
     print(f"{style}: {s['n']} outputs, {s['parsed']} parsed, {len(s['inner_raised'])} inner exceptions, "
-          f"slowest {s['slowest_ms']:.1f} ms, {dt:.1f} s")
+          f"slowest {s['slowest_ms']:.1f} ms, {dt:.1f} s of CPU")
     assert s["n"] == N_PER_FORMAT
     assert not s["inner_raised"], s["inner_raised"][:5]
     # Many mutations leave a valid answer, and every action kind came out: both parsers were exercised.

@@ -28,12 +28,13 @@ import time
 import pytest
 
 from conftest import SERVER, start_vm_server, vm_call
+from conftest import mouse
 
 sys.path.insert(0, os.path.dirname(SERVER))
 import vm_server  # noqa: E402
 
 DEADLINE = 2.0
-SLACK = 2.5  # a loaded CI machine: the cut-off may come this much after the deadline
+SILENCE = 30.0  # how long a read waits for a close that should come at DEADLINE (a close ends it at once)
 
 
 @pytest.fixture
@@ -128,13 +129,6 @@ def eof(s: socket.socket) -> bool:
         return True
 
 
-def mouse(vm_desktop) -> tuple[int, int]:
-    out = subprocess.run(["xdotool", "getmouselocation", "--shell"], env={**os.environ, "DISPLAY": vm_desktop.display},
-                         capture_output=True, text=True, timeout=10).stdout
-    d = dict(line.split("=", 1) for line in out.split())
-    return int(d["X"]), int(d["Y"])
-
-
 def threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
@@ -160,11 +154,13 @@ def test_a_trickled_request_is_cut_off_at_its_deadline(served, vm_desktop):
     host = f"127.0.0.1:{port_of(vm)}"
     base = threads(vm.proc.pid)
 
-    # 1. A header byte every 0.5 s: each read is quick, the request never ends. Cut at the deadline.
+    # 1. A header byte every 0.5 s: each read is quick, the request never ends. Cut at the deadline:
+    #    not before it, and long before the ~80 s the client needs to send it all.
     s = connect(vm)
     s.settimeout(0.5)
     t0, closed = time.monotonic(), False
-    for b in request("GET", "/health", host, token=vm.token)[:-4] + b"X-Slow: " + b"a" * 100:
+    slow = request("GET", "/health", host, token=vm.token)[:-4] + b"X-Slow: " + b"a" * 100
+    for sent, b in enumerate(slow):
         try:
             s.sendall(bytes([b]))
             if s.recv(1) == b"":
@@ -177,7 +173,7 @@ def test_a_trickled_request_is_cut_off_at_its_deadline(served, vm_desktop):
             break
     took = time.monotonic() - t0
     s.close()
-    assert closed and DEADLINE - 0.3 < took < DEADLINE + SLACK, (closed, took)
+    assert closed and sent < len(slow) - 1 and took > DEADLINE - 0.3, (closed, sent, took)
     assert wait_threads(vm.proc.pid, base) <= base  # its thread is gone, not parked
 
     # 2. Whole headers, then the body a byte every 0.5 s: a 408 JSON error at the deadline, nothing ran.
@@ -185,9 +181,9 @@ def test_a_trickled_request_is_cut_off_at_its_deadline(served, vm_desktop):
     body = json.dumps({"type": "move", "x": 17, "y": 13}).encode()
     s = connect(vm)
     s.sendall(request("POST", "/action", host, body, token=vm.token)[:-len(body)])
-    t0, got = time.monotonic(), b""
+    got = b""
     s.settimeout(0.5)
-    for b in body:
+    for sent, b in enumerate(body):
         try:
             s.sendall(bytes([b]))
             got = s.recv(65536)
@@ -196,18 +192,19 @@ def test_a_trickled_request_is_cut_off_at_its_deadline(served, vm_desktop):
         except (BrokenPipeError, ConnectionResetError):
             pass
         break
-    took = time.monotonic() - t0
-    rest, closed = read_all(s, SLACK)
+    rest, closed = read_all(s, SILENCE)
     s.close()
     resps = parse(got + rest)
     assert len(resps) == 1 and is_json_error(resps[0], 408) and closed, resps
-    assert took < DEADLINE + SLACK and mouse(vm_desktop) == (300, 300)
+    assert sent < len(body) - 1 and mouse(vm_desktop) == (300, 300)  # the 408 came before the body did
 
-    # 3. An idle connection (a keep-alive one nobody uses, or a connect and nothing else) is closed too.
+    # 3. An idle connection (a keep-alive one nobody uses, or a connect and nothing else) is closed
+    #    too, at its deadline.
     s = connect(vm)
     t0 = time.monotonic()
-    resps, closed = read_responses(s, timeout=DEADLINE + SLACK)
-    assert closed and resps == [] and time.monotonic() - t0 < DEADLINE + SLACK
+    resps, closed = read_responses(s, timeout=SILENCE)
+    took = time.monotonic() - t0
+    assert closed and resps == [] and took > DEADLINE - 0.3, (closed, resps, took)
     s.close()
 
     # 4. A keep-alive client that sends whole requests gets a new deadline for each one: three
@@ -341,8 +338,9 @@ def test_hundreds_of_idle_connections_do_not_starve_health(served):
         for _ in range(400):
             idle.append(connect(vm))
         time.sleep(1.0)
+        # Starved, /health would wait for an idle connection's deadline (REQUEST_SECONDS, 120 s)
         t0 = time.monotonic()
-        assert vm_call(vm, "GET", "/health", timeout=10).status_code == 200
+        assert vm_call(vm, "GET", "/health", timeout=vm_server.REQUEST_SECONDS / 2).status_code == 200
         health_s = time.monotonic() - t0
         assert vm_call(vm, "POST", "/action", {"type": "move", "x": 5, "y": 5}, timeout=10).status_code == 200
         held = threads(vm.proc.pid) - base
@@ -351,6 +349,5 @@ def test_hundreds_of_idle_connections_do_not_starve_health(served):
         for s in idle:
             s.close()
     print(f"\n400 idle connections: /health answered in {1000 * health_s:.0f} ms, {held} threads held, {closed} closed by the server")
-    assert health_s < 5.0
     assert held <= vm_server.MAX_CONNECTIONS + 2, held
     assert closed >= 400 - vm_server.MAX_CONNECTIONS - 2, closed

@@ -6,7 +6,7 @@
 - the balanced warm start: every task prompt x every icon, answers that parse onto the icons;
 - smoke: `bench/learning.py --method arpo` end to end on a tiny budget (one seed, 2 desktops, 2
   iterations, one eval rollout a task): real desktops, train_arpo.py as subprocesses, and the last
-  line in the issue's form. The numbers of so short a run mean nothing; their form and files do.
+  line in its documented form. The numbers of so short a run mean nothing; their form and files do.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -97,8 +98,21 @@ def test_smoke_the_bench_end_to_end(tmp_path):
     with open(out / "learning_arpo.json") as f:
         (r,) = json.load(f)
     assert r["iterations"] == 2 and r["n_before"] == 4 and r["n_after"] == 4 and len(r["curve"]) == 2
-    assert 0 <= r["p"] <= 1 and 0 <= r["parse"] <= 1
-    assert (out / "learning_arpo.png").stat().st_size > 0
+    # p and parse recomputed from the files the run saved: the two evals' details and the metrics
+    evals = {}
+    for when in ("before", "after"):
+        with open(out / "seed0" / f"eval_{when}.json") as f:
+            d = [e for e in json.load(f)["details"] if e["task"] in r["selected"]]
+        oks = [ok for e in d for ok in e["format_ok"]]
+        evals[when] = (sum(e["score_hard"] > L.SUCCESS for e in d), len(d), sum(oks) / len(oks))
+    (kb, nb, parse_b), (ka, na, parse_a) = evals["before"], evals["after"]
+    assert (nb, na) == (r["n_before"], r["n_after"]) and (kb / nb, ka / na) == (r["before"], r["after"])
+    assert r["p"] == pytest.approx(L.fisher_one_sided(kb, nb, ka, na))
+    with open(out / "seed0" / "train" / "metrics.jsonl") as f:
+        rates = [json.loads(line)["format_rate"] for line in f if line.strip()]
+    assert r["parse_train"] == pytest.approx(rates)  # 2 iterations: a quarter is one iteration
+    assert r["parse"] == pytest.approx(min(parse_b, parse_a, *rates))
+    assert Image.open(out / "learning_arpo.png").size == (640, 360)
     # the warm start is an ordinary checkpoint folder; the evals saved what they clicked
     assert (out / "seed0" / "warm_start" / "config.json").exists()
     with open(out / "seed0" / "eval_after.json") as f:

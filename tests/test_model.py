@@ -3,7 +3,7 @@ Qwen2.5-VL (the real transformers class, CPU).
 
 Run: python -m pytest -q tests/test_model.py        (about half a minute on 2 CPU cores)
 
-What they pin down: the tiny model is the real class and small; a sampled answer trains the
+What they pin down: the tiny model is the real class and small (bench/tiny_model.py times it); a sampled answer trains the
 language model and the vision tower; images become exactly t*h*w/4 placeholder tokens; the target
 mask covers exactly the assistant tokens of every turn; the UI-TARS history keeps only the last K
 screenshots; batched (left-padded, 3D-rope) greedy generation equals one-prompt-at-a-time; the
@@ -136,7 +136,7 @@ def test_vllm_context_length_fits_the_flags(policy):
     # ARPO: a 1920x1080 screen at max_pixels 2,116,800 is resized to 1932x1092 = 69 x 39 = 2,691
     # tokens. Bound per screenshot: 2,116,800 // 784 = 2,700 + 7 ChatML/vision tokens = 2,707;
     # 15 of them 40,605, + 15 answers of 256 + 6 = 3,930, + 2,048 prompt = 46,583 -> 47,104 (46 x 1024),
-    # where a fixed 32,768 held fewer than 15 x 2,691 = 40,365 image tokens.
+    # where a fixed 32,768 would hold fewer than 15 x 2,691 = 40,365 image tokens.
     h, w = smart_resize(1080, 1920, max_pixels=2116800)
     assert (w // 28) * (h // 28) == 2691
     assert needed_model_len(15, 2116800, 15 * (256 + 6)) == 47104 > 15 * 2691 > 32768

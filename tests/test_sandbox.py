@@ -30,6 +30,7 @@ import uuid
 from PIL import Image, ImageChops
 
 from conftest import SERVER, proc_alive, proc_descendants, start_vm_server, vm_call
+from conftest import wait_for
 
 sys.path.insert(0, os.path.dirname(SERVER))
 import desktop  # noqa: E402
@@ -47,16 +48,6 @@ def screenshot(vm) -> Image.Image:
 
 def changed(a: Image.Image, b: Image.Image) -> bool:
     return ImageChops.difference(a, b).getbbox() is not None
-
-
-def wait_for(cond, what: str, timeout: float = 20.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def titles(vm) -> list[str]:

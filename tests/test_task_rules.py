@@ -32,7 +32,8 @@ import pytest
 import vm_rules
 import vm_tasks
 from conftest import ROOT, vm_call
-from test_hostile_input import armed, home_snapshot, mouse, processes_under  # noqa: F401 (armed: a fixture)
+from test_hostile_input import armed, home_snapshot, processes_under  # noqa: F401 (armed: a fixture)
+from conftest import mouse
 
 def setup(*steps) -> tuple[str, dict]:
     return "/setup", {"steps": list(steps)}
@@ -291,7 +292,7 @@ def test_home_quota_and_time_budget_are_checked_before_anything_runs(agent_traps
     vm, outside = agent_traps
     t = time.monotonic()
     send_all(vm, quota_attacks(os.path.join(outside, "pwned")), outside)
-    assert time.monotonic() - t < 30  # refused up front: no command ran to its 120 s
+    assert time.monotonic() - t < 60  # refused up front: no command ran to its 120 s
 
 
 def test_request_shapes_never_get_a_500(armed):
@@ -405,8 +406,8 @@ def test_evaluate_past_its_time_budget_fails_the_checks_left(tmp_path, monkeypat
     desk = fake_desk(tmp_path)
     monkeypatch.setattr(vm_tasks, "REQUEST_SECONDS", 1.0)
     t = time.monotonic()
-    out = vm_tasks.evaluate(desk, {"checks": [{"type": "command", "argv": ["sleep", "5"], "timeout": 5},
+    out = vm_tasks.evaluate(desk, {"checks": [{"type": "command", "argv": ["sleep", "60"], "timeout": 60},
                                               {"type": "file_exists", "path": "x", "exists": False}]})
-    assert time.monotonic() - t < 3
+    assert time.monotonic() - t < 30  # the command was killed at the 1 s budget, not run to its 60 s
     assert [d["passed"] for d in out["details"]] == [False, False]
     assert out["details"][0]["info"] == "timed out" and out["details"][1]["info"].startswith("not run")

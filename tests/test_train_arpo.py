@@ -36,6 +36,7 @@ from env import VMPool, load_tasks  # noqa: E402
 from grpo import ReplayBuffer  # noqa: E402
 from model import load_policy  # noqa: E402
 from task_solutions import SOLUTIONS  # noqa: E402
+from conftest import free_port  # noqa: E402
 
 SMALL = 64 * 28 * 28  # screenshots of ~64 visual tokens for the tiny model: fast on CPU
 TASKS = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
@@ -469,13 +470,6 @@ def _metrics(run):
         return [json.loads(line) for line in f]
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("flags, says", [
     (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
     (["--model", "/no/such/model"], "No model folder at '/no/such/model'"),
@@ -487,7 +481,7 @@ def _free_port():
     (["--dual-clip", "0.5"], "--dual-clip must be above 1"),
 ])
 def test_user_errors_end_in_one_sentence(flags, says, tmp_path):
-    flags = [f.format(port=_free_port()) for f in flags]
+    flags = [f.format(port=free_port()) for f in flags]
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train_arpo.py"), "--vms", "1", *flags,
                         "--runs-dir", str(tmp_path), "--run-name", "x"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
@@ -523,9 +517,15 @@ def test_smoke_train_resume_eval(tmp_path):
     out = _run("--resume", run, "--vms", "2", "--eval-only", "--max-steps", "2")
     with open(os.path.join(run, "eval_it000003.json")) as f:
         res = json.load(f)
-    for proto in ("standard", "hard"):
+    assert len(res["details"]) == res["episodes"] == 4 * res["rollouts_per_task"] - res["lost"]
+    # every rate is the mean of the episode scores saved beside it (OSWorld's success rate)
+    for proto, key in (("standard", "score_standard"), ("hard", "score_hard")):
         assert set(res[proto]["per_task"]) == {"calc-open", "clock-open", "terminal-open", "infeasible-email"}
-        assert 0.0 <= res[proto]["overall"] <= 1.0
+        scores = [d[key] for d in res["details"]]
+        assert res[proto]["overall"] == pytest.approx(sum(scores) / len(scores))
+        for task, rate in res[proto]["per_task"].items():
+            mine = [d[key] for d in res["details"] if d["task"] == task]
+            assert rate == pytest.approx(sum(mine) / len(mine)), (proto, task)
     # The random policy never writes call_user(), so the infeasible task passes only by timing out.
     assert res["standard"]["per_task"]["infeasible-email"] == 1.0
     assert res["hard"]["per_task"]["infeasible-email"] == 0.0

@@ -20,6 +20,7 @@ import requests
 from PIL import Image, ImageChops
 
 from conftest import SERVER, proc_alive, proc_descendants, start_vm_server, vm_call
+from conftest import mouse, wait_for
 
 sys.path.insert(0, os.path.dirname(SERVER))
 import vm_server  # noqa: E402
@@ -53,23 +54,8 @@ def windows(vm) -> list[str]:
     return [r[3] for r in rows if r[1] != "-1"]
 
 
-def wait_for(cond, what: str, timeout: float = 15.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def wait_window(vm, title: str) -> None:
     wait_for(lambda: title in windows(vm), f"window {title!r} (have {windows(vm)})")
-
-
-def mouse(vm) -> tuple[int, int]:
-    out = dict(line.split("=") for line in x11(vm, "xdotool", "getmouselocation", "--shell").split())
-    return int(out["X"]), int(out["Y"])
 
 
 def geometry(vm, title: str) -> tuple[int, int, int, int]:
@@ -285,11 +271,13 @@ def test_setup_steps(vm):
              {"type": "open", "path": "Documents/todo.txt"}, {"type": "open", "path": "Documents"},
              {"type": "launch", "argv": ["xeyes"]}, {"type": "sleep", "seconds": 0.5},
              {"type": "command", "argv": ["cat", "a/b/ü.txt"]},
-             {"type": "command", "argv": ["sleep", "5"], "timeout": 0.3}]
+             {"type": "command", "argv": ["sleep", "60"], "timeout": 0.3}]
     t = time.time()
     r = vm_call(vm, "POST", "/setup", {"steps": steps})
     assert r.status_code == 200, r.text
-    assert 0.8 <= time.time() - t < 4  # the sleep step and the timed-out command each took time
+    # the sleep step and the timed-out command each took their time; the command was killed at its
+    # 0.3 s timeout, not run to its 60 s
+    assert 0.8 <= time.time() - t < 30
     res = r.json()["results"]
     assert [s["type"] for s in res] == [s["type"] for s in steps]
     assert res[0]["bytes"] == len("grüße\n".encode())
@@ -301,12 +289,11 @@ def test_setup_steps(vm):
 
 def test_health_answers_while_a_long_setup_runs(vm):
     import threading
-    slow = threading.Thread(target=vm_call, args=(vm, "POST", "/setup", {"steps": [{"type": "sleep", "seconds": 2}]}))
+    slow = threading.Thread(target=vm_call, args=(vm, "POST", "/setup", {"steps": [{"type": "sleep", "seconds": 5}]}))
     slow.start()
     time.sleep(0.3)
-    t = time.time()
     assert vm_call(vm, "GET", "/health").json()["ok"] is True
-    assert time.time() - t < 1.0  # not queued behind the sleep
+    assert slow.is_alive()  # /health answered while the setup still slept: not queued behind it
     slow.join()
 
 
@@ -381,7 +368,7 @@ def test_a_pathological_regex_fails_its_check_instead_of_freezing_the_server(vm)
                   {"type": "command", "argv": ["cat", "evil.txt"], "regex": evil}]:
         t = time.time()
         d = vm_call(vm, "POST", "/evaluate", {"checks": [check]}).json()
-        assert time.time() - t < 5, check  # REGEX_SECONDS is 2
+        assert time.time() - t < 60, check  # REGEX_SECONDS is 2; the regex alone would run for days
         assert d["score"] == 0.0 and "regex did not finish within 2 s" in d["details"][0]["info"], d
     # ...and the server goes on: the same checks with a sane regex pass, and /health answers
     sane = [{"type": "file_contains", "path": "evil.txt", "regex": r"a{40}b"},

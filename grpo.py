@@ -44,6 +44,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+import dist
+
 
 # ----------------------------------------------------------------------------------------------
 # Advantages
@@ -267,7 +269,12 @@ def per_token_logps(model, batch: dict, temperature: float | None = None) -> tor
         # told which tokens are image tokens; without this it silently falls back to 1-D positions.
         kwargs["mm_token_type_ids"] = (kwargs["input_ids"] == model.config.image_token_id).int()  # (B, T)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # unwrap peft
-    hidden = base.model(**kwargs).last_hidden_state  # (B, T, H)
+    if dist.is_sharded(base):
+        # FSDP2 gathers the root's weights (embeddings, lm_head) only in the root's own forward, and
+        # keeps them gathered for the backward: through it, with one position's logits to spare.
+        hidden = base(**kwargs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]  # (B, T, H)
+    else:
+        hidden = base.model(**kwargs).last_hidden_state  # (B, T, H)
     logits = base.lm_head(hidden[keep])  # (N_completion, V)
     temperature = batch.get("temperature", 1.0) if temperature is None else temperature
     # ALGO: the sampling distribution's logits. In place (as verl): no second (N, V) buffer, and
@@ -387,7 +394,8 @@ def _units(batch: dict, agg: str) -> float:
 def _clip_and_step(model, optimizer, max_grad_norm) -> tuple[float, bool]:
     params = [p for p in model.parameters() if p.grad is not None]
     limit = max_grad_norm if max_grad_norm and max_grad_norm > 0 else float("inf")
-    norm = float(torch.nn.utils.clip_grad_norm_(params, limit)) if params else 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, limit) if params else 0.0
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
     if not math.isfinite(norm):
         # A NaN/inf gradient would poison every weight; drop this step, keep training.
         optimizer.zero_grad(set_to_none=True)
@@ -422,7 +430,8 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
     """
     model, pad_id, suppressed = _unwrap(policy_or_model)
     samples = list(samples)
-    if not samples:
+    n_global = int(dist.all_sum([len(samples)])[0])  # under torchrun: every rank's samples together
+    if n_global == 0:
         return {}
     if beta != 0.0 and ref_fn is None and not hasattr(model, "disable_adapter"):
         raise ValueError("beta > 0 needs a reference policy: pass ref_fn, or train with LoRA (--lora-rank) "
@@ -432,18 +441,30 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
         shuffle.shuffle(samples)  # our copy of the list: the caller's order stays
     # Each optimizer step takes one mini-batch of samples (all of them by default), accumulated
     # over micro-batches; `steps` holds the indices into `batches` of each step's micro-batches.
+    # mini_batch_size counts samples of ALL ranks: each rank cuts its own share into as many
+    # mini-batches as one process would cut the whole batch into (verl's data-parallel split).
+    n_steps = math.ceil(n_global / (mini_batch_size or n_global))
+    share = max(1, math.ceil((mini_batch_size or n_global) * len(samples) / n_global))  # at world 1: the mini-batch
+    minis = list(micro_batches(samples, share)) if samples else []
     batches, steps = [], []
-    for mini in micro_batches(samples, mini_batch_size or len(samples)):
+    for mini in minis + [[]] * (n_steps - len(minis)):
         steps.append([])
         for mb in micro_batches(mini, micro_batch_size):
             steps[-1].append(len(batches))
             # What the sampler did to the logits travels with the batch (verl: meta_info), so every
             # forward that scores it (old, new, a ref_fn's) scores the sampling distribution.
             batches.append({**collate(mb, pad_id), "temperature": float(temperature), "suppressed": suppressed})
+    sharded = dist.is_sharded(model)
+    if sharded:  # FSDP2: every forward is a collective, so each rank runs as many as the busiest one
+        busiest = [max(c) for c in zip(*dist.gather([len(s) for s in steps]))]
+        if any(len(s) < m for s, m in zip(steps, busiest)) and not batches:
+            raise ValueError("FSDP2 needs at least one sample on every rank to match the others' forwards.")
+        for s, m in zip(steps, busiest):
+            s += [-1] * (m - len(s))  # -1: a forward of batches[0] that counts for nothing
     # On-policy shortcut: with one step in total, the weights that score the tokens are the
     # weights old_logps would come from, so old = current logps, detached (a second forward
     # would return the same numbers at a third more compute).
-    single = len(steps) == 1 and epochs == 1
+    single = n_steps == 1 and epochs == 1
     gap = [0.0, 0]  # sum of |trainer - sampler| old log-probs over target tokens, and their count
 
     def note_gap(trainer_old, b):
@@ -460,6 +481,11 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
         for o, b in zip(old, batches):
             if o is not None:
                 note_gap(o, b)
+        if sharded and not single:
+            for step in steps:
+                for i in step:
+                    if i < 0:
+                        per_token_logps(model, batches[0])  # the busiest rank's extra forwards, matched
         ref = [None] * len(batches)
         if beta != 0.0:
             for i, b in enumerate(batches):
@@ -470,43 +496,57 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
                         ref[i] = per_token_logps(model, b)  # (B, T)
 
     avg_keys = ("pg_loss", "kl", "clip_low", "clip_high", "clip_dual", "ratio_mean")
+    keys = ("loss", "tokens") + avg_keys
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    # ALGO: what the loss is a mean over (sequences or tokens), per step, over ALL ranks' samples
+    units = dist.all_sum([sum(_units(batches[i], agg) for i in step if i >= 0) for step in steps])
     totals: dict[str, float] = {}
     optimizer.zero_grad(set_to_none=True)
     for _ in range(max(1, epochs)):
-        for step in steps:
-            units = sum(_units(batches[i], agg) for i in step)
-            sums = dict.fromkeys(("loss", "tokens") + avg_keys, 0.0)
+        for step, step_units in zip(steps, units):
+            sums = dict.fromkeys(keys, 0.0)
             for i in step:
-                b = batches[i]
+                b = batches[max(i, 0)]
                 logps = per_token_logps(model, b)  # (B, T)
                 dev = logps.device
+                if i < 0:  # FSDP2's matched forward: a zero-weight loss, for the collectives only
+                    (logps.sum() * 0.0).backward()
+                    continue
                 if single:
                     note_gap(logps, b)
                 loss, m = grpo_loss(logps, logps.detach() if single else old[i].to(dev),
                                     b["advantages"].to(dev), b["completion_mask"].to(dev),
                                     None if ref[i] is None else ref[i].to(dev), eps_low, eps_high, beta, agg,
                                     dual_clip, b["weights"].to(dev))
-                w = _units(b, agg) / units if units > 0 else 0.0
-                (loss * w).backward()  # ALGO: this micro-batch's share of the step's mean loss
+                w = _units(b, agg) / step_units if step_units > 0 else 0.0
+                # ALGO: this micro-batch's share of the step's mean loss over all ranks (FSDP2
+                # averages the ranks' gradients: times the world size, that is their sum)
+                (loss * (w * dist.size() if sharded else w)).backward()
                 if on_micro_batch is not None:
                     on_micro_batch(len(b["advantages"]))
                 sums["loss"] += m["loss"] * w
                 sums["tokens"] += m["tokens"]
                 for key in avg_keys:
                     sums[key] += m[key] * m["tokens"]  # token-weighted across micro-batches
+            if not sharded:
+                dist.sync_grads(trainable)  # data parallel: the ranks' shares summed (FSDP2 does its own)
+            sums = dict(zip(keys, dist.all_sum([sums[k] for k in keys])))
             for key in avg_keys:
                 sums[key] /= max(sums["tokens"], 1.0)
             sums["grad_norm"], ok = _clip_and_step(model, optimizer, max_grad_norm)
             sums["skipped"] = 0.0 if ok else 1.0
             for key, v in sums.items():
                 totals[key] = totals.get(key, 0.0) + v
-    n_steps = len(steps) * max(1, epochs)
+    n_steps *= max(1, epochs)
     metrics = {key: v / n_steps for key, v in totals.items()}
-    adv = torch.tensor([float(s.advantage) for s in samples])  # (N,)
-    metrics.update(adv_mean=float(adv.mean()), adv_std=float(adv.std()) if len(adv) > 1 else 0.0,
+    a_sum, a_sq, n = dist.all_sum([sum(float(s.advantage) for s in samples),
+                                   sum(float(s.advantage) ** 2 for s in samples), len(samples)])
+    mean = a_sum / n
+    metrics.update(adv_mean=mean, adv_std=math.sqrt(max(0.0, (a_sq - n * mean * mean) / (n - 1))) if n > 1 else 0.0,
                    steps=float(n_steps), tokens=totals["tokens"] / max(1, epochs))
-    if gap[1]:
-        metrics["logp_gap"] = gap[0] / gap[1]
+    gap_sum, gap_n = dist.all_sum(gap)
+    if gap_n:
+        metrics["logp_gap"] = gap_sum / gap_n
     return metrics
 
 

@@ -1,0 +1,137 @@
+"""dist.py: the few torch.distributed calls the trainers make, and what they are in one process.
+
+    python train_arpo.py ...                                  # world size 1: no process group at all
+    torchrun --nproc_per_node 2 train_arpo.py ...             # 2 ranks (gloo on CPU, nccl on GPUs)
+    torchrun --nnodes 2 --node-rank R --rdzv-endpoint HOST:29500 --nproc_per_node 8 train_arpo.py ...
+
+    import dist
+    rank, world = dist.init()          # reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK
+    dist.all_sum([loss, tokens])       # the same floats summed over ranks ([loss, tokens] itself at world 1)
+    dist.gather(obj)                   # [obj of rank 0, obj of rank 1, ...] on every rank
+    dist.sync_grads(params)            # data parallel: every rank's gradients summed, on every rank
+    dist.fsdp(model)                   # FSDP2 (fully_shard) over the decoder layers, summing gradients
+
+Every function works at world size 1 without a process group (and without torchrun), so a plain
+`python train_*.py` runs exactly the single-process code. Data parallel: every rank holds the whole
+model and its own slice of the VMs; the losses are normalised by the GLOBAL count of sequences or
+tokens (grpo.update_policy all-sums them first), so summing the ranks' gradients gives the gradient
+one process would compute on the whole batch. With LoRA the trainable weights are small and are
+summed directly once per optimizer step (what DDP's bucketed all-reduce does, without its forward
+wrapper: the ranks accumulate different numbers of micro-batches per step, which DDP would need
+Join for). Full fine-tuning shards parameters, gradients and optimizer state with FSDP2.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as td
+
+
+def init() -> tuple[int, int]:
+    """Join torchrun's process group (if launched by torchrun with more than one process).
+    -> (rank, world size). On a GPU machine each rank takes the GPU of its LOCAL_RANK."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not td.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        td.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return rank(), size()
+
+
+def size() -> int:
+    return td.get_world_size() if td.is_initialized() else 1
+
+
+def rank() -> int:
+    return td.get_rank() if td.is_initialized() else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def device() -> torch.device:
+    """The device the collectives run on: this rank's GPU under nccl, the CPU under gloo."""
+    if td.is_initialized() and td.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_sum(values: list[float]) -> list[float]:
+    """The same list of numbers on every rank, summed over ranks (float64, so counts stay exact)."""
+    if size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device())  # (K,)
+    td.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(value: float) -> float:
+    if size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device())  # (1,)
+    td.all_reduce(t, op=td.ReduceOp.MAX)
+    return float(t[0])
+
+
+def gather(obj) -> list:
+    """Every rank's `obj` (picklable), in rank order, on every rank."""
+    if size() == 1:
+        return [obj]
+    out = [None] * size()
+    td.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj):
+    """Rank 0's `obj` on every rank."""
+    if size() == 1:
+        return obj
+    box = [obj]
+    td.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if size() > 1:
+        td.barrier()
+
+
+def sync_grads(params: list[torch.nn.Parameter]) -> None:
+    """Sum every rank's gradients of `params` (None counts as zeros) into one flat all-reduce."""
+    if size() == 1 or not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads]).to(device())  # (P,) one buffer, one collective
+    td.all_reduce(flat)
+    off = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[off:off + n].view_as(g).to(g.device)
+        off += n
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+def fsdp(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2: each block the model names in `_no_split_modules` (Qwen2.5-VL: its decoder layers and
+    vision blocks) its own unit, the rest (embeddings, lm_head, merger) the root's. FSDP2 AVERAGES
+    gradients over ranks; update_policy scales each rank's loss by the world size to make it a sum."""
+    from torch.distributed.fsdp import fully_shard
+    kinds = set(getattr(model, "_no_split_modules", None) or [])
+    for block in [m for m in model.modules() if type(m).__name__ in kinds]:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def shard_range(n: int, r: int | None = None, w: int | None = None) -> range:
+    """The contiguous slice of n items (VMs) rank r owns: the first n % w ranks get one more."""
+    r, w = rank() if r is None else r, size() if w is None else w
+    base, extra = divmod(n, w)
+    start = r * base + min(r, extra)
+    return range(start, start + base + (r < extra))

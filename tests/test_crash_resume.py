@@ -390,8 +390,8 @@ def test_the_vm_token_never_reaches_the_run_folder(tmp_path):
     """args.json and checkpoints get copied and shared (view.py renders args.json into HTML): the
     --token that controls the VMs must not be in them. A resume takes it again from --token/VM_TOKEN."""
     from train_arpo import Args
-    run = rundir.make_run_dir(str(tmp_path), "r", Args(token="s3cret-token"))
-    rundir.save_checkpoint(run, {"iteration": 0, "args": {"token": "s3cret-token", "lr": 1.0}})
+    run = rundir.make_run_dir(str(tmp_path / "r"), Args(token="s3cret-token"))
+    rundir.save_checkpoint(run, {"next_iteration": 0, "args": {"token": "s3cret-token", "lr": 1.0}})
     for root, _, files in os.walk(run):
         for f in files:
             assert b"s3cret-token" not in open(os.path.join(root, f), "rb").read(), f

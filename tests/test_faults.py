@@ -97,7 +97,7 @@ def test_a_killed_and_a_frozen_vm_mid_iteration(trainer):
     assert (m1["episodes"], m1["dropped"]) == (2, 2)
     # both groups go on with their one survivor; only survivors are trained on, and the update ran
     assert [(g["group"], g["n"]) for g in m1["groups"]] == [(0, 1), (1, 1)]
-    assert sorted(b["vm"] for b in m1["batch"]) == [0, 3] and m1["tokens"] > 0
+    assert sorted(b["vm"] for b in m1["batch"]) == [0, 3] and m1["actor/tokens"] > 0
     assert steps(tr.optimizer) == 3
     # One call waited out the timeout, the frozen VM's ("<url> did not finish/answer ... within");
     # later calls skipped it ("<url> is down (...)"), and none waited on the killed one.

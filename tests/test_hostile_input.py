@@ -422,7 +422,7 @@ def test_a_stalled_client_does_not_block_others(armed):
         stalled.append(s)
     try:
         # Blocked behind a stalled connection, a call would wait out that connection's deadline
-        # (vm_server's REQUEST_SECONDS, 120 s); each call gets half of it
+        # (vm_server's REQUEST_TIMEOUT, 120 s); each call gets half of it
         wait = 60
         assert vm_call(vm, "GET", "/health", timeout=wait).status_code == 200
         assert vm_call(vm, "POST", "/action", {"type": "move", "x": 222, "y": 111}, timeout=wait).status_code == 200

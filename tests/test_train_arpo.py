@@ -517,7 +517,7 @@ def test_smoke_train_resume_eval(tmp_path):
     out = _run("--resume", run, "--vms", "2", "--eval-only", "--max-steps", "2")
     with open(os.path.join(run, "eval_it000003.json")) as f:
         res = json.load(f)
-    assert len(res["details"]) == res["episodes"] == 4 * res["rollouts_per_task"] - res["lost"]
+    assert len(res["details"]) == res["episodes"] == 4 * res["episodes_per_task"] - res["lost"]
     # every rate is the mean of the episode scores saved beside it (OSWorld's success rate)
     for proto, key in (("standard", "score_standard"), ("hard", "score_hard")):
         assert set(res[proto]["per_task"]) == {"calc-open", "clock-open", "terminal-open", "infeasible-email"}

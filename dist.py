@@ -22,6 +22,7 @@ Join for). Full fine-tuning shards parameters, gradients and optimizer state wit
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -121,12 +122,43 @@ def fsdp(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2: each block the model names in `_no_split_modules` (Qwen2.5-VL: its decoder layers and
     vision blocks) its own unit, the rest (embeddings, lm_head, merger) the root's. FSDP2 AVERAGES
     gradients over ranks; update_policy scales each rank's loss by the world size to make it a sum."""
+    import warnings
+
     from torch.distributed.fsdp import fully_shard
+    # grpo.per_token_logps reads the root's hidden states (a view) and never writes into them
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     kinds = set(getattr(model, "_no_split_modules", None) or [])
     for block in [m for m in model.modules() if type(m).__name__ in kinds]:
         fully_shard(block)
     fully_shard(model)
     return model
+
+
+@contextlib.contextmanager
+def unsharded(model: torch.nn.Module):
+    """FSDP2: the whole model gathered on every rank inside the block. Generation needs it: each
+    rank decodes its own number of tokens, so its forwards cannot be collectives. Outside, the
+    blocks go back to being gathered per forward (the root stays gathered, as FSDP2 keeps it)."""
+    if not is_sharded(model):
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    # FSDP2 sets up its units from the root on the root's first forward; unshard() before that
+    # would set each one up as a root of its own, so set them up from the root first (no public
+    # call does only that in torch 2.13).
+    model._get_fsdp_state()._lazy_init()
+    for m in units:
+        m.unshard()  # a collective: every rank enters the block at the same point of the loop
+    blocks = [m for m in units if m is not model]
+    for m in blocks:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in blocks:
+            m.set_reshard_after_forward(True, recurse=False)
+            m.reshard()
 
 
 def shard_range(n: int, r: int | None = None, w: int | None = None) -> range:
@@ -135,3 +167,83 @@ def shard_range(n: int, r: int | None = None, w: int | None = None) -> range:
     base, extra = divmod(n, w)
     start = r * base + min(r, extra)
     return range(start, start + base + (r < extra))
+
+
+def spread(model: torch.nn.Module, shard: bool) -> None:
+    """Under torchrun: every rank starts from rank 0's trainable weights (a LoRA adapter's random
+    init), and with shard=True (full fine-tuning) the model is sharded with FSDP2. One process:
+    the model as it is."""
+    if size() > 1:
+        broadcast_params([p for p in model.parameters() if p.requires_grad])
+        if shard:
+            fsdp(model)
+
+
+def broadcast_params(params: list[torch.nn.Parameter]) -> None:
+    """Rank 0's values of `params` on every rank (a LoRA adapter's random init, say)."""
+    if size() == 1 or not params:
+        return
+    flat = torch.cat([p.detach().reshape(-1) for p in params]).to(device())  # (P,)
+    td.broadcast(flat, src=0)
+    off = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[off:off + p.numel()].view_as(p).to(p.device))
+            off += p.numel()
+
+
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """The model's whole state dict on the CPU (FSDP2: gathered from every rank; a collective)."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def optimizer_state(model: torch.nn.Module, optimizer) -> dict:
+    """The optimizer's state keyed by parameter name, whole (FSDP2: gathered; a collective), so a
+    run resumes with any number of ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None:
+    """optimizer_state's dict back (every rank passes the same one). A dict keyed by parameter
+    index (checkpoints before optimizer_state) loads as torch saved it."""
+    if all(isinstance(k, int) for k in state.get("state", {})) and not is_sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def mute_others() -> None:
+    """Only rank 0 talks: the other ranks' stdout goes nowhere (their errors still reach stderr)."""
+    import sys
+
+    import progress
+    if rank() != 0:
+        progress.MUTED = True
+        sys.stdout = open(os.devnull, "w")
+
+
+def seed_ranks(seed: int) -> None:
+    """Sampling apart: under torchrun each rank's torch generator gets its own seed (one process:
+    left as it is), so two ranks never draw the same answers for the same screen."""
+    if size() > 1:
+        torch.manual_seed(seed + 1_000_003 * rank())
+
+
+def same_rng(seed: int):
+    """Under torchrun: a block every rank runs with the same torch random numbers (the world
+    model's shuffles, so it stays the same model on every rank); one process: the RNG as it is."""
+    if size() == 1:
+        return contextlib.nullcontext()
+    return _seeded(seed)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield

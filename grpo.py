@@ -81,14 +81,6 @@ def group_advantages(rewards, group_ids=None, eps: float = 1e-6) -> torch.Tensor
     return adv
 
 
-def assign_advantages(samples: list["Sample"], eps: float = 1e-6) -> torch.Tensor:
-    """Fill sample.advantage from sample.reward, normalised within sample.group. Returns (N,)."""
-    adv = group_advantages([s.reward for s in samples], [s.group for s in samples], eps)  # (N,)
-    for s, a in zip(samples, adv.tolist()):
-        s.advantage = a  # ALGO: the trajectory's advantage is broadcast to all its target tokens
-    return adv
-
-
 # ----------------------------------------------------------------------------------------------
 # Log-probs of chosen tokens
 

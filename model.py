@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+import dist
 import vision_windows  # the vision tower's batched window attention
 # Image size caps, in pixels of the resized image: 1280 * 28 * 28 = at most 1280 image tokens (one per
 # 28x28 px after the 2x2 merge), so a 1280x720 screen passes at full resolution (1288x728 -> 1196).
@@ -286,7 +287,7 @@ def merged_weights(policy: Policy):
     each merged matrix is computed on the fly. Used to save checkpoints and to sync vLLM.
     """
     if not policy.lora:
-        yield from policy.model.state_dict().items()
+        yield from dist.full_state_dict(policy.model).items()  # FSDP2: gathered (a collective)
         return
     from peft.tuners.lora import LoraLayer
     base = policy.model.get_base_model()
@@ -302,7 +303,7 @@ def merged_weights(policy: Policy):
         yield key, tensor
 
 
-def save_policy(policy: Policy, path: str) -> None:
+def save_policy(policy: Policy, path: str, state: dict | None = None) -> None:
     """save_pretrained: model (LoRA merged in), tokenizer, image processor.
 
     A LoRA policy is saved MERGED, as a plain Qwen2.5-VL checkpoint: load_policy(path), vLLM and
@@ -311,7 +312,8 @@ def save_policy(policy: Policy, path: str) -> None:
     """
     os.makedirs(path, exist_ok=True)
     base = policy.model.get_base_model() if policy.lora else policy.model
-    state = {k: v.detach().to("cpu").contiguous() for k, v in merged_weights(policy)}
+    if state is None:  # `state`: merged_weights already gathered (under FSDP2, from every rank)
+        state = {k: v.detach().to("cpu").contiguous() for k, v in merged_weights(policy)}
     base.save_pretrained(path, state_dict=state)
     policy.tokenizer.save_pretrained(path)
     policy.image_processor.save_pretrained(path)

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 # -----------------------------------------------------------------------------------------------
 # Progress bars and console lines
 
+# Under torchrun only rank 0 shows bars and console lines (dist.init's caller sets this on the others).
+MUTED = False
+
 
 class _Quiet:
     """The stand-in when there is no bar to draw: the same calls, doing nothing."""
@@ -51,7 +54,7 @@ def bar(total: int, desc: str, enabled: bool | None = None, file=None):
     iteration). enabled=None: only when the stream is a terminal (or PROGRESS=1 is set); no tqdm
     installed: a silent stand-in. Use as a context manager, or call .close()."""
     if enabled is None:
-        enabled = os.environ.get("PROGRESS") == "1" or (file or sys.stderr).isatty()
+        enabled = not MUTED and (os.environ.get("PROGRESS") == "1" or (file or sys.stderr).isatty())
     if not enabled:
         return _Quiet()
     try:
@@ -64,7 +67,7 @@ def bar(total: int, desc: str, enabled: bool | None = None, file=None):
 def track(iterable, desc: str, total: int | None = None, enabled: bool | None = None):
     """`for t in track(range(n), "rollout"):` -- the iterable with a bar (see bar), or as it is."""
     if enabled is None:
-        enabled = os.environ.get("PROGRESS") == "1" or sys.stderr.isatty()
+        enabled = not MUTED and (os.environ.get("PROGRESS") == "1" or sys.stderr.isatty())
     try:
         from tqdm import tqdm
     except ImportError:
@@ -74,6 +77,8 @@ def track(iterable, desc: str, total: int | None = None, enabled: bool | None = 
 
 def say(line: str) -> None:
     """Print one console line without tearing an open bar (tqdm.write moves the bar below it)."""
+    if MUTED:
+        return
     try:
         from tqdm import tqdm
         tqdm.write(line, file=sys.stdout)

@@ -51,9 +51,10 @@ import sys
 
 import numpy as np
 
+import dist
 import progress
 from env import VMPool
-from model import save_policy
+from model import merged_weights, save_policy
 
 # -----------------------------------------------------------------------------------------------
 # Flags: one per Args field, parsed by transformers' HfArgumentParser
@@ -125,7 +126,7 @@ def resume_args(cls, args, given: dict, prog: str, marker: str) -> tuple:
 def run_path(runs_dir: str, run_name: str, prefix: str = "") -> str:
     """runs_dir/run_name (a time stamp when empty). A name that already starts with runs_dir
     (`--run-name runs/x`) or is absolute is taken as the path itself."""
-    name = run_name or time.strftime(prefix + "%Y%m%d-%H%M%S")
+    name = dist.broadcast(run_name or time.strftime(prefix + "%Y%m%d-%H%M%S"))  # rank 0's clock names it
     if os.path.isabs(name) or not runs_dir:
         return name
     norm, root = os.path.normpath(name), os.path.normpath(runs_dir)
@@ -136,7 +137,7 @@ def run_path(runs_dir: str, run_name: str, prefix: str = "") -> str:
 def new_run(path: str):
     """Around the setup of a run: if it fails (a bad --model, a name clash), a folder that did not
     exist before is removed again, so a failed start leaves nothing behind."""
-    fresh = not os.path.exists(path)
+    fresh = not os.path.exists(path) and dist.is_main()  # rank 0 makes the folder and removes it
     try:
         yield
     except BaseException:
@@ -146,12 +147,14 @@ def new_run(path: str):
 
 
 def make_run_dir(path: str, args, resume: bool = False) -> str:
-    """Create (or reopen, on resume) the run folder and write args.json."""
+    """Create (or reopen, on resume) the run folder and write args.json (rank 0; the others wait)."""
     if not resume and os.path.exists(os.path.join(path, "ckpt")):
         sys.exit(f"{path} already holds a run; use --resume {path} or another --run-name.")
-    os.makedirs(os.path.join(path, "trajectories"), exist_ok=True)
-    with open(os.path.join(path, "args.json"), "w") as f:
-        json.dump(public_args(args), f, indent=2)
+    if dist.is_main():
+        os.makedirs(os.path.join(path, "trajectories"), exist_ok=True)
+        with open(os.path.join(path, "args.json"), "w") as f:
+            json.dump(public_args(args), f, indent=2)
+    dist.barrier()
     return path
 
 
@@ -159,9 +162,23 @@ def make_run_dir(path: str, args, resume: bool = False) -> str:
 # Desktops, seeds, timers, the learning-rate schedule
 
 
+def local_vms(vms: str) -> tuple[str, int]:
+    """This rank's share of --vms (a number of local desktops, or URLs): a contiguous slice, and
+    the index of its first VM among all ranks' (trajectories and metrics name VMs by that)."""
+    urls = [u.strip() for u in vms.split(",") if u.strip()]
+    n = int(urls[0]) if len(urls) == 1 and urls[0].isdigit() else len(urls)
+    mine = dist.shard_range(n)
+    if n and not mine:
+        sys.exit(f"--vms {vms}: {n} VM(s) for {dist.size()} ranks leaves rank {dist.rank()} without one; "
+                 "give every rank at least one VM.")
+    return (str(len(mine)) if len(urls) == 1 and urls[0].isdigit() else ",".join(urls[mine.start:mine.stop])), mine.start
+
+
 def open_desktops(vms: str, token: str, timeout: float, screen=(1280, 720)) -> tuple:
-    """-> (VMPool, live VM indices, screen (w, h) of the first live one), or one sentence when
-    the VMs cannot start or none answers /health."""
+    """This rank's VMs (all of them in one process) -> (VMPool, live VM indices, screen (w, h) of
+    the first live one, index of the first VM among all ranks'), or one sentence when the VMs
+    cannot start or none answers /health."""
+    vms, first = local_vms(vms)
     try:
         pool = VMPool(vms, token=token or os.environ.get("VM_TOKEN") or None, timeout=timeout, screen=screen)
     except Exception as e:  # noqa: BLE001 -- a bad --vms or a desktop that cannot start: one sentence
@@ -174,8 +191,8 @@ def open_desktops(vms: str, token: str, timeout: float, screen=(1280, 720)) -> t
                  "check --vms and --token.")
     for i, h in enumerate(health):
         if not h.ok:
-            print(f"vm {i} left out: {h.error}", flush=True)
-    return pool, live, tuple(health[min(live)].value.get("screen", screen))
+            print(f"vm {first + i} left out: {h.error}", flush=True)
+    return pool, live, tuple(health[min(live)].value.get("screen", screen)), first
 
 
 def seed_all(seed: int, sample_seed: int = -1) -> None:
@@ -224,15 +241,20 @@ def save(run: str, policy, optimizer, next_it: int, args, metrics: dict | None =
     """Checkpoint the run atomically (save_checkpoint). Full fine-tuning: the weights in policy/;
     LoRA: the peft adapter state in state.pt (exact; the base is `start_model`, default --model).
     `extra`: the script's own state (replay buffer, world model, ...). `metrics`: the line of the
-    iteration just done (see save_checkpoint)."""
-    adapter = None
+    iteration just done (see save_checkpoint). Every rank calls it (FSDP2 gathers the weights and
+    the optimizer state from all of them); rank 0 writes."""
+    adapter = weights = None
     if policy.lora:
         from peft import get_peft_model_state_dict
         adapter = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(policy.model).items()}
-    state = {"next_iteration": next_it, "args": asdict(args), "optimizer": optimizer.state_dict(),
+    else:
+        weights = {k: v.detach().to("cpu").contiguous() for k, v in merged_weights(policy)}
+    state = {"next_iteration": next_it, "args": asdict(args), "optimizer": dist.optimizer_state(policy.model, optimizer),
              "rng": rng_state(), "adapter": adapter, "start_model": start_model or args.model, **extra}
-    write = None if policy.lora else (lambda folder: save_policy(policy, os.path.join(folder, "policy")))
-    save_checkpoint(run, state, write, metrics=metrics)
+    if dist.is_main():
+        write = None if policy.lora else (lambda folder: save_policy(policy, os.path.join(folder, "policy"), weights))
+        save_checkpoint(run, state, write, metrics=metrics)
+    dist.barrier()
 
 
 def next_iteration(state: dict) -> int:
@@ -264,12 +286,15 @@ def restore_policy(state: dict, ckpt_dir: str, load):
     return load(os.path.join(ckpt_dir, "policy"))
 
 
-def resume(run: str, ckpt, optimizer) -> int:
-    """Optimizer state, RNG states and metrics.jsonl back to the checkpoint; -> the next iteration."""
+def resume(run: str, ckpt, policy, optimizer) -> int:
+    """Optimizer state, RNG states and metrics.jsonl back to the checkpoint; -> the next iteration.
+    Under torchrun every rank takes rank 0's RNG states (dist.seed_ranks then sets them apart)."""
     state = ckpt[0]
-    optimizer.load_state_dict(state["optimizer"])
+    dist.load_optimizer_state(policy.model, optimizer, state["optimizer"])
     start = next_iteration(state)
-    trim_metrics(run, start)  # lines logged after this checkpoint are redone
+    if dist.is_main():
+        trim_metrics(run, start)  # lines logged after this checkpoint are redone
+    dist.barrier()
     set_rng_state(state["rng"])
     return start
 
@@ -402,12 +427,30 @@ def trim_metrics(run: str, next_iteration: int) -> None:
     os.replace(tmp, path)
 
 
+def open_trackers(run: str, args):
+    """wandb / TensorBoard as asked for, on rank 0 only (none on the others)."""
+    return progress.open_trackers(run, public_args(args), wandb=args.wandb and dist.is_main(),
+                                  tensorboard=args.tensorboard and dist.is_main())
+
+
+def gather_times(times: dict, vm_phases: tuple) -> dict:
+    """One process: `times` as they are. Under torchrun: each phase's seconds on the slowest rank,
+    and every rank's own under "ranks" (with "vm_wait": its seconds waiting on its desktops)."""
+    if dist.size() == 1:
+        return dict(times)
+    per = dist.gather(dict(times))
+    out = {k: max(p.get(k, 0.0) for p in per) for k in sorted(set().union(*per))}
+    out["ranks"] = [{**p, "vm_wait": sum(p.get(f"time/{k}", 0.0) for k in vm_phases)} for p in per]
+    return out
+
+
 def end_iteration(run: str, trackers, metrics: dict, line: str) -> None:
     """The iteration's metrics line (after its checkpoint: a resume never logs an iteration
-    twice), the same numbers to wandb / TensorBoard, and its console line."""
-    log_metrics(run, metrics)
-    progress.log(trackers, metrics, step=metrics["iteration"])
-    progress.say(line)
+    twice), the same numbers to wandb / TensorBoard, and its console line: rank 0's job."""
+    if dist.is_main():
+        log_metrics(run, metrics)
+        progress.log(trackers, metrics, step=metrics["iteration"])
+        progress.say(line)
 
 
 def log_metrics(run: str, metrics: dict) -> None:
@@ -420,8 +463,11 @@ def log_metrics(run: str, metrics: dict) -> None:
 
 def clear_trajectories(run: str, iteration: int) -> None:
     """An iteration redone after a kill (its trajectories were saved, its checkpoint was not) must
-    not leave the killed attempt's files beside the new ones (a VM that dropped out this time)."""
-    shutil.rmtree(os.path.join(run, "trajectories", f"it{iteration:06d}"), ignore_errors=True)
+    not leave the killed attempt's files beside the new ones (a VM that dropped out this time).
+    Rank 0 clears it before any rank writes into it."""
+    if dist.is_main():
+        shutil.rmtree(os.path.join(run, "trajectories", f"it{iteration:06d}"), ignore_errors=True)
+    dist.barrier()
 
 
 def save_trajectory(run: str, iteration: int, vm: int, steps: list[dict], images: list) -> str:

@@ -53,9 +53,13 @@ Where this departs from ARPO (paper + its released code), on purpose:
    warm-up and decay (--lr-warmup, --lr-schedule; ARPO: constant), several passes over each batch
    (--epochs; ARPO: one), and a sampling seed of its own (--sample-seed), so an evaluation draws fresh
    samples from a checkpoint while the task order stays the run's. Their defaults are ARPO's.
-9. Left out: KL to a reference model (beta 0, as ARPO; `--beta` works with LoRA only), multi-GPU
-   training (ARPO: FSDP over 8 GPUs; this script trains on one device). Logging: metrics.jsonl
-   always, plus Weights & Biases (--wandb) and TensorBoard (--tensorboard) when asked for (progress.py).
+9. Left out: KL to a reference model (beta 0, as ARPO; `--beta` works with LoRA only). Logging:
+   metrics.jsonl always, plus Weights & Biases (--wandb) and TensorBoard (--tensorboard) when asked
+   for (progress.py).
+10. More than one GPU (ARPO: verl's FSDP on 8-16 GPUs with Ray): `torchrun --nproc_per_node N
+   train_arpo.py ...`; each rank plays its own groups on its slice of the VMs, the replay buffer
+   and the task order are the same on every rank, and full fine-tuning is sharded with FSDP2
+   (dist.py, README "More than one GPU").
 """
 from __future__ import annotations
 
@@ -74,6 +78,7 @@ import torch
 from PIL import Image
 from transformers.utils import logging as hf_logging
 
+import dist
 import progress
 import rundir
 from actions import MIN_PIXELS, parse_action, smart_resize
@@ -81,7 +86,6 @@ from chat import encode_chat, uitars_messages
 from env import Task, TaskError, VMPool, load_tasks
 from grpo import ReplayBuffer, group_advantages, trajectory_sample, update_policy
 from model import Generation, generate, load_policy, sync_weights
-from vllm_engine import VLLMEngine, needed_model_len
 
 PROG = "train_arpo.py"
 
@@ -219,9 +223,10 @@ class Episode:
     score_standard: float = 0.0  # standard protocol: running out of steps counts as FAIL
     reward: float = 0.0        # score - format penalty
     replayed: bool = False     # came from the replay buffer (an earlier iteration)
+    job: int = -1              # run_jobs: its index in the list of jobs
 
 
-def to_record(ep: Episode) -> dict:
+def to_record(ep: Episode, first: int = 0) -> dict:
     """A plain dict for the replay buffer and checkpoints: screenshots as PNG bytes (~10x smaller than
     pixels), the task as a dict, so unpickling never needs this module's classes."""
     def png(img):
@@ -231,7 +236,8 @@ def to_record(ep: Episode) -> dict:
         img.save(buf, format="PNG", compress_level=1)
         return buf.getvalue()
     d = {f.name: getattr(ep, f.name) for f in fields(Episode)}
-    return {**d, "task": asdict(ep.task), "screenshots": [png(s) for s in ep.screenshots]}
+    # the VM by its number among all ranks' (`first`: this rank's first VM's)
+    return {**d, "vm": first + ep.vm, "task": asdict(ep.task), "screenshots": [png(s) for s in ep.screenshots]}
 
 
 def from_record(d: dict) -> Episode:
@@ -424,7 +430,7 @@ def score_episodes(pool: VMPool, eps: list, args: Args, timeout: float) -> None:
 def run_jobs(pool: VMPool, jobs: list, policy_fn, args: Args, times: dict) -> tuple[list, int]:
     """Play a list of tasks (repeats allowed) in waves of as many VMs as are alive: reset, setup,
     rollout, score. An episode lost to a failing VM is played once more. Returns (episodes, lost)."""
-    queue, done, lost = [(t, 0) for t in jobs], [], 0
+    queue, done, lost = [(t, 0, j) for j, t in enumerate(jobs)], [], 0
     pb = progress.bar(len(jobs), "episodes")
     while queue:
         with rundir.timed(times, "reset"):
@@ -432,20 +438,20 @@ def run_jobs(pool: VMPool, jobs: list, policy_fn, args: Args, times: dict) -> tu
         if not live:
             raise SystemExit("No VM answered after a reset; check that the desktops run (see --vms).")
         wave, queue = queue[:len(live)], queue[len(live):]
-        vm_tasks, tries = [None] * pool.size, {}
-        for i, (t, n) in zip(live, wave):
-            vm_tasks[i], tries[i] = t, n
+        vm_tasks, tries, job = [None] * pool.size, {}, {}
+        for i, (t, n, j) in zip(live, wave):
+            vm_tasks[i], tries[i], job[i] = t, n, j
         with rundir.timed(times, "reset"):
             vm_tasks, errors = setup_vms(pool, vm_tasks, args.vm_timeout)
         eps = rollout(pool, vm_tasks, policy_fn, args, times)
         with rundir.timed(times, "evaluate"):
             score_episodes(pool, eps, args, args.vm_timeout)
-        failed = [(t, tries[i]) for i, t in zip(live, [w[0] for w in wave]) if i in errors]
-        failed += [(e.task, tries[e.vm]) for e in eps if e is not None and e.end == "dropped"]
-        done += [e for e in eps if e is not None and e.end != "dropped"]
-        queue += [(t, n + 1) for t, n in failed if n < 1]
-        lost += sum(n >= 1 for _, n in failed)
-        pb.update(len(wave) - sum(n < 1 for _, n in failed))  # re-queued jobs are not finished yet
+        failed = [(t, tries[i], job[i]) for i, t in zip(live, [w[0] for w in wave]) if i in errors]
+        failed += [(e.task, tries[e.vm], job[e.vm]) for e in eps if e is not None and e.end == "dropped"]
+        done += [replace(e, job=job[e.vm]) for e in eps if e is not None and e.end != "dropped"]
+        queue += [(t, n + 1, j) for t, n, j in failed if n < 1]
+        lost += sum(n >= 1 for _, n, _ in failed)
+        pb.update(len(wave) - sum(n < 1 for _, n, _ in failed))  # re-queued jobs are not finished yet
     pb.close()
     return done, lost
 
@@ -454,41 +460,57 @@ def run_jobs(pool: VMPool, jobs: list, policy_fn, args: Args, times: dict) -> tu
 # Task selection and evaluation
 
 
-def select_tasks(pool: VMPool, tasks: list, k: int, policy_fn, args: Args) -> tuple[list, dict]:
+def run_shared_jobs(pool: VMPool, jobs: list, policy_fn, args: Args, first: int = 0, save=None) -> tuple[list, int]:
+    """run_jobs on this rank's share of `jobs` (a contiguous slice; one process: all of them).
+    save(episode), if given, runs on the rank that played it. -> (every rank's episodes, as
+    dicts in job order, VMs numbered among all ranks'; episodes lost to VM failures, all ranks')."""
+    mine = dist.shard_range(len(jobs))
+    eps, lost = run_jobs(pool, jobs[mine.start:mine.stop], policy_fn, args, {})
+    rows = []
+    for e in eps:
+        e = replace(e, job=mine.start + e.job)
+        if save is not None:
+            save(e)
+        rows.append({"task": e.task.id, "vm": first + e.vm, "job": e.job, "end": e.end, "steps": len(e.actions),
+                     "score_standard": e.score_standard, "score_hard": e.score, "actions": e.actions,
+                     "format_ok": e.format_ok, "texts": e.texts})
+    rows = sorted((r for part in dist.gather(rows) for r in part), key=lambda r: r["job"])
+    return rows, int(dist.all_sum([lost])[0])
+
+
+def select_tasks(pool: VMPool, tasks: list, k: int, policy_fn, args: Args, first: int = 0) -> tuple[list, dict]:
     """ARPO's task selection: k rollouts per task with the starting policy; keep the tasks solved
     (score > success threshold) at least once. Returns (kept tasks, {task id: successes})."""
-    eps, _ = run_jobs(pool, [t for t in tasks for _ in range(k)], policy_fn, args, {})
+    eps, _ = run_shared_jobs(pool, [t for t in tasks for _ in range(k)], policy_fn, args, first)
     counts = {t.id: 0 for t in tasks}
     for e in eps:
-        counts[e.task.id] += e.score > args.success_threshold  # ALGO: "solved at least once"
+        counts[e["task"]] += e["score_hard"] > args.success_threshold  # ALGO: "solved at least once"
     return [t for t in tasks if counts[t.id] > 0], counts
 
 
-def evaluate_policy(pool: VMPool, tasks: list, policy_fn, args: Args, save_to: str | None = None) -> dict:
+def evaluate_policy(pool: VMPool, tasks: list, policy_fn, args: Args, save_to: str | None = None,
+                    first: int = 0) -> dict:
     """Success rate (mean score, as OSWorld reports it) per task and overall, under both protocols,
     and per episode what it did (details: every step's action, whether it parsed, the answer text).
     save_to: a folder that gets the episodes as a run's trajectories (view.py reads it), one
     "iteration" per task in the order given, one "vm" per rollout of it."""
-    times = {}
     t0 = time.perf_counter()
-    eps, lost = run_jobs(pool, [t for t in tasks for _ in range(args.eval_episodes)], policy_fn, args, times)
-    out = {"episodes": len(eps), "lost": lost, "episodes_per_task": args.eval_episodes,
+    n = args.eval_episodes
+    save = None if not save_to else (lambda e: save_episodes(save_to, e.job // n, [replace(e, vm=e.job % n)],
+                                                             clear=False))
+    eps, lost = run_shared_jobs(pool, [t for t in tasks for _ in range(n)], policy_fn, args, first, save)
+    out = {"episodes": len(eps), "lost": lost, "episodes_per_task": n,
            "temperature": args.eval_temperature, "seconds": time.perf_counter() - t0}
-    for proto, key in (("standard", "score_standard"), ("hard", "score")):
+    for proto, key in (("standard", "score_standard"), ("hard", "score_hard")):
         per_task = {}
         for t in tasks:
-            s = [getattr(e, key) for e in eps if e.task.id == t.id]
+            s = [e[key] for e in eps if e["task"] == t.id]
             per_task[t.id] = sum(s) / len(s) if s else None
-        all_s = [getattr(e, key) for e in eps]
+        all_s = [e[key] for e in eps]
         out[proto] = {"overall": sum(all_s) / len(all_s) if all_s else None, "per_task": per_task}
-    out["details"] = [{"task": e.task.id, "vm": e.vm, "end": e.end, "steps": len(e.actions),
-                       "score_standard": e.score_standard, "score_hard": e.score, "actions": e.actions,
-                       "format_ok": e.format_ok, "texts": e.texts} for e in eps]
-    steps = [ok for e in eps for ok in e.format_ok]
+    out["details"] = eps
+    steps = [ok for e in eps for ok in e["format_ok"]]
     out["format_rate"] = sum(steps) / len(steps) if steps else None  # share of answers that parsed
-    if save_to:
-        for k, t in enumerate(tasks):
-            save_episodes(save_to, k, [replace(e, vm=n) for n, e in enumerate(x for x in eps if x.task.id == t.id)])
     return out
 
 
@@ -518,6 +540,7 @@ class Trainer:
     run: str | None = None
     tasks: list = field(default_factory=list)  # the training task list (after --select-tasks)
     picker: dict = field(default_factory=lambda: {"epoch": 0, "pos": 0})  # pick_tasks' place in the order
+    first: int = 0  # under torchrun: the number of this rank's first VM among all ranks' VMs
 
 
 def plan_groups(live: list[int], group_size: int) -> list[list[int]]:
@@ -585,7 +608,7 @@ def episode_samples(policy, ep: Episode, args: Args, advantage: float = 0.0) -> 
     return pieces
 
 
-def apply_replay(buffer: ReplayBuffer, members: list[Episode], group: int) -> tuple[list, dict | None]:
+def apply_replay(buffer: ReplayBuffer, members: list[Episode], group: int, first: int = 0) -> tuple[list, dict | None]:
     """ALGO: ARPO's replay. If the group failed alike (score std < 0.05 and mean < 0.2), one member
     is replaced by a stored success of the same task (stored in an EARLIER iteration: the buffer is
     filled only after this step). Returns the group's trajectories for the update + the injection."""
@@ -599,19 +622,24 @@ def apply_replay(buffer: ReplayBuffer, members: list[Episode], group: int) -> tu
     # sampler log-probs are an older policy's: dropped, so logp_gap compares like with like.
     ep = replace(from_record(new[k]), group=group, replayed=True, logprobs=[])
     return members[:k] + [ep] + members[k + 1:], {
-        "task": ep.task.id, "group": group, "replaced_vm": members[k].vm, "from_iteration": ep.iteration,
+        "task": ep.task.id, "group": group, "replaced_vm": first + members[k].vm, "from_iteration": ep.iteration,
         "from_vm": ep.vm, "score": ep.score, "reward": ep.reward}
 
 
-def replay_groups(buffer: ReplayBuffer | None, fresh: list[Episode], task_ids: list[str]):
-    """Per group: replay (if on) and its stats. Returns (update batch, injections, group stats)."""
+def replay_groups(buffer: ReplayBuffer | None, fresh: list[Episode], task_ids: list[str], scores: dict,
+                  first: int = 0):
+    """Per group: replay (if on) and its stats. Returns (update batch, injections, group stats) of
+    this rank's groups. `scores`: {group: its fresh members' scores} of EVERY group (under torchrun,
+    of every rank): each rank keeps the same replay buffer, so every rank draws for every group."""
     batch, injections, stats = [], [], []
     for g, tid in enumerate(task_ids):
         members = [e for e in fresh if e.group == g]
         if not members:
-            continue  # every VM of this group failed: nothing to learn from it
+            if buffer is not None and scores.get(g):  # another rank's group: the same draw as there
+                buffer.inject(tid, [None] * len(scores[g]), scores[g])
+            continue  # (or every VM of this group failed: nothing to learn from it)
         if buffer is not None:
-            members, inj = apply_replay(buffer, members, g)
+            members, inj = apply_replay(buffer, members, g, first)
             injections += [inj] if inj else []
         batch += members
         r = torch.tensor([e.reward for e in members])  # (G,)
@@ -641,30 +669,55 @@ UPDATE_KEYS = ("loss", "pg_loss", "kl", "clip_low", "clip_high", "clip_dual", "r
                "steps")
 
 
-def iteration_metrics(it, task_ids, eps, fresh, batch, pieces, adv, upd, times, args: Args) -> dict:
-    """One metrics.jsonl line: rewards, success, format, the update's numbers, the time split."""
+def iteration_metrics(it, task_ids, fresh: list[dict], dropped: int, batch: list[dict], upd, times, args: Args) -> dict:
+    """One metrics.jsonl line: rewards, success, format, the update's numbers, the time split.
+    fresh: every rank's finished episodes (outcome()); batch: every rank's trained trajectories."""
     def mean(xs):
         return float(np.mean(xs)) if len(xs) else 0.0
     vm_time = times["time/reset"] + times["time/env"] + times["time/evaluate"]
     return {
-        "iteration": it, "tasks": task_ids, "episodes": len(fresh),
-        "dropped": len([e for e in eps if e is not None and e.end == "dropped"]),
-        "reward_mean": mean([e.reward for e in fresh]),
-        "reward_std": float(np.std([e.reward for e in fresh])) if fresh else 0.0,
-        "score_mean": mean([e.score for e in fresh]),
-        "success_rate": mean([e.score > args.success_threshold for e in fresh]),
-        "format_rate": mean([ok for e in fresh for ok in e.format_ok]),  # share of steps that parsed
-        "steps_mean": mean([len(e.actions) for e in fresh]),
-        "batch": [{"task": e.task.id, "group": e.group, "vm": e.vm, "replayed": e.replayed,
-                   "from_iteration": e.iteration, "reward": e.reward, "advantage": a,
-                   "target_tokens": int(sum(sum(p.target_mask) for p in ps)), "steps": len(e.actions),
-                   "sequences": len(ps)}
-                  for e, a, ps in zip(batch, adv, pieces)],
+        "iteration": it, "tasks": task_ids, "episodes": len(fresh), "dropped": dropped,
+        "reward_mean": mean([e["reward"] for e in fresh]),
+        "reward_std": float(np.std([e["reward"] for e in fresh])) if fresh else 0.0,
+        "score_mean": mean([e["score"] for e in fresh]),
+        "success_rate": mean([e["score"] > args.success_threshold for e in fresh]),
+        "format_rate": mean([ok for e in fresh for ok in e["format_ok"]]),  # share of steps that parsed
+        "steps_mean": mean([e["steps"] for e in fresh]),
+        "batch": batch,
         **{f"actor/{k}": upd.get(k, 0.0) for k in UPDATE_KEYS},
         # trainer vs sampler log-probs of this iteration's sampled tokens (0 on the HF path; vLLM
         # numerics show here), over the micro-batches whose sequences all carry the sampler's numbers
         **({"actor/logp_gap": upd["logp_gap"]} if "logp_gap" in upd else {}),
         **times, "vm_wait_share": vm_time / times["time/iteration"] if times["time/iteration"] else 0.0}
+
+
+def outcome(e: Episode) -> dict:
+    """What the metrics need of a finished episode (small enough to gather from every rank)."""
+    return {"reward": e.reward, "score": e.score, "format_ok": e.format_ok, "steps": len(e.actions)}
+
+
+def batch_rows(batch: list[Episode], adv: list[float], pieces: list, first: int) -> list[dict]:
+    """metrics' "batch": each trained trajectory (VMs numbered among all ranks')."""
+    return [{"task": e.task.id, "group": e.group, "vm": e.vm if e.replayed else first + e.vm, "replayed": e.replayed,
+             "from_iteration": e.iteration, "reward": e.reward, "advantage": a,
+             "target_tokens": int(sum(sum(p.target_mask) for p in ps)), "steps": len(e.actions),
+             "sequences": len(ps)} for e, a, ps in zip(batch, adv, pieces)]
+
+
+def replay_and_store(tr: Trainer, fresh: list[Episode], task_ids: list[str]) -> tuple:
+    """ALGO: replay into all-failed groups, THEN store this iteration's successes. Under torchrun
+    every rank keeps the same buffer: the groups' scores and the successes of every rank, in rank
+    order. -> replay_groups' (batch, injections, group stats) of this rank's groups."""
+    scores = {}
+    for part in dist.gather({e.group: [x.score for x in fresh if x.group == e.group] for e in fresh}):
+        scores.update(part)
+    batch, injections, stats = replay_groups(tr.replay, fresh, task_ids, scores, tr.first)
+    if tr.replay is not None:
+        # ALGO: success = score > 0.1; PNG-encode only those
+        mine = [(e.task.id, to_record(e, tr.first), e.score) for e in fresh if e.score > tr.replay.success_threshold]
+        for tid, record, score in [x for part in dist.gather(mine) for x in part]:
+            tr.replay.add(tid, record, score)
+    return batch, injections, stats
 
 
 def assign_tasks(tr: Trainer, pick) -> tuple:
@@ -674,12 +727,17 @@ def assign_tasks(tr: Trainer, pick) -> tuple:
     groups = plan_groups(live, tr.args.group_size)
     if not groups:
         raise SystemExit("No VM answered after a reset; check that the desktops run (see --vms).")
-    task_ids = pick(len(groups))
+    # Under torchrun every rank draws the tasks of ALL groups (the same ids: the order is a function
+    # of the seed) and plays its own, numbered after the earlier ranks' groups: a group never
+    # straddles ranks.
+    counts = dist.gather(len(groups))
+    first = sum(counts[:dist.rank()])
+    task_ids = pick(sum(counts))
     by_id = {t.id: t for t in tr.tasks}
     vm_tasks, vm_group = [None] * tr.pool.size, {}
-    for g, (vms, tid) in enumerate(zip(groups, task_ids)):
+    for g, (vms, tid) in enumerate(zip(groups, task_ids[first:])):
         for i in vms:
-            vm_tasks[i], vm_group[i] = by_id[tid], g
+            vm_tasks[i], vm_group[i] = by_id[tid], first + g
     vm_tasks, errors = setup_vms(tr.pool, vm_tasks, tr.args.vm_timeout)
     return task_ids, vm_tasks, vm_group, errors
 
@@ -692,9 +750,10 @@ def update(tr: Trainer, batch: list[Episode], it: int) -> tuple:
     adv = group_advantages([e.reward for e in batch], [e.group for e in batch]).tolist()  # (N,)
     pieces = [episode_samples(tr.policy, e, args, a) for e, a in zip(batch, adv)]
     samples = [p for ps in pieces for p in ps]
-    if not samples:
+    if not samples and dist.size() == 1:
         return adv, pieces, {}
-    mini = args.mini_batch or math.ceil(len(samples) / 2)  # ALGO: ARPO: 2 optimizer steps per batch
+    n_all = int(dist.all_sum([len(samples)])[0])  # every rank's sequences
+    mini = args.mini_batch or math.ceil(n_all / 2)  # ALGO: ARPO: 2 optimizer steps per batch
     with progress.bar(len(samples) * args.epochs, "update") as pb:
         upd = update_policy(tr.policy, tr.optimizer, samples, micro_batch_size=args.micro_batch,
                             eps_low=args.eps_low, eps_high=args.eps_high, beta=args.beta,
@@ -707,7 +766,7 @@ def update(tr: Trainer, batch: list[Episode], it: int) -> tuple:
 
 
 def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
-    """One ARPO iteration; pick(n) -> n task ids. Returns (metrics, this iteration's episodes)."""
+    """One ARPO iteration; pick(n) -> n task ids. Returns (metrics, this rank's episodes)."""
     args, pool = tr.args, tr.pool
     times = {f"time/{k}": 0.0 for k in ("reset", "generation", "env", "evaluate", "update")}
     t0 = time.perf_counter()
@@ -716,33 +775,40 @@ def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
     with rundir.timed(times, "reset"):
         task_ids, vm_tasks, vm_group, setup_errors = assign_tasks(tr, pick)
     # -- rollout + score
-    eps = rollout(pool, vm_tasks, tr.policy_fn, args, times, vm_group, it)
+    with dist.unsharded(tr.policy.model):  # FSDP2: each rank decodes alone, with whole weights
+        eps = rollout(pool, vm_tasks, tr.policy_fn, args, times, vm_group, it)
     with rundir.timed(times, "evaluate"):
         score_episodes(pool, eps, args, args.vm_timeout)
     fresh = [e for e in eps if e is not None and e.end != "dropped"]
     # -- ALGO: replay into all-failed groups, THEN store this iteration's successes
-    batch, injections, group_stats = replay_groups(tr.replay, fresh, task_ids)
-    if tr.replay is not None:
-        for e in fresh:
-            if e.score > tr.replay.success_threshold:  # ALGO: success = score > 0.1; PNG-encode only those
-                tr.replay.add(e.task.id, to_record(e), e.score)
+    batch, injections, group_stats = replay_and_store(tr, fresh, task_ids)
     # -- ALGO: group advantages and the GRPO update
     with rundir.timed(times, "update"):
         adv, pieces, upd = update(tr, batch, it)
     times["time/iteration"] = time.perf_counter() - t0
-    m = iteration_metrics(it, task_ids, eps, fresh, batch, pieces, adv, upd, times, args)
-    m.update({"actor/lr": lr, "groups": group_stats, "replay_injections": injections,
-              "n_injections": len(injections), "replay_size": len(tr.replay) if tr.replay is not None else 0,
-              "zero_std_groups": flat_groups([e.group for e in batch], adv)})
-    m["dropped"] += len(setup_errors)
-    if setup_errors:
-        m["setup_errors"] = {str(k): v for k, v in setup_errors.items()}
+    # -- every rank's numbers into one line
+    mine = {"fresh": [outcome(e) for e in fresh], "batch": batch_rows(batch, adv, pieces, tr.first),
+            "groups": group_stats, "injections": injections, "times": times,
+            "dropped": len([e for e in eps if e is not None and e.end == "dropped"]) + len(setup_errors),
+            "setup_errors": {str(tr.first + k): v for k, v in setup_errors.items()}}
+    parts = dist.gather(mine)
+    every = {k: [x for p in parts for x in p[k]] for k in ("fresh", "batch", "groups", "injections")}
+    m = iteration_metrics(it, task_ids, every["fresh"], sum(p["dropped"] for p in parts), every["batch"], upd,
+                          rundir.gather_times(times, ("reset", "env", "evaluate")), args)
+    m.update({"actor/lr": lr, "groups": every["groups"], "replay_injections": every["injections"],
+              "n_injections": len(every["injections"]), "replay_size": len(tr.replay) if tr.replay is not None else 0,
+              "zero_std_groups": flat_groups([b["group"] for b in every["batch"]], [b["advantage"] for b in every["batch"]])})
+    errors = {k: v for p in parts for k, v in p["setup_errors"].items()}
+    if errors:
+        m["setup_errors"] = errors
     return m, eps
 
 
-def save_episodes(run: str, it: int, eps: list) -> None:
-    """Each VM's episode: every step's screenshot, thought, action, then a final line with the score."""
-    rundir.clear_trajectories(run, it)
+def save_episodes(run: str, it: int, eps: list, first: int = 0, clear: bool = True) -> None:
+    """Each VM's episode: every step's screenshot, thought, action, then a final line with the score.
+    VMs are numbered among all ranks' (`first`: this rank's first VM's)."""
+    if clear:
+        rundir.clear_trajectories(run, it)
     for e in eps:
         if e is None or not e.screenshots:
             continue
@@ -754,7 +820,7 @@ def save_episodes(run: str, it: int, eps: list) -> None:
         steps.append({"final": True, "task": e.task.id, "instruction": e.task.instruction, "group": e.group,
                       "end": e.end, "error": e.error, "score": e.score, "score_standard": e.score_standard,
                       "format_penalty": e.reward - e.score, "reward": e.reward})
-        rundir.save_trajectory(run, it, e.vm, steps, list(e.screenshots) + [None])
+        rundir.save_trajectory(run, it, first + e.vm, steps, list(e.screenshots) + [None])
 
 
 def summary_line(m: dict) -> str:
@@ -794,7 +860,9 @@ def make_policy(args: Args, ckpt: tuple[dict, str] | None):
                            gradient_checkpointing=args.gradient_checkpointing, min_pixels=args.min_pixels,
                            max_pixels=args.max_pixels)
     policy = load(args.model) if ckpt is None else rundir.restore_policy(*ckpt, load)
+    dist.spread(policy.model, shard=args.lora_rank == 0)  # torchrun: rank 0's weights; full FT: FSDP2
     if args.engine == "vllm":
+        from vllm_engine import VLLMEngine, needed_model_len  # vLLM only when asked for (GPU)
         # vLLM loads weights from disk: the starting ones, or a fresh copy of ours
         fresh_copy = os.path.join(tempfile.mkdtemp(prefix="arpo-vllm-"), "w")
         path = args.model if os.path.isdir(args.model) and ckpt is None else fresh_copy
@@ -807,25 +875,29 @@ def make_policy(args: Args, ckpt: tuple[dict, str] | None):
     return policy
 
 
-def eval_only(pool: VMPool, tasks: list, policy, args: Args, run: str, iteration: int) -> None:
+def eval_only(pool: VMPool, tasks: list, policy, args: Args, run: str, iteration: int, first: int = 0) -> None:
     """--eval-only: eval_it<N>.json (or --eval-out) and the episodes beside it in eval_it<N>/
     (`python view.py runs/<name>/eval_it<N>` shows what was clicked)."""
     out = args.eval_out or os.path.join(run, f"eval_it{iteration:06d}.json")
     root, ext = os.path.splitext(out)
     folder = root if ext else out + "_episodes"  # never the JSON's own path
-    shutil.rmtree(folder, ignore_errors=True)  # a second eval of the same checkpoint replaces the first
-    result = evaluate_policy(pool, tasks, model_policy(policy, args, args.eval_temperature), args,
-                             save_to=folder if args.save_trajectories else None)
+    if dist.is_main():
+        shutil.rmtree(folder, ignore_errors=True)  # a second eval of the same checkpoint replaces the first
+    dist.barrier()
+    with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
+        result = evaluate_policy(pool, tasks, model_policy(policy, args, args.eval_temperature), args,
+                                 save_to=folder if args.save_trajectories else None, first=first)
     result.update(model=args.model, run=run, iteration=iteration, protocols={
         "standard": "an episode that runs out of steps counts its last action as FAIL (OSWorld)",
         "hard": "the last action is what the agent did (OSWorld-Hard in ARPO)"})
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(eval_table(result))
-    print(f"eval written to {out}")
+    if dist.is_main():
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(eval_table(result))
+        print(f"eval written to {out}")
 
 
-def setup(args: Args, pool: VMPool, policy, run: str, ckpt, tasks: list) -> tuple[Trainer, int]:
+def setup(args: Args, pool: VMPool, policy, run: str, ckpt, tasks: list, first: int = 0) -> tuple[Trainer, int]:
     """The optimizer, the replay buffer and the task order, fresh (after --select-tasks) or from the
     checkpoint. -> (Trainer, the first iteration to run)."""
     params = [p for p in policy.model.parameters() if p.requires_grad]
@@ -836,12 +908,14 @@ def setup(args: Args, pool: VMPool, policy, run: str, ckpt, tasks: list) -> tupl
         if replay is not None and ckpt[0]["replay"] is not None:
             replay.load_state_dict(ckpt[0]["replay"])  # ARPO's own code starts it empty again
         picker = dict(ckpt[0]["picker"])
-        start = rundir.resume(run, ckpt, optimizer)  # optimizer, metrics.jsonl and RNG states
+        start = rundir.resume(run, ckpt, policy, optimizer)  # optimizer, metrics.jsonl and RNG states
         print(f"resumed {run} at iteration {start} ({len(replay or [])} stored successes)")
-    elif args.select_tasks > 0:
-        tasks = select_and_record(pool, tasks, model_policy(policy, args, args.temperature), args, run)
+    dist.seed_ranks((args.seed if args.sample_seed < 0 else args.sample_seed) + start)  # torchrun: own samples
+    if ckpt is None and args.select_tasks > 0:
+        with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
+            tasks = select_and_record(pool, tasks, model_policy(policy, args, args.temperature), args, run, first)
     policy_fn = model_policy(policy, args, args.temperature)
-    return Trainer(args, pool, policy, optimizer, replay, policy_fn, run, tasks, picker), start
+    return Trainer(args, pool, policy, optimizer, replay, policy_fn, run, tasks, picker, first), start
 
 
 def checkpoint(tr: Trainer, next_it: int, metrics: dict | None = None) -> None:
@@ -853,12 +927,12 @@ def checkpoint(tr: Trainer, next_it: int, metrics: dict | None = None) -> None:
 def train(tr: Trainer, start: int) -> None:
     """The loop: one iteration, then trajectories, checkpoint, metrics line, console line."""
     args, run, ids = tr.args, tr.run, [t.id for t in tr.tasks]
-    trackers = progress.open_trackers(run, rundir.public_args(args), wandb=args.wandb, tensorboard=args.tensorboard)
+    trackers = rundir.open_trackers(run, args)
     for it in progress.track(range(start, args.iterations), "iterations"):
         m, eps = run_iteration(tr, it, lambda n: pick_tasks(ids, tr.picker, n, args.seed))
         t0 = time.perf_counter()
         if args.save_trajectories:
-            save_episodes(run, it, eps)
+            save_episodes(run, it, eps, tr.first)
         if (it + 1) % args.ckpt_every == 0 or it + 1 == args.iterations:
             checkpoint(tr, it + 1, m)
         m["time/save"] = time.perf_counter() - t0
@@ -867,6 +941,8 @@ def train(tr: Trainer, start: int) -> None:
 
 
 def main(argv=None) -> None:
+    dist.init()  # torchrun: join the other ranks (one process: nothing)
+    dist.mute_others()
     args, ckpt, given = resolve_args(argv)
     hf_logging.disable_progress_bar()  # one summary line per iteration; load/save bars are noise here
     rundir.seed_all(args.seed, args.sample_seed)
@@ -879,16 +955,16 @@ def main(argv=None) -> None:
         if not (args.eval_only and args.resume):  # evaluating a run: its args.json stays the training args
             rundir.make_run_dir(run, args, resume=bool(args.resume))
         policy = make_policy(args, ckpt)
-        pool, _, _ = rundir.open_desktops(args.vms, args.token, args.vm_timeout, screen_size(args))
+        pool, _, _, first = rundir.open_desktops(args.vms, args.token, args.vm_timeout, screen_size(args))
     try:
         if args.eval_only:
-            return eval_only(pool, tasks, policy, args, run, rundir.next_iteration(ckpt[0]) if ckpt else 0)
-        train(*setup(args, pool, policy, run, ckpt, tasks))
+            return eval_only(pool, tasks, policy, args, run, rundir.next_iteration(ckpt[0]) if ckpt else 0, first)
+        train(*setup(args, pool, policy, run, ckpt, tasks, first))
     finally:
         pool.close()
 
 
-def select_and_record(pool: VMPool, tasks: list, policy_fn, args: Args, run: str) -> list:
+def select_and_record(pool: VMPool, tasks: list, policy_fn, args: Args, run: str, first: int = 0) -> list:
     """--select-tasks K: run the selection with the starting policy, write selected_tasks.json."""
     path = os.path.join(run, "selected_tasks.json")
     if os.path.exists(path):  # killed after selecting, before the first checkpoint: reuse it
@@ -897,10 +973,11 @@ def select_and_record(pool: VMPool, tasks: list, policy_fn, args: Args, run: str
         kept = [t for t in tasks if t.id in keep]
     else:
         print(f"task selection: {args.select_tasks} rollouts of each of {len(tasks)} tasks ...", flush=True)
-        kept, counts = select_tasks(pool, tasks, args.select_tasks, policy_fn, args)
-        with open(path, "w") as f:
-            json.dump({"k": args.select_tasks, "success_threshold": args.success_threshold,
-                       "successes": counts, "selected": [t.id for t in kept]}, f, indent=2)
+        kept, counts = select_tasks(pool, tasks, args.select_tasks, policy_fn, args, first)
+        if dist.is_main():
+            with open(path, "w") as f:
+                json.dump({"k": args.select_tasks, "success_threshold": args.success_threshold,
+                           "successes": counts, "selected": [t.id for t in kept]}, f, indent=2)
         print(f"task selection kept {len(kept)}/{len(tasks)} tasks: {[t.id for t in kept]} (written to {path})")
     if not kept:
         raise SystemExit(f"no task was solved even once in {args.select_tasks} tries; raise --select-tasks, "

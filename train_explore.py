@@ -58,8 +58,11 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
    actions. eval.json has every episode's actions; each episode is also saved as a trajectory
    (--eval-save), so `python view.py` shows what the policy clicked.
 7. Logging: metrics.jsonl always; Weights & Biases (--wandb) and TensorBoard (--tensorboard) when
-   asked for and installed (progress.py). Left out: multi-GPU (torchrun), mixed-precision autocast
-   (bf16 weights on GPU instead).
+   asked for and installed (progress.py). Left out: mixed-precision autocast (bf16 weights on GPU
+   instead).
+8. More than one GPU (the release: two): `torchrun --nproc_per_node N train_explore.py ...`, each rank
+   with its slice of the desktops; the one group and the world model span every rank (dist.py,
+   README "More than one GPU").
 """
 from __future__ import annotations
 
@@ -78,6 +81,7 @@ import torch
 import transformers
 from PIL import Image
 
+import dist
 import grpo
 import progress
 import rewards as R
@@ -85,8 +89,7 @@ import rundir
 from actions import MAX_PIXELS, MIN_PIXELS, Action, Parsed, cursor_after, parse_action
 from chat import encode_chat, explore_messages
 from env import VMPool
-from model import generate, load_policy, save_policy, sync_weights
-from vllm_engine import VLLMEngine
+from model import generate, load_policy, merged_weights, save_policy, sync_weights
 
 PROG = "train_explore.py"
 
@@ -310,36 +313,64 @@ def rollout(pool: VMPool, live: set, choose, a: Args, times: dict, watch=None) -
 # Rewards: features, the world model's update, every component (rewards.py does the math)
 
 
-def score(buffer: list[Step], L: Learner, a: Args, times: dict):
+def score(buffer: list[Step], L: Learner, a: Args, times: dict, it: int = 0):
     """-> (rewards.Rewards over the buffer, each (N,), and the world model's metrics).
 
     Only format-valid steps are featurised, learned from and scored: a malformed answer executed
     nothing, so every one of its components is 0 anyway, and skipping it saves its OCR (the
-    costliest part of the rewards, ~0.5-1 s per screen per core)."""
+    costliest part of the rewards, ~0.5-1 s per screen per core). Under torchrun the world model
+    learns every rank's valid steps (gather_steps), the same on every rank."""
     n = len(buffer)
     rows = [k for k, s in enumerate(buffer) if s.parsed is not None]
     full = R.Rewards(**{f.name: torch.zeros(n) for f in fields(R.Rewards)})  # (N,) each
     wm_metrics = {"wm/loss": None, "wm/loss_first_epoch": None}
-    if not rows:
+    if not rows and dist.size() == 1:
         return full, wm_metrics
     steps = [buffer[k] for k in rows]
     actions = [s.parsed.action for s in steps]
-    with rundir.timed(times, "features"):
-        f = R.step_features([s.before for s in steps], [s.after for s in steps], [s.parsed.thought for s in steps],
-                            actions, L.tools if R.needs_text(L.flags) else None)
+    f = None
+    if rows:
+        with rundir.timed(times, "features"):
+            f = R.step_features([s.before for s in steps], [s.after for s in steps], [s.parsed.thought for s in steps],
+                                actions, L.tools if R.needs_text(L.flags) else None)
     pred_s = pred_t = None
     if L.flags["world_model"]:
-        with rundir.timed(times, "world_model"):
+        with rundir.timed(times, "world_model"), dist.same_rng(a.seed + it):
+            f_all, actions_all, mine = gather_steps(f, actions)
             # ALGO: curiosity is the surprise of the world model as it stood before this buffer;
             # then it learns the buffer (--wm-train-first: the release's order, the other way round).
-            pred_s, pred_t, wm_metrics = R.update_and_predict(L.wm, L.wm_opt, f, actions, [1] * len(steps), a.wm_epochs,
-                                                              a.wm_batch_size, a.wm_train_first)  # (V, D), (V, E)
+            if actions_all:
+                pred_s, pred_t, wm_metrics = R.update_and_predict(L.wm, L.wm_opt, f_all, actions_all,
+                                                                  [1] * len(actions_all), a.wm_epochs, a.wm_batch_size,
+                                                                  a.wm_train_first)  # (V_all, D), (V_all, E)
+                pred_s, pred_t = pred_s[mine], None if pred_t is None else pred_t[mine]  # (V, D), (V, E)
+    if not rows:
+        return full, wm_metrics
     with rundir.timed(times, "rewards"):
         r = R.exploration_rewards(L.flags, [s.vm for s in steps], [1] * len(steps), f.screen_before, f.screen_after,
                                   pred_s, f.text_before, f.text_after, pred_t, f.intent, f.click_text, f.click_hit)
     for name in full.__dataclass_fields__:
         getattr(full, name)[rows] = getattr(r, name)  # (V,) into (N,); malformed steps stay 0
     return full, wm_metrics
+
+
+def gather_steps(f, actions: list) -> tuple:
+    """Every rank's valid steps (features, actions) in rank order, and this rank's rows of them.
+    One process: its own, as they are."""
+    if dist.size() == 1:
+        return f, actions, slice(0, len(actions))
+    parts = dist.gather((f, actions))
+    start = sum(len(acts) for _, acts in parts[:dist.rank()])
+    have = [p for p, acts in parts if acts]
+    if not have:
+        return None, [], slice(0, 0)
+
+    def cat(name):
+        xs = [getattr(p, name) for p in have]
+        return None if any(x is None for x in xs) else torch.cat(xs)  # (V_all, ...)
+    tensors = ("screen_before", "screen_after", "text_before", "text_after", "intent", "click_text", "click_hit")
+    f_all = R.StepFeatures(**{name: cat(name) for name in tensors})
+    return f_all, [x for _, acts in parts for x in acts], slice(start, start + len(actions))
 
 
 # -----------------------------------------------------------------------------------------------
@@ -428,15 +459,19 @@ def start_generation(g: int, run: str, a: Args) -> tuple:
 
 
 def save_model(policy, path: str, extra: dict | None = None) -> None:
-    """save_policy into a temp folder, then rename: a model folder is either complete or absent."""
-    tmp = path + f".tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_policy(policy, tmp)
-    for name, text in (extra or {}).items():
-        with open(os.path.join(tmp, name), "w") as fh:
-            fh.write(text)
-    shutil.rmtree(path, ignore_errors=True)
-    os.rename(tmp, path)
+    """save_policy into a temp folder, then rename: a model folder is either complete or absent.
+    Every rank calls it (FSDP2 gathers the weights from all of them); rank 0 writes."""
+    weights = {k: v.detach().to("cpu").contiguous() for k, v in merged_weights(policy)}
+    if dist.is_main():
+        tmp = path + f".tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_policy(policy, tmp, weights)
+        for name, text in (extra or {}).items():
+            with open(os.path.join(tmp, name), "w") as fh:
+                fh.write(text)
+        shutil.rmtree(path, ignore_errors=True)
+        os.rename(tmp, path)
+    dist.barrier()
 
 
 def reference_fn(start_model: str, a: Args):
@@ -519,7 +554,9 @@ def finish_generation(run: str, g: int, first_iteration: int, last_iteration: in
     stamp = os.path.join(path, "LAST_ITERATION")
     if not (os.path.exists(stamp) and open(stamp).read().strip() == str(last_iteration)):
         save_model(policy, path, extra={"LAST_ITERATION": str(last_iteration)})
-    write_distill_dataset(run, g, range(first_iteration, last_iteration + 1), a.distill_top)
+    if dist.is_main():
+        write_distill_dataset(run, g, range(first_iteration, last_iteration + 1), a.distill_top)
+    dist.barrier()  # every rank reads the dataset for the next generation's SFT
 
 
 # -----------------------------------------------------------------------------------------------
@@ -620,26 +657,30 @@ def eval_episodes(pool: VMPool, vms: list[int], choose, a: Args) -> tuple[list[d
     return episode_metrics(buffer, seen, a), buffer
 
 
-def run_eval(pool: VMPool, live: set, choosers: dict, a: Args, run: str) -> dict:
+def run_eval(pool: VMPool, live: set, choosers: dict, a: Args, run: str, first: int = 0) -> dict:
     """--eval-episodes episodes of --steps steps (one per desktop per round, reset before each
     round) for each chooser (policy, random baseline); writes runs/<name>/eval.json (per episode its
     metrics and every step's action), prints a table. With --eval-save each episode is also saved as
     a trajectory (screenshots + one line per step), the policy's in runs/<name>/trajectories/it<round>/
-    vm<k>.jsonl and the baseline's under runs/<name>/random/: `python view.py runs/<name>` shows them."""
-    rounds = math.ceil(a.eval_episodes / pool.size)
+    vm<k>.jsonl and the baseline's under runs/<name>/random/: `python view.py runs/<name>` shows them.
+    Under torchrun each rank plays its share of the episodes on its desktops; rank 0 reports them all."""
+    want = len(dist.shard_range(a.eval_episodes))
+    rounds = math.ceil(want / pool.size)
     report = {"args": asdict(a), "same_screen_hash_bits": a.eval_same_hash, "same_screen_cosine": a.eval_same_screen}
     for name, choose in choosers.items():
         episodes = []
         for k in progress.track(range(rounds), f"eval {name}"):
             live.intersection_update({i for i, res in enumerate(pool.reset()) if res.ok})
-            done, buffer = eval_episodes(pool, sorted(live)[:a.eval_episodes - len(episodes)], choose, a)
+            done, buffer = eval_episodes(pool, sorted(live)[:want - len(episodes)], choose, a)
             for e in done:
                 e["round"] = k  # its trajectory: trajectories/it<round>/vm<vm>.jsonl
                 if a.eval_save:
                     steps = [s for s in buffer if s.vm == e["vm"]]
-                    rundir.save_trajectory(run if name == "policy" else os.path.join(run, name), k, e["vm"],
+                    rundir.save_trajectory(run if name == "policy" else os.path.join(run, name), k, first + e["vm"],
                                            e["actions"], [s.before for s in steps])
+                e["vm"] += first
             episodes += done
+        episodes = [e for part in dist.gather(episodes) for e in part]  # every rank's, in rank order
         keys = ("format", "immediate", "sequence", "distinct_screens", "distinct_screens_feat", "diversity", "windows")
         summary = {k: float(np.mean([e[k] for e in episodes])) if episodes else None for k in keys}
         # Across episodes too: does the agent reach different screens in different episodes?
@@ -647,6 +688,8 @@ def run_eval(pool: VMPool, live: set, choosers: dict, a: Args, run: str) -> dict
                                                            a.eval_same_hash))
         summary["episodes"] = len(episodes)
         report[name] = {"summary": summary, "episodes": episodes}
+    if not dist.is_main():
+        return report
     path = os.path.join(run, "eval.json")
     with open(path, "w") as fh:
         json.dump(report, fh, indent=2)
@@ -679,9 +722,10 @@ class Learner:
     wm_opt: torch.optim.Optimizer
     flags: dict  # reward components on (rewards.effective_flags)
     tools: object  # OCR + embedder, or None
+    first: int = 0  # under torchrun: the index of this rank's first VM among all ranks' VMs
 
 
-def setup(args: Args, run: str, ckpt, screen) -> tuple:
+def setup(args: Args, run: str, ckpt, screen, first: int) -> tuple:
     """-> (Learner, the first iteration to run, SFT metrics of a generation's start, logged once)."""
     # Text tools (OCR + embedder) only when a text/intent term is on; without them those terms
     # are off (said once) and the world model has no text branch.
@@ -693,10 +737,12 @@ def setup(args: Args, run: str, ckpt, screen) -> tuple:
     wm_opt = adamw(wm.parameters(), args.wm_lr)
     if ckpt is None:
         policy, start_model, distill_metrics = start_generation(1, run, args)
+        dist.spread(policy.model, shard=args.lora_rank == 0)  # torchrun: rank 0's weights; full FT: FSDP2
         generation, start, optimizer = 1, 0, adamw(trainable(policy), args.lr)
     else:
         state, folder = ckpt
         policy = rundir.restore_policy(state, folder, lambda name: load(name, args))
+        dist.spread(policy.model, shard=args.lora_rank == 0)
         optimizer = adamw(trainable(policy), args.lr)
         try:
             wm.load_state_dict(state["wm"])
@@ -704,23 +750,26 @@ def setup(args: Args, run: str, ckpt, screen) -> tuple:
             sys.exit("The checkpoint's world model does not fit these reward flags / text tools; resume with the "
                      "run's own --rewards and the same OCR + embedder installed.")
         wm_opt.load_state_dict(state["wm_opt"])
-        start = rundir.resume(run, ckpt, optimizer)  # optimizer, metrics.jsonl and RNG states
+        start = rundir.resume(run, ckpt, policy, optimizer)  # optimizer, metrics.jsonl and RNG states
         generation, start_model, distill_metrics = state["generation"], state["start_model"], {}
         print(f"resumed {run} at iteration {start} (generation E{generation})", flush=True)
     if args.engine == "vllm":
+        from vllm_engine import VLLMEngine  # vLLM only when asked for (GPU)
         policy.engine = VLLMEngine(policy, os.path.join(run, "vllm_init"))
     learner = Learner(policy, optimizer, start_model, reference_fn(start_model, args), generation, wm, wm_opt,
-                      flags, tools)
+                      flags, tools, first)
+    dist.seed_ranks(args.seed + start)  # under torchrun: each rank samples its own answers
     return learner, start, distill_metrics
 
 
-def evaluate(pool: VMPool, live: set, args: Args, ckpt) -> dict:
+def evaluate(pool: VMPool, live: set, args: Args, ckpt, first: int = 0) -> dict:
     """--eval-only: the policy (--model, or with --resume the run's checkpoint) next to random
     actions. Writes a run folder of its own (eval-<time>), or with --resume runs/<name>/eval_it<N>/
     (N = the checkpoint's next iteration; a second eval of the same checkpoint replaces the first)."""
     if ckpt is not None:
         run = os.path.join(args.resume, f"eval_it{rundir.next_iteration(ckpt[0]):06d}")
-        shutil.rmtree(run, ignore_errors=True)
+        if dist.is_main():
+            shutil.rmtree(run, ignore_errors=True)
     else:
         run = rundir.run_path(args.runs_dir, args.run_name, prefix="eval-")
     with rundir.new_run(run):  # a failed setup leaves no folder behind
@@ -729,12 +778,14 @@ def evaluate(pool: VMPool, live: set, args: Args, ckpt) -> dict:
         rundir.seed_all(args.seed)
         policy = (rundir.restore_policy(*ckpt, lambda name: load(name, args)) if ckpt is not None
                   else load(args.model, args, lora=False))
+        dist.seed_ranks(args.seed)
         if args.engine == "vllm":
-            policy.engine = VLLMEngine(policy, os.path.join(run, "vllm_init"))
+            from vllm_engine import VLLMEngine  # vLLM only when asked for (GPU)
+        policy.engine = VLLMEngine(policy, os.path.join(run, "vllm_init"))
     choosers = {"policy": policy_chooser(policy, args)}
     if args.eval_random:
         choosers["random"] = random_chooser(random.Random(args.seed))
-    return run_eval(pool, live, choosers, args, run)
+    return run_eval(pool, live, choosers, args, run, first)
 
 
 def next_generation(L: Learner, run: str, it: int, ipg: int, args: Args) -> dict:
@@ -745,6 +796,7 @@ def next_generation(L: Learner, run: str, it: int, ipg: int, args: Args) -> dict
     engine = L.policy.engine
     L.generation = it // ipg + 1
     L.policy, L.start_model, metrics = start_generation(L.generation, run, args)
+    dist.spread(L.policy.model, shard=args.lora_rank == 0)
     L.policy.engine = engine
     sync_weights(L.policy)
     L.optimizer = adamw(trainable(L.policy), args.lr)
@@ -769,15 +821,17 @@ def trajectory_lines(buffer: list[Step], rows: list[int], r, adv) -> list[dict]:
 
 
 
-def save_trajectories(run: str, it: int, buffer: list[Step], r, adv) -> None:
+def save_trajectories(run: str, it: int, buffer: list[Step], r, adv, first: int = 0) -> None:
+    """This rank's desktops' steps; VMs are numbered among all ranks' (this rank's first is `first`)."""
     for vm in sorted({s.vm for s in buffer}):
         rows = [k for k, s in enumerate(buffer) if s.vm == vm]
-        rundir.save_trajectory(run, it, vm, trajectory_lines(buffer, rows, r, adv), [buffer[k].before for k in rows])
+        rundir.save_trajectory(run, it, first + vm, trajectory_lines(buffer, rows, r, adv), [buffer[k].before for k in rows])
 
 
 # -----------------------------------------------------------------------------------------------
 # One iteration's learning, then the loop, top to bottom
 
+VM_PHASES = ("reset", "screenshot", "act")  # the seconds a rank waits on its desktops
 ACTOR_KEYS = ("actor/loss", "actor/kl", "actor/clip_low", "actor/clip_high", "actor/grad_norm", "actor/lr")
 
 
@@ -785,13 +839,20 @@ def learn(L: Learner, buffer: list[Step], it: int, args: Args, times: dict) -> t
     """Rewards, advantages and the GRPO update of one iteration's buffer.
     -> (rewards.Rewards, advantages (N,), the iteration's metrics)."""
     # rewards: features, the world model's guesses and update, every component (N,) each
-    r, wm_metrics = score(buffer, L, args, times)
-    # ALGO: GRPO with the whole buffer as ONE group: each step's reward against every step's
+    r, wm_metrics = score(buffer, L, args, times, it)
+    # ALGO: GRPO with the whole buffer as ONE group: each step's reward against every step's, on
+    # every rank (torchrun: the ranks' buffers together, in rank order; each trains its own steps)
     # (The sampler's log-probs ride along only so the update can log actor/logp_gap, how far
     # they are from the trainer's own: the update recomputes its old log-probs.)
     samples = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), group=0,
                                 old_logps=s.gen.logprobs) for k, s in enumerate(buffer)]
-    adv = grpo.assign_advantages(samples)  # (N,)
+    parts = dist.gather(r)  # every rank's Rewards in rank order (one process: [r])
+    r_all = R.Rewards(**{n: torch.cat([getattr(p, n) for p in parts]) for n in r.__dataclass_fields__})  # (N_all,) each
+    adv_all = grpo.group_advantages(r_all.total)  # (N_all,)
+    start = sum(len(p.total) for p in parts[:dist.rank()])
+    adv = adv_all[start:start + len(buffer)]  # (N,)
+    for sample, a in zip(samples, adv.tolist()):
+        sample.advantage = a
     actor = dict.fromkeys(ACTOR_KEYS)
     # The delay lets the world model warm up before its curiosity steers the actor. It is the
     # ONLY condition: the release also skipped the update whenever the world model was off, so
@@ -807,15 +868,16 @@ def learn(L: Learner, buffer: list[Step], it: int, args: Args, times: dict) -> t
             actor.update({f"actor/{k}": v for k, v in m.items()})
         with rundir.timed(times, "sync"):
             sync_weights(L.policy)  # the generator samples the next iteration from the new weights
-    metrics = {"vms": len({s.vm for s in buffer}), "steps": len(buffer), **R.summarize_rewards(r), **wm_metrics,
-               "actor/updated": int(updated), **actor, "adv/std": float(adv.std()) if len(adv) > 1 else 0.0}
+    vms = sum(dist.gather(len({s.vm for s in buffer})))
+    metrics = {"vms": vms, "steps": len(r_all.total), **R.summarize_rewards(r_all), **wm_metrics,
+               "actor/updated": int(updated), **actor, "adv/std": float(adv_all.std()) if len(adv_all) > 1 else 0.0}
     return r, adv, metrics
 
 
 def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int, distill_metrics: dict) -> None:
     ipg = args.iterations_per_generation or args.iterations  # iterations per generation
     total = args.generations * ipg
-    trackers = progress.open_trackers(run, rundir.public_args(args), wandb=args.wandb, tensorboard=args.tensorboard)
+    trackers = rundir.open_trackers(run, args)
     for it in progress.track(range(start, total), "iterations"):
         t0, times = time.perf_counter(), {}
         if it // ipg + 1 != L.generation:  # a generation boundary (also right after resuming at one)
@@ -826,8 +888,9 @@ def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int,
                 live = reset(pool)
         rundir.clear_trajectories(run, it)
         # rollout: --steps lockstep steps on every live desktop, one batched generate per step
-        buffer = rollout(pool, live, policy_chooser(L.policy, args), args, times)
-        if not buffer:
+        with dist.unsharded(L.policy.model):  # FSDP2: each rank decodes alone, with whole weights
+            buffer = rollout(pool, live, policy_chooser(L.policy, args), args, times)
+        if not buffer and dist.size() == 1:
             print(f"it {it}: no desktop answered; resetting them and going on.", flush=True)
             live = reset(pool)
             continue
@@ -835,14 +898,14 @@ def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int,
         metrics = {"iteration": it, "generation": L.generation, **metrics, **distill_metrics}
         distill_metrics = {}
         with rundir.timed(times, "save"):  # trajectories, checkpoint, then the metrics line: see rundir.py
-            save_trajectories(run, it, buffer, r, adv)
+            save_trajectories(run, it, buffer, r, adv, L.first)
             # Always at a generation's last iteration: the boundary (dataset, SFT) is redone from it.
             if (it + 1) % args.ckpt_every == 0 or (it + 1) % ipg == 0 or it + 1 == total:
-                line = {**metrics, **times, "time/iteration": time.perf_counter() - t0}
+                line = {**metrics, **rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0}, VM_PHASES)}
                 rundir.save(run, L.policy, L.optimizer, it + 1, args, line, start_model=L.start_model,
                             generation=L.generation, wm=L.wm.state_dict(), wm_opt=L.wm_opt.state_dict(),
                             wm_config=L.wm.config)
-        metrics.update(times, **{"time/iteration": time.perf_counter() - t0})
+        metrics.update(rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0}, VM_PHASES))
         rundir.end_iteration(run, trackers, metrics, console_line(metrics))
     finish_generation(run, L.generation, (L.generation - 1) * ipg, total - 1, L.policy, args)
     progress.close(trackers)
@@ -850,6 +913,8 @@ def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int,
 
 
 def main(argv=None) -> None:
+    dist.init()  # torchrun: join the other ranks (one process: nothing)
+    dist.mute_others()
     args, ckpt = resolve_args(argv)
     transformers.utils.logging.disable_progress_bar()  # one console line per iteration, not bars
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -858,17 +923,17 @@ def main(argv=None) -> None:
         # the default (every core) ran our tiny-model steps 10x slower than one thread did.
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
     # The desktops first: an unreachable VM should leave no run folder behind.
-    pool, live, screen = rundir.open_desktops(args.vms, args.token, args.vm_timeout)
+    pool, live, screen, first = rundir.open_desktops(args.vms, args.token, args.vm_timeout)
     try:
         if args.eval_only:
-            evaluate(pool, live, args, ckpt)
+            evaluate(pool, live, args, ckpt, first)
             return
         run = args.resume or rundir.run_path(args.runs_dir, args.run_name)
         with rundir.new_run(run):  # a failed setup (bad --model, ...) leaves no folder behind
             rundir.make_run_dir(run, args, resume=bool(args.resume))
             print(f"run folder: {run}", flush=True)
             rundir.seed_all(args.seed)
-            learner, start, distill_metrics = setup(args, run, ckpt, screen)
+            learner, start, distill_metrics = setup(args, run, ckpt, screen, first)
         train(pool, live, learner, args, run, start, distill_metrics)
     finally:
         pool.close()

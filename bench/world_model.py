@@ -130,7 +130,8 @@ def main():
         for i in range(n):
             enc = encode_chat(policy, explore_messages(before[i]))
             samples.append(grpo.step_sample(enc, [rng.randint(10, 200) for _ in range(48)], reward=rng.random()))
-        grpo.assign_advantages(samples)
+        for s, a in zip(samples, grpo.group_advantages([s.reward for s in samples]).tolist()):
+            s.advantage = a
         popt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=1e-5)
         t_policy, _ = timed(lambda: grpo.update_policy(policy, popt, samples, micro_batch_size=8), 1)
         rows.append((f"policy GRPO step, tiny Qwen2.5-VL, {n} samples", t_policy))

@@ -781,7 +781,7 @@ def evaluate(pool: VMPool, live: set, args: Args, ckpt, first: int = 0) -> dict:
         dist.seed_ranks(args.seed)
         if args.engine == "vllm":
             from vllm_engine import VLLMEngine  # vLLM only when asked for (GPU)
-        policy.engine = VLLMEngine(policy, os.path.join(run, "vllm_init"))
+            policy.engine = VLLMEngine(policy, os.path.join(run, "vllm_init"))
     choosers = {"policy": policy_chooser(policy, args)}
     if args.eval_random:
         choosers["random"] = random_chooser(random.Random(args.seed))

@@ -9,7 +9,7 @@
     dist.all_sum([loss, tokens])       # the same floats summed over ranks ([loss, tokens] itself at world 1)
     dist.gather(obj)                   # [obj of rank 0, obj of rank 1, ...] on every rank
     dist.sync_grads(params)            # data parallel: every rank's gradients summed, on every rank
-    dist.fsdp(model)                   # FSDP2 (fully_shard) over the decoder layers, summing gradients
+    dist.fsdp(model)                   # FSDP2 (fully_shard) over the decoder layers and vision blocks
 
 Every function works at world size 1 without a process group (and without torchrun), so a plain
 `python train_*.py` runs exactly the single-process code. Data parallel: every rank holds the whole

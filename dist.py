@@ -68,14 +68,6 @@ def all_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def all_max(value: float) -> float:
-    if size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device())  # (1,)
-    td.all_reduce(t, op=td.ReduceOp.MAX)
-    return float(t[0])
-
-
 def gather(obj) -> list:
     """Every rank's `obj` (picklable), in rank order, on every rank."""
     if size() == 1:
@@ -114,6 +106,8 @@ def sync_grads(params: list[torch.nn.Parameter]) -> None:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
+    if size() == 1:  # one process never shards (and skips FSDP's import, a second of start-up)
+        return False
     from torch.distributed.fsdp import FSDPModule
     return isinstance(model, FSDPModule)
 
@@ -234,16 +228,13 @@ def seed_ranks(seed: int) -> None:
         torch.manual_seed(seed + 1_000_003 * rank())
 
 
+@contextlib.contextmanager
 def same_rng(seed: int):
     """Under torchrun: a block every rank runs with the same torch random numbers (the world
     model's shuffles, so it stays the same model on every rank); one process: the RNG as it is."""
     if size() == 1:
-        return contextlib.nullcontext()
-    return _seeded(seed)
-
-
-@contextlib.contextmanager
-def _seeded(seed: int):
+        yield
+        return
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield

@@ -846,10 +846,10 @@ def learn(L: Learner, buffer: list[Step], it: int, args: Args, times: dict) -> t
     # they are from the trainer's own: the update recomputes its old log-probs.)
     samples = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), group=0,
                                 old_logps=s.gen.logprobs) for k, s in enumerate(buffer)]
-    parts = dist.gather(r)  # every rank's Rewards in rank order (one process: [r])
-    r_all = R.Rewards(**{n: torch.cat([getattr(p, n) for p in parts]) for n in r.__dataclass_fields__})  # (N_all,) each
+    parts = dist.gather((r, len({s.vm for s in buffer})))  # every rank's Rewards and desktops, rank order
+    r_all = R.Rewards(**{n: torch.cat([getattr(p, n) for p, _ in parts]) for n in r.__dataclass_fields__})  # (N_all,) each
     adv_all = grpo.group_advantages(r_all.total)  # (N_all,)
-    start = sum(len(p.total) for p in parts[:dist.rank()])
+    start = sum(len(p.total) for p, _ in parts[:dist.rank()])
     adv = adv_all[start:start + len(buffer)]  # (N,)
     for sample, a in zip(samples, adv.tolist()):
         sample.advantage = a
@@ -868,8 +868,7 @@ def learn(L: Learner, buffer: list[Step], it: int, args: Args, times: dict) -> t
             actor.update({f"actor/{k}": v for k, v in m.items()})
         with rundir.timed(times, "sync"):
             sync_weights(L.policy)  # the generator samples the next iteration from the new weights
-    vms = sum(dist.gather(len({s.vm for s in buffer})))
-    metrics = {"vms": vms, "steps": len(r_all.total), **R.summarize_rewards(r_all), **wm_metrics,
+    metrics = {"vms": sum(n for _, n in parts), "steps": len(r_all.total), **R.summarize_rewards(r_all), **wm_metrics,
                "actor/updated": int(updated), **actor, "adv/std": float(adv_all.std()) if len(adv_all) > 1 else 0.0}
     return r, adv, metrics
 

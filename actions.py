@@ -323,7 +323,7 @@ def _parse_explore(text, screen, image, rel1000, cursor=None) -> Parsed | None:
     elif type_ == "scroll" and not args:
         action = _make("scroll", direction=direction)  # scroll wherever the mouse is
     elif type_ == "drag":
-        # DragTo(x, y): from where the pointer is (the release presses the button there, moves,
+        # DragTo(x, y): from where the pointer is (the server presses the button there, moves,
         # releases). Our drag names both ends, so the start is the caller's cursor, else the
         # screen centre, where POST /reset leaves the pointer.
         end = to_screen(nums[0], nums[1], screen, image, rel1000) if len(args) == 2 and None not in nums else None

@@ -38,9 +38,7 @@ import torch
 
 import dist
 import vision_windows  # the vision tower's batched window attention
-# Image size caps, in pixels of the resized image: 1280 * 28 * 28 = at most 1280 image tokens (one per
-# 28x28 px after the 2x2 merge), so a 1280x720 screen passes at full resolution (1288x728 -> 1196).
-from actions import MAX_PIXELS, MIN_PIXELS
+from actions import MAX_PIXELS, MIN_PIXELS  # the image size caps
 from chat import (CHAT_TEMPLATE, DEFAULT_SYSTEM, EXPLORE_PROMPT, SPECIAL_TOKENS, UITARS_PROMPT, VISION_TOKENS,
                   Encoded, encode_chats, special_id)
 
@@ -303,6 +301,11 @@ def merged_weights(policy: Policy):
         yield key, tensor
 
 
+def cpu_weights(policy: Policy) -> dict:
+    """merged_weights as one CPU state dict, ready for save_pretrained (FSDP2: a collective)."""
+    return {k: v.detach().to("cpu").contiguous() for k, v in merged_weights(policy)}
+
+
 def save_policy(policy: Policy, path: str, state: dict | None = None) -> None:
     """save_pretrained: model (LoRA merged in), tokenizer, image processor.
 
@@ -313,7 +316,7 @@ def save_policy(policy: Policy, path: str, state: dict | None = None) -> None:
     os.makedirs(path, exist_ok=True)
     base = policy.model.get_base_model() if policy.lora else policy.model
     if state is None:  # `state`: merged_weights already gathered (under FSDP2, from every rank)
-        state = {k: v.detach().to("cpu").contiguous() for k, v in merged_weights(policy)}
+        state = cpu_weights(policy)
     base.save_pretrained(path, state_dict=state)
     policy.tokenizer.save_pretrained(path)
     policy.image_processor.save_pretrained(path)

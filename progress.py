@@ -27,7 +27,7 @@ from dataclasses import dataclass
 # -----------------------------------------------------------------------------------------------
 # Progress bars and console lines
 
-# Under torchrun only rank 0 shows bars and console lines (dist.init's caller sets this on the others).
+# Under torchrun only rank 0 shows bars and console lines (dist.mute_others sets this on the others).
 MUTED = False
 
 

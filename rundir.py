@@ -54,7 +54,7 @@ import numpy as np
 import dist
 import progress
 from env import VMPool
-from model import merged_weights, save_policy
+from model import cpu_weights, save_policy
 
 # -----------------------------------------------------------------------------------------------
 # Flags: one per Args field, parsed by transformers' HfArgumentParser
@@ -248,7 +248,7 @@ def save(run: str, policy, optimizer, next_it: int, args, metrics: dict | None =
         from peft import get_peft_model_state_dict
         adapter = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(policy.model).items()}
     else:
-        weights = {k: v.detach().to("cpu").contiguous() for k, v in merged_weights(policy)}
+        weights = cpu_weights(policy)
     state = {"next_iteration": next_it, "args": asdict(args), "optimizer": dist.optimizer_state(policy.model, optimizer),
              "rng": rng_state(), "adapter": adapter, "start_model": start_model or args.model, **extra}
     if dist.is_main():

@@ -89,7 +89,7 @@ import rundir
 from actions import MAX_PIXELS, MIN_PIXELS, Action, Parsed, cursor_after, parse_action
 from chat import encode_chat, explore_messages
 from env import VMPool
-from model import generate, load_policy, merged_weights, save_policy, sync_weights
+from model import cpu_weights, generate, load_policy, save_policy, sync_weights
 
 PROG = "train_explore.py"
 
@@ -461,7 +461,7 @@ def start_generation(g: int, run: str, a: Args) -> tuple:
 def save_model(policy, path: str, extra: dict | None = None) -> None:
     """save_policy into a temp folder, then rename: a model folder is either complete or absent.
     Every rank calls it (FSDP2 gathers the weights from all of them); rank 0 writes."""
-    weights = {k: v.detach().to("cpu").contiguous() for k, v in merged_weights(policy)}
+    weights = cpu_weights(policy)
     if dist.is_main():
         tmp = path + f".tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -115,7 +115,7 @@ def check_action(desk: Desktop, body) -> dict:
     if ("x" in a) != ("y" in a):
         raise BadRequest("'x' and 'y' must be given together.")
     for kx, ky in (("x", "y"), ("x2", "y2")):
-        if kx in a:  # an off-screen point is the client's bug (env.py clamps model output)
+        if kx in a:  # an off-screen point is the client's bug (actions.to_screen clamps model output)
             check_number(a, kx, 0, desk.screen[0] - 1), check_number(a, ky, 0, desk.screen[1] - 1)
     if t == "type":
         check_str(a, "text", MAX_TEXT_CHARS)

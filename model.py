@@ -284,14 +284,23 @@ def wrap_policy(model, tokenizer, image_processor, name: str, device, dtype, lor
                   device=torch.device(device), dtype=dtype, name=name, lora=lora_rank > 0)
 
 
-def merged_weights(policy: Policy):
+@torch.no_grad()
+def merged_weights(policy: Policy, dtype: torch.dtype | None = None, every_rank: bool = False):
     """Yield (name, tensor) in the plain Hugging Face naming, LoRA folded in: W + B @ A * scale.
 
-    The training copy is left untouched (no merge/unmerge round trip, which drifts bf16 weights);
-    each merged matrix is computed on the fly. Used to save checkpoints and to sync vLLM.
+    One tensor at a time and outside autograd, so a caller that streams them (the vLLM sync) holds
+    one merged matrix at a time, never a second copy of the model. Each comes in `dtype` (None: the
+    weight's own: peft keeps the adapter, and so B @ A, in fp32; the sum is rounded once, back to
+    the weight's dtype). The training copy is left untouched (no merge/unmerge round trip, which
+    drifts bf16 weights). Used to save checkpoints and to sync vLLM. Full fine-tuning under
+    torchrun (FSDP2): every_rank=False gathers the whole state dict onto rank 0's CPU (saving; a
+    collective, the other ranks get nothing), every_rank=True all-gathers one weight at a time onto
+    every rank (each rank's own vLLM engine; a collective per weight).
     """
     if not policy.lora:
-        yield from dist.full_state_dict(policy.model).items()  # FSDP2: gathered (a collective)
+        items = dist.whole_tensors(policy.model) if every_rank else dist.full_state_dict(policy.model).items()
+        for key, tensor in items:
+            yield key, tensor.to(dtype or tensor.dtype)
         return
     from peft.tuners.lora import LoraLayer
     base = policy.model.get_base_model()
@@ -299,12 +308,13 @@ def merged_weights(policy: Policy):
     for key, tensor in base.state_dict().items():
         if ".lora_" in key:
             continue  # the adapter matrices themselves; folded into the base weight below
+        want = dtype or tensor.dtype
         if ".base_layer." in key:
             module, param = key.split(".base_layer.")
             if param == "weight":
-                tensor = tensor + lora_layers[module].get_delta_weight("default")  # (out, in)
+                tensor = tensor + lora_layers[module].get_delta_weight("default")  # (out, in), fp32
             key = f"{module}.{param}"
-        yield key, tensor
+        yield key, tensor.to(want)
 
 
 def cpu_weights(policy: Policy) -> dict:

@@ -2,10 +2,11 @@
 
     from chat import explore_messages; from model import load_policy, generate
     policy = load_policy("tiny")                      # random weights, CPU, no download
+    policy = load_policy("tiny-explore")              # the same, taught the answer format (built once, cached)
     policy = load_policy("Qwen/Qwen2.5-VL-3B-Instruct", lora_rank=64)   # a real checkpoint (GPU)
     gens = generate(policy, [explore_messages(img)] * 8, max_new_tokens=128)
 
-Tests: `python -m pytest -q tests/test_model.py tests/test_families.py`.
+Tests: `python -m pytest -q tests/test_model.py tests/test_families.py tests/test_warm_start.py`.
 Benchmarks: `python bench/generate.py` (one batched generate vs N sequential calls),
 `python bench/logprobs.py` (per_token_logps vs the full log_softmax), `python bench/gpu_update.py`
 (one GRPO update of a random Qwen2.5-VL-3B on a GPU; `--dry-run` tests it on CPU).
@@ -16,6 +17,9 @@ sync_weights (push new weights to a generation engine). Model names besides chec
   tiny, tiny-qwen2-vl, tiny-qwen3-vl   random weights of the REAL class from a small config
                   (qwen_vl.tiny_config), with a byte-level BPE tokenizer trained in milliseconds on
                   an embedded corpus; every test and CPU run uses one
+  tiny-uitars, tiny-explore   the tiny Qwen2.5-VL after a short supervised warm start on the
+                  UI-TARS / ScreenExplorer answer FORMAT (uniform coordinates, no task knowledge),
+                  built on first use (a minute or two on a CPU) and cached on disk (warm_start.py)
 What is specific to the Qwen-VL family (tokens, chat format, 3D rope, LoRA targets, resize factor,
 which vision attention to batch) is in qwen_vl.py, keyed by config.json's model_type: a checkpoint
 of a family it knows loads through the auto class, any other is refused in one sentence, and so is
@@ -43,6 +47,7 @@ import torch
 import dist
 import qwen_vl  # what is specific to the model family
 import vision_windows  # the vision tower's batched window attention
+import warm_start  # the tiny-uitars / tiny-explore recipes and their cache
 from actions import MAX_PIXELS, MIN_PIXELS  # the image size caps
 from chat import EXPLORE_PROMPT, UITARS_PROMPT, Encoded, encode_chats, special_id
 
@@ -180,7 +185,8 @@ def load_policy(name: str = "tiny", lora_rank: int = 0, lora_alpha: int = 16,
                 min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
                 seed: int = 0, vocab_size: int | None = None) -> Policy:
     """A Hugging Face id, a local checkpoint folder (e.g. one save_policy wrote), or a tiny name:
-    "tiny" (random Qwen2.5-VL), "tiny-qwen2-vl", "tiny-qwen3-vl" (random weights; `seed` picks them).
+    "tiny" (random Qwen2.5-VL), "tiny-qwen2-vl", "tiny-qwen3-vl" (random weights; `seed` picks them),
+    "tiny-uitars", "tiny-explore" (warm-started from the tiny Qwen2.5-VL of `seed`, cached).
 
     lora_rank > 0 wraps the language model's linear layers in LoRA adapters (qwen_vl.LORA_TARGETS;
     the vision tower stays frozen); 0 means full fine-tuning. bf16 on CUDA, fp32 on CPU.
@@ -191,6 +197,9 @@ def load_policy(name: str = "tiny", lora_rank: int = 0, lora_alpha: int = 16,
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    source = name
+    if name in warm_start.RECIPES:  # built on first use (on the CPU), then an ordinary checkpoint folder
+        source = warm_start.folder(name, seed, lambda: load_policy("tiny", seed=seed, device="cpu"), save_policy)
     if name in qwen_vl.TINY:
         fam = qwen_vl.FAMILIES[qwen_vl.TINY[name]]
         tokenizer = build_tiny_tokenizer(fam.model_type)
@@ -201,7 +210,7 @@ def load_policy(name: str = "tiny", lora_rank: int = 0, lora_alpha: int = 16,
             model = AutoModelForImageTextToText.from_config(qwen_vl.tiny_config(fam, tokenizer, vocab_size))
         image_processor = qwen_vl.image_processor(fam, min_pixels, max_pixels)
     else:
-        model, tokenizer, image_processor = _from_pretrained(name, device, dtype, min_pixels, max_pixels)
+        model, tokenizer, image_processor = _from_pretrained(source, device, dtype, min_pixels, max_pixels)
     return wrap_policy(model, tokenizer, image_processor, name, device, dtype, lora_rank, lora_alpha,
                        gradient_checkpointing)
 

@@ -194,6 +194,16 @@ def full_state_dict(model: torch.nn.Module) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def whole_tensors(model: torch.nn.Module):
+    """Yield (name, whole tensor) of the model's state dict one at a time, on every rank. FSDP2:
+    each one all-gathered where it lives (a collective per tensor: every rank must walk the whole
+    generator); otherwise the tensors as they are. For streaming weights, not for saving them."""
+    for name, tensor in model.state_dict().items():
+        if hasattr(tensor, "full_tensor"):  # a DTensor: this rank holds a shard
+            tensor = tensor.full_tensor()
+        yield name, tensor
+
+
 def optimizer_state(model: torch.nn.Module, optimizer) -> dict:
     """The optimizer's state keyed by parameter name, whole (FSDP2: gathered; a collective), so a
     run resumes with any number of ranks."""

@@ -184,26 +184,32 @@ def mm_token_types(model, input_ids: torch.Tensor) -> dict:
     HF generate() computes the 3D rotary positions of the prompt from this argument before any
     forward runs, so generate must be given it explicitly (the hook below only covers forwards).
     """
-    config = inner_model(model).config
-    if "mm_token_type_ids" not in inspect.signature(inner_model(model).forward).parameters:
+    return _mm_types(inner_model(model), input_ids)
+
+
+def _mm_types(inner, input_ids: torch.Tensor) -> dict:
+    # `inner`: the Qwen2_5_VLModel (its config has the ids; its forward says if it takes the types)
+    if "mm_token_type_ids" not in inspect.signature(inner.forward).parameters:
         return {}
+    config = inner.config
     types = (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()  # (B, T)
     return {"mm_token_type_ids": types}
 
 
-def _add_mrope_hook(model):
+def _mrope_hook(module, args, kwargs):
     # transformers >= 5.x computes Qwen2.5-VL's 3D (time, height, width) rotary positions only when
     # the forward is given `mm_token_type_ids`; without them every token silently gets 1D positions
     # and log-probs no longer match generation. The Qwen processor makes them; we don't use it, so
-    # this pre-hook derives them from input_ids for EVERY forward (grpo's log-probs, anyone's).
-    # It sits on the inner Qwen2_5_VLModel, which the outer model calls with keywords.
-    def hook(module, args, kwargs):
-        ids = kwargs.get("input_ids")
-        if kwargs.get("mm_token_type_ids") is None and ids is not None and kwargs.get("image_grid_thw") is not None:
-            kwargs.update(mm_token_types(model, ids))
-        return args, kwargs
-
-    inner_model(model).register_forward_pre_hook(hook, with_kwargs=True)
+    # this pre-hook on the inner Qwen2_5_VLModel (which the outer model calls with keywords)
+    # derives them from input_ids for EVERY forward (grpo's log-probs, anyone's).
+    # A module-level function that reads only its `module` argument: a closure over the model
+    # would make model -> hook -> model a reference cycle, which only the cyclic garbage collector
+    # frees, and vLLM's gc.freeze() exempts whatever is alive at engine start from it, so a
+    # replaced policy would stay in GPU memory (tests/test_vllm_engine.py checks no cycle is left).
+    ids = kwargs.get("input_ids")
+    if kwargs.get("mm_token_type_ids") is None and ids is not None and kwargs.get("image_grid_thw") is not None:
+        kwargs.update(_mm_types(module, ids))
+    return args, kwargs
 
 
 def load_policy(name: str = "tiny", lora_rank: int = 0, lora_alpha: int = 16,
@@ -257,7 +263,7 @@ def wrap_policy(model, tokenizer, image_processor, name: str, device, dtype, lor
         tokenizer.pad_token = "<|endoftext|>"
     tokenizer.padding_side = "left"
     _neutral_generation_config(model, tokenizer)
-    _add_mrope_hook(model)
+    inner_model(model).register_forward_pre_hook(_mrope_hook, with_kwargs=True)  # 3D rope, see the hook
     vision_windows.install(model)  # one attention call per window length, not per window (see file)
     model.to(device=device, dtype=dtype)
     if gradient_checkpointing:
@@ -278,14 +284,23 @@ def wrap_policy(model, tokenizer, image_processor, name: str, device, dtype, lor
                   device=torch.device(device), dtype=dtype, name=name, lora=lora_rank > 0)
 
 
-def merged_weights(policy: Policy):
+@torch.no_grad()
+def merged_weights(policy: Policy, dtype: torch.dtype | None = None, every_rank: bool = False):
     """Yield (name, tensor) in the plain Hugging Face naming, LoRA folded in: W + B @ A * scale.
 
-    The training copy is left untouched (no merge/unmerge round trip, which drifts bf16 weights);
-    each merged matrix is computed on the fly. Used to save checkpoints and to sync vLLM.
+    One tensor at a time and outside autograd, so a caller that streams them (the vLLM sync) holds
+    one merged matrix at a time, never a second copy of the model. Each comes in `dtype` (None: the
+    weight's own: peft keeps the adapter, and so B @ A, in fp32; the sum is rounded once, back to
+    the weight's dtype). The training copy is left untouched (no merge/unmerge round trip, which
+    drifts bf16 weights). Used to save checkpoints and to sync vLLM. Full fine-tuning under
+    torchrun (FSDP2): every_rank=False gathers the whole state dict onto rank 0's CPU (saving; a
+    collective, the other ranks get nothing), every_rank=True all-gathers one weight at a time onto
+    every rank (each rank's own vLLM engine; a collective per weight).
     """
     if not policy.lora:
-        yield from dist.full_state_dict(policy.model).items()  # FSDP2: gathered (a collective)
+        items = dist.whole_tensors(policy.model) if every_rank else dist.full_state_dict(policy.model).items()
+        for key, tensor in items:
+            yield key, tensor.to(dtype or tensor.dtype)
         return
     from peft.tuners.lora import LoraLayer
     base = policy.model.get_base_model()
@@ -293,12 +308,13 @@ def merged_weights(policy: Policy):
     for key, tensor in base.state_dict().items():
         if ".lora_" in key:
             continue  # the adapter matrices themselves; folded into the base weight below
+        want = dtype or tensor.dtype
         if ".base_layer." in key:
             module, param = key.split(".base_layer.")
             if param == "weight":
-                tensor = tensor + lora_layers[module].get_delta_weight("default")  # (out, in)
+                tensor = tensor + lora_layers[module].get_delta_weight("default")  # (out, in), fp32
             key = f"{module}.{param}"
-        yield key, tensor
+        yield key, tensor.to(want)
 
 
 def cpu_weights(policy: Policy) -> dict:

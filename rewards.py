@@ -539,7 +539,9 @@ class WorldModel(nn.Module):
 
 
 def world_model_loss(wm, screen, action_vec, next_screen, text=None, next_text=None):
-    """ALGO: squared error summed over features, mean over the batch (= 2 - 2 cos on unit vectors).
+    """ALGO: squared error summed over features, mean over the batch. The targets are unit vectors
+    but the predictions are not normalised (screen + a residual), so this is not 2 - 2 cos: it also
+    pulls the prediction's norm towards 1, and the curiosity reward (1 - cos) ignores that norm.
     Both predictions carry their gradient (the release detached its image prediction here)."""
     ps, pt = wm(screen, action_vec, text)  # (B, D), (B, E)
     image = ((ps - next_screen) ** 2).sum(-1).mean()

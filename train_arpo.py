@@ -76,7 +76,6 @@ import math
 import os
 import random
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
@@ -180,6 +179,7 @@ class Args:
 
 def check_args(args: Args) -> None:
     """Errors a user can cause, each as one sentence."""
+    import vllm_engine  # plain Python until an engine is built (vLLM itself is imported there)
     rundir.check([
         (args.group_size < 1, "--group-size must be at least 1 (ARPO uses 8)"),
         (args.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
@@ -194,6 +194,7 @@ def check_args(args: Args) -> None:
         (args.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
         (args.lr_warmup < 0 or args.epochs < 1, "--lr-warmup must be 0 or more and --epochs at least 1"),
         (screen_size(args) is None, "--screen must be WIDTHxHEIGHT, e.g. 1280x720"),
+        *vllm_engine.flag_errors(args.engine, args.temperature, args.eval_temperature),
     ], PROG)
     try:
         parse_settle(args.settle)
@@ -826,17 +827,9 @@ def make_policy(args: Args, ckpt: tuple[dict, str] | None):
                            max_pixels=args.max_pixels)
     policy = load(args.model) if ckpt is None else rundir.restore_policy(*ckpt, load)
     dist.spread(policy.model, shard=args.lora_rank == 0)  # torchrun: rank 0's weights; full FT: FSDP2
-    if args.engine == "vllm":
-        from vllm_engine import VLLMEngine, needed_model_len  # vLLM only when asked for (GPU)
-        # vLLM loads weights from disk: the starting ones, or a fresh copy of ours
-        fresh_copy = os.path.join(tempfile.mkdtemp(prefix="arpo-vllm-"), "w")
-        path = args.model if os.path.isdir(args.model) and ckpt is None else fresh_copy
-        try:  # the longest prompt of this run: --max-images screenshots, every answer of an episode
-            length = needed_model_len(args.max_images, args.max_pixels, args.max_steps * (args.max_new_tokens + 6),
-                                      limit=policy.model.config.text_config.max_position_embeddings)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
-        policy.engine = VLLMEngine(policy, path, max_model_len=length, max_images=args.max_images)
+    if args.engine == "vllm":  # GPU only: prompts of --max-images screenshots and every answer of an episode
+        import vllm_engine
+        vllm_engine.attach(policy, args.max_images, args.max_steps * (args.max_new_tokens + 6))
     return policy
 
 

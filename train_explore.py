@@ -171,6 +171,7 @@ class Args:
 
 def check_args(a: Args) -> None:
     """Refuse, in one sentence, anything that would only fail later."""
+    import vllm_engine  # plain Python until an engine is built (vLLM itself is imported there)
     rundir.check([
         (a.steps < 1, "--steps must be at least 1"),
         (a.iterations < 1 or a.generations < 1, "--iterations and --generations must be at least 1"),
@@ -188,6 +189,7 @@ def check_args(a: Args) -> None:
         (not 0 <= a.eval_same_hash < 64, "--eval-same-hash must be in 0..63 (bits of a 64-bit hash)"),
         (a.lora_rank < 0 or a.beta < 0, "--lora-rank and --beta must be >= 0"),
         (a.engine == "vllm" and a.beta > 0 and a.lora_rank == 0, "--engine vllm with full fine-tuning and --beta > 0 would hold three model copies; use LoRA or --beta 0"),
+        *vllm_engine.flag_errors(a.engine, a.temperature),
     ], PROG)
     try:
         R.parse_reward_flags(a.rewards)
@@ -756,9 +758,9 @@ def setup(args: Args, run: str, ckpt, screen, first: int) -> tuple:
         start = rundir.resume(run, ckpt, policy, optimizer)  # optimizer, metrics.jsonl and RNG states
         generation, start_model, distill_metrics = state["generation"], state["start_model"], {}
         print(f"resumed {run} at iteration {start} (generation E{generation})", flush=True)
-    if args.engine == "vllm":
-        from vllm_engine import VLLMEngine  # vLLM only when asked for (GPU)
-        policy.engine = VLLMEngine(policy, os.path.join(run, "vllm_init"))
+    if args.engine == "vllm":  # GPU only: one screenshot and one answer per prompt
+        import vllm_engine
+        vllm_engine.attach(policy, 1, args.max_new_tokens)
     learner = Learner(policy, optimizer, start_model, reference_fn(start_model, args), generation, wm, wm_opt,
                       flags, tools, first)
     dist.seed_ranks(args.seed + start)  # under torchrun: each rank samples its own answers
@@ -782,9 +784,9 @@ def evaluate(pool: VMPool, args: Args, ckpt, first: int = 0) -> dict:
         policy = (rundir.restore_policy(*ckpt, lambda name: load(name, args)) if ckpt is not None
                   else load(args.model, args, lora=False))
         dist.seed_ranks(args.seed)
-        if args.engine == "vllm":
-            from vllm_engine import VLLMEngine  # vLLM only when asked for (GPU)
-            policy.engine = VLLMEngine(policy, os.path.join(run, "vllm_init"))
+        if args.engine == "vllm":  # GPU only: one screenshot and one answer per prompt
+            import vllm_engine
+            vllm_engine.attach(policy, 1, args.max_new_tokens)
     choosers = {"policy": policy_chooser(policy, args)}
     if args.eval_random:
         choosers["random"] = random_chooser(random.Random(args.seed))

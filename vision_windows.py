@@ -21,8 +21,9 @@ loop (tests/test_vision_windows.py checks outputs and gradients against the stoc
 GPU still gets its flash / cuDNN kernels, which a mask would rule out.
 
 Where we depart: nothing in the model changes; we replace the forward of each vision attention
-module of this one model instance (not the class), and only when the model is NOT using
-flash-attention, whose varlen kernel already does this (an eager or flex model gets sdpa here:
+module of this one model instance (its class becomes a subclass with our forward; other instances
+keep the stock one), and only when the model is NOT using flash-attention, whose varlen kernel
+already does this (an eager or flex model gets sdpa here:
 the same math). install() decides once; switch attention implementations before calling it.
 The forward mirrors transformers 5.17-5.24 (qkv projection, 2D rotary, attention, proj);
 install() checks that the module still has those parts and leaves the model alone if a future
@@ -30,8 +31,6 @@ version changed them.
 """
 
 from __future__ import annotations
-
-import types
 
 import torch
 import torch.nn.functional as F
@@ -65,9 +64,23 @@ def _windowed_forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tenso
     return self.proj(out.reshape(n, -1))  # (N, D)
 
 
+_WINDOWED: dict = {}  # a vision attention class -> its subclass with the batched forward
+
+
+def _windowed_class(cls):
+    # The forward goes on a subclass, and the module's __class__ is switched to it (FSDP2's
+    # fully_shard switches classes the same way). A bound method stored on the module instead
+    # would be a reference cycle (module -> method -> module) that only the cyclic garbage
+    # collector frees, which vLLM's gc.freeze() stops for whatever is alive at engine start.
+    if cls not in _WINDOWED:
+        _WINDOWED[cls] = type(cls.__name__, (cls,), {"forward": _windowed_forward, "stock_class": cls})
+    return _WINDOWED[cls]
+
+
 def install(model) -> int:
     """Give every vision attention module of `model` (a Qwen2.5-VL, peft-wrapped or not) the batched
-    window forward. Returns how many modules were changed (0: flash-attention, or no such tower)."""
+    window forward. Returns how many modules were changed (0: flash-attention, or no such tower).
+    `module.__class__ = module.stock_class` puts a module's stock forward back."""
     changed = 0
     for module in model.modules():
         if type(module).__name__ != "Qwen2_5_VLVisionAttention":
@@ -75,6 +88,6 @@ def install(model) -> int:
         impl = getattr(module.config, "_attn_implementation", "sdpa") or "sdpa"
         if "flash" in impl or not all(hasattr(module, a) for a in ("qkv", "proj", "num_heads", "scaling")):
             continue
-        module.forward = types.MethodType(_windowed_forward, module)
+        module.__class__ = _windowed_class(getattr(module, "stock_class", type(module)))
         changed += 1
     return changed

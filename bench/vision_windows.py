@@ -72,7 +72,7 @@ def main():
         return y.detach()
 
     attn = [b.attn for b in tower.blocks]
-    ways = {"stock loop": lambda: [a.__dict__.pop("forward", None) for a in attn],
+    ways = {"stock loop": lambda: [setattr(a, "__class__", getattr(a, "stock_class", type(a))) for a in attn],
             "batched windows": lambda: vision_windows.install(tower)}
     best, outs = {w: float("inf") for w in ways}, {}
     for w, use in ways.items():  # warm-up both

@@ -1,5 +1,5 @@
-"""Tests for model.py, chat.py and vllm_engine.py's CPU-side helpers, on the tiny random-weight
-Qwen2.5-VL (the real transformers class, CPU).
+"""Tests for model.py and chat.py, on the tiny random-weight Qwen2.5-VL (the real transformers
+class, CPU).
 
 Run: python -m pytest -q tests/test_model.py        (about half a minute on 2 CPU cores)
 
@@ -8,8 +8,8 @@ language model and the vision tower; images become exactly t*h*w/4 placeholder t
 mask covers exactly the assistant tokens of every turn; the UI-TARS history keeps only the last K
 screenshots; batched (left-padded, 3D-rope) greedy generation equals one-prompt-at-a-time; the
 returned log-probs are the sampling distribution's; save/load keeps the logits (full and LoRA);
-LoRA and full fine-tuning both learn, and LoRA switched off is the base model; vLLM's context
-length covers the flags; bad names give one clear sentence.
+LoRA and full fine-tuning both learn, and LoRA switched off is the base model; bad names give
+one clear sentence. vllm_engine.py's tests: tests/test_vllm_engine.py.
 """
 import io
 
@@ -19,10 +19,9 @@ import torch
 from PIL import Image
 
 import model as M
-from actions import smart_resize
 from chat import (SPECIAL_TOKENS, VISION_TOKENS, encode_chat, encode_chats, expand_image_tokens, explore_messages,
                   image_parts, uitars_messages)
-from vllm_engine import collapse_image_pads, needed_model_len
+from vllm_engine import collapse_image_pads
 
 
 def _img(w, h, seed):
@@ -129,26 +128,6 @@ def test_image_caps(images):
     enc = encode_chat(small, explore_messages(_img(1280, 720, 3)))
     w, h = enc.image_sizes[0]
     assert w * h <= 56 * 56 and w % 28 == 0 and h % 28 == 0
-
-
-def test_vllm_context_length_fits_the_flags(policy):
-    # vLLM is CUDA-only; its context length is a pure function of the flags, checked here.
-    # ARPO: a 1920x1080 screen at max_pixels 2,116,800 is resized to 1932x1092 = 69 x 39 = 2,691
-    # tokens. Bound per screenshot: 2,116,800 // 784 = 2,700 + 7 ChatML/vision tokens = 2,707;
-    # 15 of them 40,605, + 15 answers of 256 + 6 = 3,930, + 2,048 prompt = 46,583 -> 47,104 (46 x 1024),
-    # where a fixed 32,768 would hold fewer than 15 x 2,691 = 40,365 image tokens.
-    h, w = smart_resize(1080, 1920, max_pixels=2116800)
-    assert (w // 28) * (h // 28) == 2691
-    assert needed_model_len(15, 2116800, 15 * (256 + 6)) == 47104 > 15 * 2691 > 32768
-    # A real prompt at that cap (3 screenshots, 2 answers of 256 tokens so far, and the 256 to come) fits.
-    from dataclasses import replace
-    big = replace(policy, image_processor=M.qwen_image_processor(max_pixels=2116800), pixels={})
-    shot = _img(1920, 1080, 4)
-    answer = list(range(100, 356))  # 256 ordinary token ids
-    enc = encode_chat(big, uitars_messages("Open the file manager. " * 20, [shot] * 3, [answer] * 2, max_images=3))
-    assert len(enc.input_ids) + 256 <= needed_model_len(3, 2116800, 3 * (256 + 6))
-    with pytest.raises(ValueError, match="lower --max-images or --max-pixels"):
-        needed_model_len(15, 2116800, 15 * 262, limit=32768)
 
 
 def test_encode_matches_chat_template(policy, images):

@@ -27,15 +27,15 @@ def _pixels(policy, sizes):
 
 
 def _stock(module):
-    # The class's own forward again: deleting the instance attribute un-shadows it.
-    del module.forward
+    # The stock class (and its forward) again.
+    module.__class__ = module.stock_class
 
 
 def test_same_outputs_and_gradients_as_the_stock_loop():
     policy = M.load_policy("tiny", seed=3)
     visual = M.inner_model(policy.model).visual
     attn = [b.attn for b in visual.blocks]
-    assert all("forward" in vars(a) for a in attn), "load_policy must install the batched forward"
+    assert all(type(a).forward is vision_windows._windowed_forward for a in attn), "load_policy must install it"
 
     # 1280x720 -> 92x52 patches: windows of 64, 32 (right/bottom edges) and 16 (corner) patches
     pixels, grid = _pixels(policy, [(1280, 720), (300, 200), (1280, 720)])

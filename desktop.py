@@ -205,7 +205,8 @@ def remove_tree(path: str) -> None:
     """rmtree that also removes what a task or the agent made read-only (chmod 000 folders)."""
     def force(func, p, _exc):
         with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(p), 0o755)
+            if p != path:  # never the folder holding the tree: for a desktop's folder that is /tmp
+                os.chmod(os.path.dirname(p), 0o755)
             if os.path.isdir(p) and not os.path.islink(p):
                 os.chmod(p, 0o755)
             func(p)

@@ -600,8 +600,12 @@ def main(argv: list[str] | None = None) -> None:
             inner = ["--xvfb", "--screen", args.screen, "--request-timeout", repr(args.request_timeout),
                      *(["--allow-exec", args.allow_exec] if args.allow_exec else []), *(["--verbose"] if args.verbose else [])]
             sys.exit(_desktop().sandbox(inner, sock, token))
+        try:
+            user = pwd.getpwuid(os.getuid()).pw_name
+        except KeyError:  # a uid without a passwd entry
+            user = f"uid {os.getuid()}"
         print(f"vm_server: sandbox: off (--no-sandbox): the desktop's programs, its terminal included, run "
-              f"unconfined on this machine as {pwd.getpwuid(os.getuid()).pw_name}", file=sys.stderr, flush=True)
+              f"unconfined on this machine as {user}", file=sys.stderr, flush=True)
     # PR_SET_CHILD_SUBREAPER (36): programs that double-fork (GLib's app launching does) are
     # re-parented to us instead of init, so /reset and exit still find them.
     prctl(36, 1)

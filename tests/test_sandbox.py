@@ -178,6 +178,17 @@ def test_a_crashed_server_takes_its_sandbox_along():
         vm.stop(signal.SIGKILL)
 
 
+def test_removing_a_desktops_folder_leaves_the_folder_around_it_alone(tmp_path):
+    """The desktop's folder sits in /tmp: removing it, even after it is gone or with a folder the agent
+    locked (chmod 000) inside, must never loosen /tmp's own mode (1777 -> 0755 broke every user's /tmp)."""
+    tmp_path.chmod(0o1777)
+    desktop.remove_tree(str(tmp_path / "gone"))
+    (tmp_path / "t" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "t" / "a").chmod(0)
+    desktop.remove_tree(str(tmp_path / "t"))
+    assert not (tmp_path / "t").exists() and oct(tmp_path.stat().st_mode & 0o7777) == oct(0o1777)
+
+
 # ------------------------------------------------------------------------------------------------
 # Modes
 

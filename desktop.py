@@ -202,15 +202,20 @@ def start_session(desk: Desktop) -> None:
 
 
 def remove_tree(path: str) -> None:
-    """rmtree that also removes what a task or the agent made read-only (chmod 000 folders)."""
-    def force(func, p, _exc):
+    """rmtree that also removes what a task or the agent made unreadable (chmod 000 folders): every
+    folder of the tree is opened up first, top-down, so the walk can enter it (root could anyway;
+    the user of a sandbox started by anyone else could not). Symlinks are never followed, and the
+    folder holding `path` is never touched (for a desktop's folder that is /tmp). Runs when no
+    process of the desktop is left to swap a folder for a link meanwhile (reset kills them first)."""
+    def open_up(p: str) -> None:
         with contextlib.suppress(OSError):
-            if p != path:  # never the folder holding the tree: for a desktop's folder that is /tmp
-                os.chmod(os.path.dirname(p), 0o755)
             if os.path.isdir(p) and not os.path.islink(p):
                 os.chmod(p, 0o755)
-            func(p)
-    shutil.rmtree(path, onerror=force)
+    open_up(path)
+    for top, dirs, _ in os.walk(path):
+        for d in dirs:
+            open_up(os.path.join(top, d))
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def restore_home(desk: Desktop) -> None:

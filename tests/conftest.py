@@ -184,9 +184,22 @@ def free_port() -> int:
 # -------------------------------------------------------------------------------------------------
 # The host's way to a desktop's X display. A sandboxed desktop's Xvfb listens only on an abstract
 # socket in the sandbox's own network namespace (and on a path in its private /tmp), and admits
-# only clients with its cookie (run/Xauthority beside HOME). A test enters that namespace
-# (nsenter: root, or the user owning the sandbox's user namespace) and shows the cookie; no process
-# on another desktop can do either.
+# only clients with its cookie (run/Xauthority beside HOME). A test enters that namespace (root
+# may; another user joins the user namespace that owns it first, which it made itself, starting
+# the sandbox) and shows the cookie; no process on another desktop can do either.
+
+ENTER = """import ctypes, fcntl, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+net = os.open(sys.argv[1], os.O_RDONLY)
+if os.getuid() != 0:
+    user = fcntl.ioctl(net, 0xB701)  # NS_GET_USERNS: the user namespace that owns the network one
+    if libc.setns(user, 0x10000000):  # CLONE_NEWUSER
+        raise OSError(ctypes.get_errno(), "cannot join the sandbox's user namespace")
+if libc.setns(net, 0x40000000):  # CLONE_NEWNET
+    raise OSError(ctypes.get_errno(), "cannot join the sandbox's network namespace")
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
 
 def netns_of(vm: ServedDesktop) -> str | None:
     """/proc/<pid>/ns/net of a process of the desktop in a network namespace not ours; None when it
@@ -205,12 +218,7 @@ def x_env(vm: ServedDesktop) -> tuple[list[str], dict]:
     """(argv prefix, environment) that run a program from the host on the desktop's display."""
     env = {**os.environ, "DISPLAY": vm.display, "XAUTHORITY": os.path.join(os.path.dirname(vm.home), "run", "Xauthority")}
     ns = netns_of(vm)
-    if ns is None:
-        return [], env
-    if os.getuid() == 0:
-        return ["nsenter", f"--net={ns}", "--"], env
-    user = ns[:-len("net")] + "user"  # a sandbox made by this user: enter its user namespace first
-    return ["nsenter", f"--user={user}", f"--net={ns}", "--preserve-credentials", "--"], env
+    return ([] if ns is None else [sys.executable, "-c", ENTER, ns]), env
 
 
 def x11(vm: ServedDesktop, *argv: str, check: bool = False) -> subprocess.CompletedProcess:

@@ -38,6 +38,7 @@ terminal, and without one that terminal is a shell on the trainer's machine.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
 import shutil
@@ -386,6 +387,7 @@ def bwrap_argv(bwrap: str, tmp: str, command: list[str], nested: bool = True) ->
     return cmd
 
 
+@functools.lru_cache(maxsize=None)
 def _bwrap_help(bwrap: str) -> str:
     return subprocess.run([bwrap, "--help"], capture_output=True, text=True).stdout
 

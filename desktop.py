@@ -329,9 +329,11 @@ def bwrap_argv(bwrap: str, tmp: str, command: list[str], nested: bool = True) ->
             cmd += ["--symlink", os.readlink(p), p]
         elif os.path.isdir(p):
             cmd += ["--ro-bind", p, p]
-    cmd += ["--ro-bind", "/sys", "/sys", "--dev", "/dev", "--proc", "/proc"]
+    cmd += ["--ro-bind", "/sys", "/sys",
+            "--dev", "/dev",     # null, zero, random, tty, a private pts and shm; no disks
+            "--proc", "/proc"]   # the processes of our own PID namespace only
     empty = ["/tmp"] + (["/var/tmp"] if os.path.isdir("/var/tmp") and not os.path.islink("/var/tmp") else [])
-    for d in empty:
+    for d in empty:  # private, gone with the sandbox
         cmd += ["--perms", "1777", "--tmpfs", d]
     made = set(empty)
 

@@ -15,7 +15,7 @@ network namespaces (a loopback of their own: no route to the host's services, an
 out; the socket handed in stays on the host's loopback), and run as an unprivileged user without
 capabilities (the host's `nobody` when started by root). The desktop's HOME (and its
 XDG_RUNTIME_DIR) is the one writable place, and everything dies with the server. The display
-admits only clients with its cookie (run/Xauthority), the apps' environment is built from a short
+admits only clients with its cookie (`Xauthority` beside HOME, read-only inside), the apps' environment is built from a short
 list (no credentials of the caller's), and Xt's per-user resource files (`~/XTerm`, `~/XCalc`,
 `~/.Xdefaults-<host>`) are switched off: they are code (a translations resource types into the
 shell). `--no-sandbox` runs without bubblewrap.
@@ -235,7 +235,9 @@ def restore_home(desk: Desktop) -> None:
 
 def make_tmp() -> str:
     """The desktop's folder: template/ (a fresh HOME), home/ (the HOME in use), run/
-    (XDG_RUNTIME_DIR). Made on the host, before the sandbox, which gets home/ and run/ writable."""
+    (XDG_RUNTIME_DIR), Xauthority (the display's cookie). Made on the host, before the sandbox,
+    which gets home/ and run/ writable and the rest read-only: the agent can read its display's
+    cookie but not change the one the server's own X clients (wmctrl, xdotool) read."""
     tmp = tempfile.mkdtemp(prefix="vm_server-")
     for rel, text in template_files().items():
         os.makedirs(os.path.dirname(os.path.join(tmp, "template", rel)), exist_ok=True)
@@ -248,6 +250,7 @@ def make_tmp() -> str:
         for name in files:
             os.chmod(os.path.join(top, name), 0o644)
     os.chmod(tmp, 0o711)
+    write_xauthority(os.path.join(tmp, "Xauthority"))
     os.makedirs(os.path.join(tmp, "run"), mode=0o700)
     os.makedirs(os.path.join(tmp, "home"))
     return tmp
@@ -260,8 +263,7 @@ def local_desktop(screen: tuple[int, int], allow: frozenset, tmp: str | None = N
     if missing:
         sys.exit(f"vm_server: {', '.join(missing)} not installed; install the desktop with `bash setup.sh`.")
     tmp = tmp or make_tmp()
-    auth = os.path.join(tmp, "run", "Xauthority")  # the display's cookie: only this desktop's clients get in
-    write_xauthority(auth)
+    auth = os.path.join(tmp, "Xauthority")  # the display's cookie (make_tmp wrote it): only this desktop's clients get in
     xvfb, display = start_xvfb(screen, auth)
     home = os.path.join(tmp, "home")
     # The apps' environment is built, not inherited: whatever else the server's caller had in its
@@ -412,8 +414,8 @@ def sandbox(argv: list[str], sock: socket.socket, token: str | None) -> int:
                  "which is not installed; install util-linux, or pass --no-sandbox to run the desktop unconfined.")
     tmp, fds = make_tmp(), []
     try:
-        if root:  # the sandbox's user writes HOME and XDG_RUNTIME_DIR
-            for d in ("home", "run"):
+        if root:  # the sandbox's user writes HOME and XDG_RUNTIME_DIR, and reads the cookie
+            for d in ("home", "run", "Xauthority"):
                 os.chown(os.path.join(tmp, d), NOBODY, NOBODY)
         # Without the inner user namespace where the machine forbids unprivileged ones (then the
         # agent cannot make one either).

@@ -42,7 +42,7 @@ def start(screen: str) -> tuple[subprocess.Popen, str, str, str]:
     if not m:
         proc.kill()
         sys.exit("bench: vm_server.py did not start; run `bash setup.sh` first.")
-    return proc, m[1], m[2], os.path.join(os.path.dirname(m[3]), "run", "Xauthority")
+    return proc, m[1], m[2], os.path.join(os.path.dirname(m[3]), "Xauthority")
 
 
 def median_ms(fns, reps: int) -> list[tuple[float, float]]:

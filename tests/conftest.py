@@ -184,7 +184,7 @@ def free_port() -> int:
 # -------------------------------------------------------------------------------------------------
 # The host's way to a desktop's X display. A sandboxed desktop's Xvfb listens only on an abstract
 # socket in the sandbox's own network namespace (and on a path in its private /tmp), and admits
-# only clients with its cookie (run/Xauthority beside HOME). A test enters that namespace (root
+# only clients with its cookie (Xauthority beside HOME). A test enters that namespace (root
 # may; another user joins the user namespace that owns it first, which it made itself, starting
 # the sandbox) and shows the cookie; no process on another desktop can do either.
 
@@ -216,7 +216,7 @@ def netns_of(vm: ServedDesktop) -> str | None:
 
 def x_env(vm: ServedDesktop) -> tuple[list[str], dict]:
     """(argv prefix, environment) that run a program from the host on the desktop's display."""
-    env = {**os.environ, "DISPLAY": vm.display, "XAUTHORITY": os.path.join(os.path.dirname(vm.home), "run", "Xauthority")}
+    env = {**os.environ, "DISPLAY": vm.display, "XAUTHORITY": os.path.join(os.path.dirname(vm.home), "Xauthority")}
     ns = netns_of(vm)
     return ([] if ns is None else [sys.executable, "-c", ENTER, ns]), env
 

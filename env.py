@@ -28,6 +28,7 @@ import atexit
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -47,6 +48,7 @@ import requests
 from PIL import Image
 
 from actions import Action
+from vm_rules import vm_token
 from vm_tasks import CHECK_FIELDS, STEP_FIELDS
 
 # ------------------------------------------------------------------------------------------------
@@ -154,7 +156,9 @@ class VMPool:
     False) and skipped (an immediate error) until `reset()`, which restarts dead local desktops and
     re-checks remote ones. Those are driven from one thread (the trainer's). The trainers' rollouts
     drive each VM from a thread of its own instead (rollout.py): `call(i, ...)` one request,
-    `revive(i)` a health check and, for a local desktop, a restart of that one alone."""
+    `revive(i)` a health check and, for a local desktop, a restart of that one alone. `token` is the
+    secret each VM's own token is derived from (vm_rules.vm_token; `python vm_server.py --token-for
+    URL` prints a remote VM's); local desktops without one get random tokens."""
 
     def __init__(self, vms: int | str | list[str], token: str | None = None, timeout: float = 30,
                  screen: tuple[int, int] = (1280, 720)):
@@ -164,17 +168,21 @@ class VMPool:
             vms = [u.strip() for u in vms.split(",") if u.strip()]
         self.timeout, self.screen = timeout, tuple(screen)
         self.local: list[LocalVM] | None = None
+        # Every VM has a token of its own: a local desktop a random one (or, given a secret, the
+        # one derived from it), a remote VM the one derived from the secret and its URL (see
+        # vm_rules.vm_token), so a token read inside one VM opens no other.
+        self._secret = token
         if isinstance(vms, int):
             if vms < 1:
                 raise ValueError(f"--vms must be at least 1, got {vms}.")
-            token = token or _new_token()  # local desktops always get a token: other users share loopback
             self.local = launch_local_vms(vms, screen=self.screen, token=token)
-            vms = [vm.url for vm in self.local]
+            vms, tokens = [vm.url for vm in self.local], [vm.token for vm in self.local]
+        else:
+            tokens = [vm_token(token, u) if token else None for u in vms]
         if not vms:
             raise ValueError("no VMs given: pass a number of local desktops or a list of URLs.")
-        self.token = token
         self.urls = list(vms)
-        self.clients = [VMClient(u, token, timeout) for u in self.urls]
+        self.clients = [VMClient(u, t, timeout) for u, t in zip(self.urls, tokens)]
         self.alive = [True] * len(self.urls)
         self.why_down: list[str | None] = [None] * len(self.urls)
         # The call still running on each VM. A VM whose last call outlived its deadline gets no new
@@ -244,7 +252,7 @@ class VMPool:
                 return False
             stop_vms([local])
             try:
-                (vm,) = launch_local_vms(1, screen=self.screen, token=self.token)
+                (vm,) = launch_local_vms(1, screen=self.screen, token=self._secret)
             except Exception as e:  # noqa: BLE001 -- the slot stays down, the run goes on without it
                 self._mark_down(i, self._generation[i], f"restart failed: {e}")
                 return False
@@ -255,7 +263,7 @@ class VMPool:
         """A freshly started local desktop takes slot i; late results of the old one are ignored."""
         self._generation[i] += 1
         self.local[i], self.urls[i] = vm, vm.url
-        self.clients[i] = VMClient(vm.url, self.token, self.timeout)
+        self.clients[i] = VMClient(vm.url, vm.token, self.timeout)
         self._inflight[i], self.alive[i], self.why_down[i] = None, True, None
 
     def _run(self, i: int, gen: int, fn_name: str, args: tuple, timeout: float) -> VMResult:
@@ -330,7 +338,7 @@ class VMPool:
         if self.local is not None and bad:
             stop_vms([self.local[i] for i in bad])
             try:
-                fresh = launch_local_vms(len(bad), screen=self.screen, token=self.token)
+                fresh = launch_local_vms(len(bad), screen=self.screen, token=self._secret)
             except Exception as e:  # noqa: BLE001 -- reset never raises: the slots stay down
                 for i in bad:
                     self._mark_down(i, self._generation[i], f"restart failed: {e}")
@@ -361,7 +369,7 @@ class LocalVM:
     url: str
     proc: subprocess.Popen
     log: str           # the server's stdout + stderr (deleted when it is stopped)
-    token: str | None = None
+    token: str | None = None  # its own bearer token (held here, by the trainer, only)
 
     def stop(self, keep_log: bool = False) -> None:
         stop_vms([self], keep_log)
@@ -418,24 +426,6 @@ def _remove_orphan_tmp(vm: LocalVM) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _new_token() -> str:
-    import secrets
-    return secrets.token_urlsafe(16)
-
-
-def _free_ports(n: int) -> list[int]:
-    # Hold all n sockets open until we have them, so the n ports are distinct. Another process may
-    # still take one before the server binds it; launch_local_vms retries such a VM once.
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _log_tail(path: str, n: int = 600) -> str:
     try:
         return Path(path).read_text(errors="replace")[-n:].strip()
@@ -446,44 +436,52 @@ def _log_tail(path: str, n: int = 600) -> str:
 def launch_local_vms(n: int, screen: tuple[int, int] = (1280, 720), token: str | None = None,
                      timeout: float = 90) -> list[LocalVM]:
     """Start n local desktops (`vm_server.py --xvfb`, each with its own display, HOME and port)
-    and wait until all answer /health. They start in parallel: 8 take about as long as one."""
+    and wait until all answer /health. They start in parallel: 8 take about as long as one.
+
+    Each gets a token of its own (`LocalVM.token`): a random one, or with `token` (a secret) the
+    one vm_rules.vm_token derives from it and the desktop's URL, as for remote VMs. We bind each
+    port here and hand the socket over (--listen-fd), so no other process can take the port
+    before the server starts, and the token travels through a pipe (--token-fd): it is in no argv
+    and no environment, where `ps` or a process on the desktop could read it."""
     if shutil.which("Xvfb") is None:
         raise VMError("Xvfb is not installed, so no local desktop can start; run `bash setup.sh`.")
     server = Path(__file__).resolve().with_name("vm_server.py")
 
-    def start(port: int) -> LocalVM:
-        log = tempfile.NamedTemporaryFile(prefix=f"vm_server-{port}-", suffix=".log", delete=False)
-        cmd = [sys.executable, str(server), "--xvfb", "--host", "127.0.0.1", "--port", str(port),
+    def start() -> LocalVM:
+        sock = socket.create_server(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        tok = vm_token(token, url) if token else secrets.token_urlsafe(16)
+        r, w = os.pipe()
+        os.write(w, tok.encode())  # far below a pipe's buffer: the server reads it when it starts
+        os.close(w)
+        log = tempfile.NamedTemporaryFile(prefix=f"vm_server-{url.rsplit(':', 1)[1]}-", suffix=".log", delete=False)
+        cmd = [sys.executable, str(server), "--xvfb", "--listen-fd", str(sock.fileno()), "--token-fd", str(r),
                "--screen", f"{screen[0]}x{screen[1]}"]
-        # The token travels in the environment, not argv, so `ps` does not show it. VM_SERVER_PARENT:
-        # the server exits when we do, even when we are SIGKILLed and atexit never runs.
-        env = dict(os.environ, VM_TOKEN=token or "", VM_SERVER_PARENT=str(os.getpid()))
-        # start_new_session: the server leads its own process group, so stop() reaches its Xvfb,
-        # window manager and apps too, and a Ctrl-C in our terminal does not hit them first.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
-        log.close()
-        vm = LocalVM(f"http://127.0.0.1:{port}", proc, log.name, token)
+        # VM_SERVER_PARENT: the server exits when we do, even when we are SIGKILLed and atexit never runs.
+        env = {k: v for k, v in os.environ.items() if k != "VM_TOKEN"} | {"VM_SERVER_PARENT": str(os.getpid())}
+        try:
+            # start_new_session: the server leads its own process group, so stop() reaches its Xvfb,
+            # window manager and apps too, and a Ctrl-C in our terminal does not hit them first.
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True, pass_fds=(sock.fileno(), r))
+        finally:
+            os.close(r)
+            sock.close()  # the server holds the socket now
+            log.close()
+        vm = LocalVM(url, proc, log.name, tok)
         _LAUNCHED.append(vm)
         return vm
 
-    vms = [start(p) for p in _free_ports(n)]
-    retried: set[int] = set()
-    pending = set(range(n))
-    deadline = time.monotonic() + timeout
-    probe = [VMClient(vm.url, token, timeout=2) for vm in vms]
+    vms: list[LocalVM] = []
     try:
+        vms = [start() for _ in range(n)]
+        pending, deadline = set(range(n)), time.monotonic() + timeout
+        probe = [VMClient(vm.url, vm.token, timeout=2) for vm in vms]
         while pending:
             for i in sorted(pending):
                 if vms[i].proc.poll() is not None:
-                    if i in retried:  # it died twice: not a port race, a real problem
-                        raise VMError(f"local desktop {vms[i].url} exited with code {vms[i].proc.returncode}: "
-                                      f"{_log_tail(vms[i].log)} (full log: {vms[i].log}).")
-                    retried.add(i)  # most likely its port was taken meanwhile: once more on a new port
-                    stop_vms([vms[i]], keep_log=True)
-                    vms[i] = start(_free_ports(1)[0])
-                    probe[i] = VMClient(vms[i].url, token, timeout=2)
-                    continue
+                    raise VMError(f"local desktop {vms[i].url} exited with code {vms[i].proc.returncode}: "
+                                  f"{_log_tail(vms[i].log)} (full log: {vms[i].log}).")
                 try:
                     probe[i].health()
                     pending.discard(i)

@@ -188,7 +188,7 @@ def open_desktops(vms: str, token: str, timeout: float, screen=(1280, 720)) -> t
     if not live:
         pool.close()
         sys.exit(f"None of the {pool.size} VM(s) answered /health ({str(health[0].error).rstrip('.')}); "
-                 "check --vms and --token.")
+                 "check --vms and --token (each VM takes the token `python vm_server.py --token-for URL` prints).")
     for i, h in enumerate(health):
         if not h.ok:
             print(f"vm {first + i} left out: {h.error}", flush=True)

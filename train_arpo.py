@@ -111,7 +111,7 @@ def arg(default, help: str):
 class Args:
     # desktops and tasks
     vms: str = arg("16", "number of local desktops to launch, or comma-separated URLs of running vm_server.py")
-    token: str = arg("", "bearer token of remote VMs (default: $VM_TOKEN); local desktops make their own")
+    token: str = arg("", "secret each remote VM's token is derived from (default: $VM_TOKEN); local desktops make their own")
     vm_timeout: float = arg(60.0, "seconds one VM call may take before that VM drops out of the iteration")
     screen: str = arg("1280x720", "screen size of local desktops")
     tasks: str = arg("tasks/", "a task file or a folder of *.json task files")

@@ -108,7 +108,7 @@ PROG = "train_explore.py"
 @dataclass
 class Args:
     vms: str = field(default="8", metadata={"help": "N local Xvfb desktops, or comma-separated vm_server.py URLs"})
-    token: str = field(default="", metadata={"help": "bearer token of remote VMs (or VM_TOKEN); local desktops make their own"})
+    token: str = field(default="", metadata={"help": "secret each remote VM's token is derived from (or VM_TOKEN); local desktops make their own"})
     model: str = field(default="Qwen/Qwen2.5-VL-3B-Instruct", metadata={"help": "HF id, a local checkpoint folder, or 'tiny' (random weights, CPU)"})
     engine: str = field(default="hf", metadata={"help": "generation engine: hf (transformers generate) or vllm (GPU)"})
     device: str = field(default="", metadata={"help": "torch device; empty = cuda if available else cpu"})

@@ -3,7 +3,8 @@
 It runs INSIDE each VM, or as a local desktop of its own on this machine:
 
     python vm_server.py --xvfb [--screen 1280x720] [--port 8000]   # own Xvfb + openbox + icons
-    python vm_server.py --host 0.0.0.0 --token SECRET              # inside your VM, on its DISPLAY
+    VM_TOKEN=<its token> python vm_server.py --host 0.0.0.0       # inside your VM, on its DISPLAY
+    VM_TOKEN=<secret> python vm_server.py --token-for URL         # the token of the VM at URL
 
 Endpoints (JSON; errors are 4xx/5xx {"error": "<one sentence>"}; see README "VM protocol"):
     GET /health, GET /screenshot[?format=png|jpeg&quality=Q], GET /windows, POST /action, POST /reset,
@@ -15,7 +16,11 @@ no foreign Origin (a web page in a local browser, or DNS rebinding, cannot reach
 seconds, a GET may not carry a body, and at most MAX_CONNECTIONS connections are open (the one
 waiting longest for its request makes room for a new one). `--port 0` picks a free port; the
 first stdout line is `vm_server: serving http://HOST:PORT ...`. With --xvfb the whole desktop,
-this server included, runs inside bubblewrap (desktop.sandbox; --no-sandbox turns it off).
+this server included, runs inside bubblewrap (desktop.sandbox; --no-sandbox turns it off): the
+port is bound outside and the socket handed in (--listen-fd), the token through a pipe
+(--token-fd), and the server makes itself non-dumpable, so nothing on the desktop can read the
+token or reach the port. Each VM has a token of its own: the trainer derives it from one secret and
+the VM's URL (vm_rules.vm_token; --token-for prints it).
 
 Where this departs from OSWorld's in-VM server (the papers' environment):
   - No endpoint runs code sent by the client: setup/evaluate are a handful of typed steps, the
@@ -60,7 +65,7 @@ from PIL import ImageGrab
 
 from actions import ACTION_FIELDS, DIRECTIONS, MAX_KEYS, MAX_TEXT_CHARS
 from procs import Desktop, app_windows, kill_tree, prctl, reap
-from vm_rules import DEFAULT_ALLOW, MAX_BODY, BadRequest, check_number, check_object, check_str
+from vm_rules import DEFAULT_ALLOW, MAX_BODY, BadRequest, check_number, check_object, check_str, vm_token
 from vm_tasks import evaluate, setup
 
 # -------------------------------------------------------------------------------------------------
@@ -451,10 +456,14 @@ class Server(ThreadingHTTPServer):
     request_queue_size = LISTEN_BACKLOG
     daemon_threads = True
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, sock: socket.socket):
+        """Serve on `sock`, bound already (by us, or outside the sandbox: see listening_socket)."""
         self._conns: dict = {}    # socket -> when it began waiting for its request; None: being answered
         self._conns_lock = threading.Lock()
-        super().__init__(*args, **kwargs)
+        super().__init__(sock.getsockname()[:2], Handler, bind_and_activate=False)
+        self.socket.close()  # the unbound one socketserver made
+        self.socket, self.server_address = sock, sock.getsockname()
+        self.server_activate()  # listen(LISTEN_BACKLOG)
 
     def waiting(self, sock) -> None:
         with self._conns_lock:
@@ -494,11 +503,59 @@ def exit_with_parent(pid: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def read_token(args) -> str | None:
+    """The bearer token: from --token-fd (a pipe or a file the caller hands over: in no argv, and in
+    no environment a process of the desktop could read), else --token, else $VM_TOKEN. The
+    environment's copy is dropped, so no program we start inherits it."""
+    env = os.environ.pop("VM_TOKEN", None)
+    if args.token_fd is None:
+        return args.token or env or None
+    try:
+        with os.fdopen(args.token_fd, "rb") as f:
+            return f.read(4096).decode().strip() or None
+    except (OSError, UnicodeDecodeError) as e:
+        sys.exit(f"vm_server: cannot read the token from --token-fd {args.token_fd} ({e}); hand over a readable pipe or file.")
+
+
+def listening_socket(args) -> socket.socket:
+    """The socket to serve on: the one handed over with --listen-fd (the sandbox's launcher, or a
+    trainer, bound it on the host's network), else a new one bound to --host:--port."""
+    if args.listen_fd is None:
+        try:  # bind first: a taken port fails at once, not after the desktop has started
+            family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+            return socket.create_server((args.host, args.port), family=family, backlog=LISTEN_BACKLOG)
+        except OSError as e:
+            sys.exit(f"vm_server: cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port.")
+    try:
+        sock = socket.socket(fileno=args.listen_fd)
+        if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            raise OSError(0, "not a listening TCP socket")
+        return sock
+    except OSError as e:
+        sys.exit(f"vm_server: --listen-fd {args.listen_fd} is no listening TCP socket ({e.strerror}); "
+                 f"hand over a bound, listening one, or use --host and --port.")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
+    # PR_SET_DUMPABLE (4) = 0: our memory (which holds the token), environment and open files are
+    # out of reach of every process without CAP_SYS_PTRACE, the desktop's own (same user) included:
+    # /proc/<pid>/environ, mem and fd answer "permission denied", ptrace too.
+    prctl(4, 0)
     p = argparse.ArgumentParser(description="Serve one desktop over HTTP (see the README's VM protocol).")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (printed at start)")
-    p.add_argument("--token", default=os.environ.get("VM_TOKEN"), help="shared token (default: $VM_TOKEN)")
+    p.add_argument("--listen-fd", type=int, help="serve on this inherited, listening socket instead of --host/--port")
+    p.add_argument("--token", default=None, help="the bearer token (default: $VM_TOKEN)")
+    p.add_argument("--token-fd", type=int, help="read the token from this file descriptor (e.g. `--token-fd 3 3<file`)")
+    p.add_argument("--token-for", metavar="URL", help="print the token the trainer sends to the VM at URL, derived "
+                   "from the secret given as the token, and exit")
     p.add_argument("--xvfb", action="store_true", help="start a desktop of our own on a new Xvfb display")
     p.add_argument("--screen", default="1280x720", help="WxH of the --xvfb screen")
     p.add_argument("--no-sandbox", action="store_true",
@@ -508,11 +565,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--allow-exec", default="", help="comma-separated extra programs setup/evaluate may run")
     p.add_argument("--verbose", action="store_true", help="log every request")
     args = p.parse_args(argv)
-    try:
-        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not args.token:
+    token = read_token(args)
+    if args.token_for:
+        if not token:
+            sys.exit("vm_server: --token-for derives a VM's token from your secret; give the secret as $VM_TOKEN or --token.")
+        print(vm_token(token, args.token_for))
+        return
+    if args.listen_fd is None and not is_loopback(args.host) and not token:
         sys.exit(f"vm_server: refusing to listen on {args.host} without a token; pass --token T (or set VM_TOKEN), or use --host 127.0.0.1.")
     m = re.fullmatch(r"(\d{3,4})x(\d{3,4})", args.screen)
     if not m or not (640 <= int(m[1]) <= 7680 and 480 <= int(m[2]) <= 4320):
@@ -532,20 +591,27 @@ def main(argv: list[str] | None = None) -> None:
     parent = os.environ.pop("VM_SERVER_PARENT", "")
     if parent.isdigit():
         threading.Thread(target=exit_with_parent, args=(int(parent),), daemon=True).start()
+    sock = listening_socket(args)
+    host, port = sock.getsockname()[:2]
+    if not is_loopback(host) and not token:
+        sys.exit(f"vm_server: refusing to serve on {host} without a token; pass --token T (or set VM_TOKEN).")
     if args.xvfb and not sandbox_tmp:
         if not args.no_sandbox:  # the desktop and this server again, inside bubblewrap; we wait and clean up
-            sys.exit(_desktop().sandbox(sys.argv[1:] if argv is None else argv))
+            inner = ["--xvfb", "--screen", args.screen, "--request-timeout", repr(args.request_timeout),
+                     *(["--allow-exec", args.allow_exec] if args.allow_exec else []), *(["--verbose"] if args.verbose else [])]
+            sys.exit(_desktop().sandbox(inner, sock, token))
+        try:
+            user = pwd.getpwuid(os.getuid()).pw_name
+        except KeyError:  # a uid without a passwd entry
+            user = f"uid {os.getuid()}"
         print(f"vm_server: sandbox: off (--no-sandbox): the desktop's programs, its terminal included, run "
-              f"unconfined on this machine as {pwd.getpwuid(os.getuid()).pw_name}", file=sys.stderr, flush=True)
+              f"unconfined on this machine as {user}", file=sys.stderr, flush=True)
     # PR_SET_CHILD_SUBREAPER (36): programs that double-fork (GLib's app launching does) are
     # re-parented to us instead of init, so /reset and exit still find them.
     prctl(36, 1)
     desk = None
     try:
-        try:  # bind first: a taken port fails at once, not after the desktop has started
-            server = Server((args.host, args.port), Handler)
-        except OSError as e:
-            sys.exit(f"vm_server: cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port.")
+        server = Server(sock)
         if args.xvfb:
             try:
                 desk = _desktop().local_desktop((int(m[1]), int(m[2])), allow, sandbox_tmp or None)
@@ -562,11 +628,10 @@ def main(argv: list[str] | None = None) -> None:
         if desk is None:
             desk = Desktop(tuple(pyautogui.size()), os.path.expanduser("~"), dict(os.environ), allow,
                            display=os.environ["DISPLAY"])
-        host, port = server.server_address[:2]
-        Handler.desk, Handler.token, Handler.verbose = desk, args.token or None, args.verbose
-        Handler.request_timeout, Handler.names = args.request_timeout, local_names(args.host, port)
-        print(f"vm_server: serving http://{host}:{port} display {desk.display} screen "
-              f"{desk.screen[0]}x{desk.screen[1]} home {desk.home}", flush=True)
+        Handler.desk, Handler.token, Handler.verbose = desk, token, args.verbose
+        Handler.request_timeout, Handler.names = args.request_timeout, local_names(host, port)
+        print(f"vm_server: serving http://{host if ':' not in host else f'[{host}]'}:{port} display {desk.display} "
+              f"screen {desk.screen[0]}x{desk.screen[1]} home {desk.home}", flush=True)
         server.serve_forever()
     except KeyboardInterrupt:
         pass

@@ -169,7 +169,7 @@ def test_pool_survives_killed_and_frozen_vms():
 
 def test_pool_of_urls_with_one_dead(vm):
     dead = f"http://127.0.0.1:{free_port()}"
-    pool = VMPool(f"{vm.url}, {dead}", token=vm.token, timeout=5)  # what --vms URL,URL gives
+    pool = VMPool(f"{vm.url}, {dead}", token=vm.secret, timeout=5)  # what --vms URL,URL --token SECRET gives
     try:
         assert pool.urls == [vm.url, dead] and pool.local is None
         res = pool.screenshots()

@@ -237,7 +237,7 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
     calls, pointers = [], []
     x, y = ICONS["Terminal"]
     choosers = {"opener": chooser(Action("double_click", x=x, y=y)), "still": chooser(Action("move", x=600, y=300))}
-    pool = VMPool([vm_desktop.url], token=vm_desktop.token, timeout=30)
+    pool = VMPool([vm_desktop.url], token=vm_desktop.secret, timeout=30)
     try:
         args = T.Args(steps=3, settle=1.0, eval_episodes=1)
         report = T.run_eval(pool, choosers, args, str(tmp_path))

@@ -20,7 +20,7 @@ import requests
 from PIL import Image, ImageChops
 
 from conftest import SERVER, proc_alive, proc_descendants, start_vm_server, vm_call
-from conftest import mouse, wait_for
+from conftest import mouse, netns_of, wait_for, x11 as on_display
 
 sys.path.insert(0, os.path.dirname(SERVER))
 import vm_server  # noqa: E402
@@ -44,8 +44,7 @@ def reset(vm):
 
 
 def x11(vm, *argv) -> str:
-    env = {**os.environ, "DISPLAY": vm.display}
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=10).stdout
+    return on_display(vm, *argv).stdout
 
 
 def windows(vm) -> list[str]:
@@ -452,7 +451,8 @@ def test_non_loopback_without_token_is_refused():
 def test_parallel_desktops_are_isolated_and_stop_cleanly(vm):
     other = start_vm_server()
     try:
-        assert other.display != vm.display and other.home != vm.home
+        # A display of its own: both may be :0, each in the network namespace of its sandbox.
+        assert other.home != vm.home and os.readlink(netns_of(other)) != os.readlink(netns_of(vm))
         # Single-instance apps (pcmanfm, mousepad) must open on the desktop that asked.
         vm_call(vm, "POST", "/setup", {"steps": [{"type": "open", "path": "notes.txt"}, {"type": "open", "path": "Pictures"}]})
         wait_for(lambda: {"notes.txt - Mousepad", "Pictures"} <= set(windows(vm)), "the first desktop's windows")
@@ -482,8 +482,8 @@ def test_parallel_desktops_are_isolated_and_stop_cleanly(vm):
 def test_inside_your_own_vm_mode(vm, tmp_path):
     """Without --xvfb the server drives the existing DISPLAY and the real HOME, and /reset closes
     only what it launched (here the shared test desktop plays the VM's display)."""
-    env = {**os.environ, "DISPLAY": vm.display, "HOME": str(tmp_path)}
-    own = start_vm_server(xvfb=False, env=env, timeout=30)
+    env = {**os.environ, "HOME": str(tmp_path)}
+    own = start_vm_server(xvfb=False, env=env, timeout=30, display_of=vm)
     try:
         assert vm_call(own, "GET", "/health").json()["screen"] == [1280, 720]
         assert own.home == str(tmp_path)

@@ -75,19 +75,21 @@ WATCH_CAP = 2.0  # SHIM: the client-side watched settle's cap, until the server 
 # The settle rule and who is to blame
 
 
-def parse_settle(value) -> str | float:
+SETTLE_HELP = "--settle must be 'watch' or seconds from 0 to 10"
+
+
+def parse_settle(value) -> str | float | None:
     """--settle -> "watch" (the server watches the screen after the action until it stops changing,
     with a cap: one round trip per step) or a fixed sleep in seconds (0 to 10, the papers' way:
-    ARPO/OSWorld sleep 0.5 s). Numbers of old run folders (args.json) parse as before."""
+    ARPO/OSWorld sleep 0.5 s); None if it is neither (SETTLE_HELP says what is). Numbers of old run
+    folders (args.json) parse as before."""
     if isinstance(value, str) and value.strip().lower() == "watch":
         return "watch"
     try:
         seconds = float(value)
     except (TypeError, ValueError):
-        seconds = -1.0
-    if not 0 <= seconds <= 10:
-        raise ValueError(f"--settle must be 'watch' or seconds from 0 to 10, got {value!r}")
-    return seconds
+        return None
+    return seconds if 0 <= seconds <= 10 else None
 
 
 def refused(err: VMError) -> bool:

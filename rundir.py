@@ -434,14 +434,16 @@ def open_trackers(run: str, args):
 
 
 def gather_times(times: dict) -> dict:
-    """One process: `times` as they are. Under torchrun: each phase's seconds on the slowest rank,
-    and every rank's own under "ranks" (with "vm_wait": its seconds waiting on its desktops, the
-    learner's idle time time/vm_wait; rollout.py says what each phase means)."""
-    if dist.size() == 1:
-        return dict(times)
-    per = dist.gather(dict(times))
-    out = {k: max(p.get(k, 0.0) for p in per) for k in sorted(set().union(*per))}
-    out["ranks"] = [{**p, "vm_wait": p.get("time/vm_wait", 0.0)} for p in per]
+    """An iteration's time/* (rollout.py says what each phase means) and vm_wait_share = time/vm_wait
+    / time/iteration, the share of the iteration the learner had nothing to generate or update.
+    Under torchrun: each phase's seconds on the slowest rank, and every rank's own under "ranks"
+    (with "vm_wait": its seconds waiting on its desktops)."""
+    out = dict(times)
+    if dist.size() > 1:
+        per = dist.gather(dict(times))
+        out = {k: max(p.get(k, 0.0) for p in per) for k in sorted(set().union(*per))}
+        out["ranks"] = [{**p, "vm_wait": p.get("time/vm_wait", 0.0)} for p in per]
+    out["vm_wait_share"] = out.get("time/vm_wait", 0.0) / out["time/iteration"] if out.get("time/iteration") else 0.0
     return out
 
 

@@ -93,7 +93,7 @@ import rundir
 from actions import MIN_PIXELS, parse_action, smart_resize
 from chat import encode_chat, uitars_messages
 from env import Task, TaskError, VMError, VMPool, load_tasks
-from rollout import EnvFailure, parse_settle, refused
+from rollout import SETTLE_HELP, EnvFailure, parse_settle, refused
 from grpo import ReplayBuffer, group_advantages, trajectory_sample, update_policy
 from model import Generation, generate, load_policy, sync_weights
 
@@ -194,12 +194,9 @@ def check_args(args: Args) -> None:
         (args.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
         (args.lr_warmup < 0 or args.epochs < 1, "--lr-warmup must be 0 or more and --epochs at least 1"),
         (screen_size(args) is None, "--screen must be WIDTHxHEIGHT, e.g. 1280x720"),
+        (parse_settle(args.settle) is None, SETTLE_HELP),
         *vllm_engine.flag_errors(args.engine, args.temperature, args.eval_temperature),
     ], PROG)
-    try:
-        parse_settle(args.settle)
-    except ValueError as e:
-        raise SystemExit(f"{PROG}: {e}.") from None
 
 
 def screen_size(args: Args) -> tuple[int, int] | None:
@@ -639,9 +636,8 @@ def iteration_metrics(it, task_ids, fresh: list[dict], failures: list, batch: li
     fresh: every rank's finished episodes (outcome()); failures: every rank's environment failures
     as (VM, error); batch: every rank's trained trajectories; batches: every policy call's size.
     `dropped` episodes are the environment's failures (nothing is retried in training, so it equals
-    `env_failures`); `env_errors` says what failed where. time/* are rollout.py's (its docstring),
-    and vm_wait_share = time/vm_wait / time/iteration, the share of the iteration the learner had
-    nothing to generate or update."""
+    `env_failures`); `env_errors` says what failed where. times: rundir.gather_times' (time/* as
+    rollout.py's docstring says, vm_wait_share the share of the iteration the learner was idle)."""
     def mean(xs):
         return float(np.mean(xs)) if len(xs) else 0.0
     return {
@@ -659,7 +655,7 @@ def iteration_metrics(it, task_ids, fresh: list[dict], failures: list, batch: li
         # numerics show here), over the micro-batches whose sequences all carry the sampler's numbers
         **({"actor/logp_gap": upd["logp_gap"]} if "logp_gap" in upd else {}),
         "rollout/batches": len(batches), "rollout/batch_mean": mean(batches),
-        **times, "vm_wait_share": times["time/vm_wait"] / times["time/iteration"] if times["time/iteration"] else 0.0}
+        **times}
 
 
 def outcome(e: Episode) -> dict:

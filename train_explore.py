@@ -44,12 +44,10 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
    An lr warm-up and a linear or cosine decay per generation (--lr-warmup, --lr-schedule; off by
    default, the paper's constant lr) are for small models trained from scratch (actor_lr says why).
 4. A desktop that fails (no answer, a 5xx, garbage; only a refused action, 4xx, is the model's)
-   drops out of the rest of the iteration, without the step it failed in (the environment failed,
-   not the model; `env_failures` in the metrics), and a reset restarts it; the release threw the
-   whole iteration away when any environment failed. Desktops do not step in lockstep (the
-   release's did): generation batches whichever prompts are waiting, so sampled tokens are not
-   reproducible across runs. After an action the screen settles by the server's watch (--settle
-   watch, the default) or a fixed sleep (--settle 1, the release's).
+   drops out of the iteration without the step it failed in (`env_failures`) and a reset restarts
+   it; the release threw the whole iteration away. No lockstep (the release's): generation batches
+   the prompts that are waiting, so sampled tokens are not reproducible across runs. The screen
+   settles by the server's watch (--settle watch) or a fixed sleep (--settle 1, the release's).
 5. Distillation: the paper does not publish its SFT recipe; ours is --distill-epochs passes of
    token-mean NLL on the sampled answers, at --distill-lr, with LoRA merged into the weights after
    SFT, so the next generation's adapter (and its KL reference) start from the fine-tuned model.
@@ -96,7 +94,7 @@ import rundir
 from actions import MAX_PIXELS, MIN_PIXELS, Action, Parsed, cursor_after, parse_action
 from chat import encode_chat, explore_messages
 from env import VMError, VMPool
-from rollout import parse_settle, refused
+from rollout import SETTLE_HELP, parse_settle, refused
 from model import cpu_weights, generate, load_policy, save_policy, sync_weights
 
 PROG = "train_explore.py"
@@ -188,6 +186,7 @@ def check_args(a: Args) -> None:
         (a.eval_episodes < 1 or a.ckpt_every < 1, "--eval-episodes and --ckpt-every must be at least 1"),
         (not 0 <= a.eval_same_hash < 64, "--eval-same-hash must be in 0..63 (bits of a 64-bit hash)"),
         (a.lora_rank < 0 or a.beta < 0, "--lora-rank and --beta must be >= 0"),
+        (parse_settle(a.settle) is None, SETTLE_HELP),
         (a.engine == "vllm" and a.beta > 0 and a.lora_rank == 0, "--engine vllm with full fine-tuning and --beta > 0 would hold three model copies; use LoRA or --beta 0"),
         *vllm_engine.flag_errors(a.engine, a.temperature),
     ], PROG)
@@ -195,10 +194,6 @@ def check_args(a: Args) -> None:
         R.parse_reward_flags(a.rewards)
     except ValueError as e:
         sys.exit(f"--rewards: {e}")
-    try:
-        parse_settle(a.settle)
-    except ValueError as e:
-        sys.exit(f"{PROG}: {e}.")
 
 
 def resolve_args(argv=None) -> tuple:
@@ -872,14 +867,6 @@ def learn(L: Learner, buffer: list[Step], it: int, args: Args, times: dict) -> t
     return r, adv, metrics
 
 
-def timing(times: dict, t0: float) -> dict:
-    """The iteration's time/* (rollout.py's docstring says what each means; under torchrun each
-    phase is the slowest rank's) and vm_wait_share: the share of the iteration the learner had
-    nothing to generate or update (time/vm_wait / time/iteration)."""
-    out = rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0})
-    return {**out, "vm_wait_share": out.get("time/vm_wait", 0.0) / out["time/iteration"]}
-
-
 def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int, distill_metrics: dict) -> None:
     ipg = args.iterations_per_generation or args.iterations  # iterations per generation
     total = args.generations * ipg
@@ -917,11 +904,11 @@ def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int,
             save_trajectories(run, it, buffer, r, adv, L.first)
             # Always at a generation's last iteration: the boundary (dataset, SFT) is redone from it.
             if (it + 1) % args.ckpt_every == 0 or (it + 1) % ipg == 0 or it + 1 == total:
-                line = {**metrics, **timing(times, t0)}
+                line = {**metrics, **rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0})}
                 rundir.save(run, L.policy, L.optimizer, it + 1, args, line, start_model=L.start_model,
                             generation=L.generation, wm=L.wm.state_dict(), wm_opt=L.wm_opt.state_dict(),
                             wm_config=L.wm.config)
-        metrics.update(timing(times, t0))
+        metrics.update(rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0}))
         rundir.end_iteration(run, trackers, metrics, console_line(metrics))
     finish_generation(run, L.generation, (L.generation - 1) * ipg, total - 1, L.policy, args)
     progress.close(trackers)

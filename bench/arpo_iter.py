@@ -48,7 +48,7 @@ import train_arpo as T  # noqa: E402
 from env import VMPool, load_tasks  # noqa: E402
 from grpo import ReplayBuffer  # noqa: E402
 from model import load_policy  # noqa: E402
-from rollout import parse_settle  # noqa: E402
+from rollout import SETTLE_HELP, parse_settle  # noqa: E402
 
 
 def acting(policy_fn, seed: int):
@@ -79,8 +79,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     settles = [s.strip() for s in a.settles.split(",") if s.strip()]
-    for s in settles:
-        parse_settle(s)  # a bad setting fails now, not after the desktops started
+    if any(parse_settle(s) is None for s in settles):  # now, not after the desktops started
+        sys.exit(f"--settles: {SETTLE_HELP}, e.g. watch,2.0,0.5.")
 
     args = T.Args(vms=str(a.vms), group_size=a.group_size, model="tiny", max_steps=a.max_steps,
                   max_new_tokens=a.max_new_tokens, max_pixels=a.max_pixels, stop_on_format_error=False,

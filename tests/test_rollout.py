@@ -30,6 +30,7 @@ import random
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -68,31 +69,38 @@ class LoopbackVM:
             def log_message(self, *a):  # quiet
                 pass
 
-            def answer(self, status: int, body, ctype: str = "application/json"):
+            def answer(self, status: int, body, ctype: str = "application/json", headers=()):
                 data = body if isinstance(body, bytes) else json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(data)))
+                for k, v in headers:
+                    self.send_header(k, v)
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self):
-                vm.calls.append(self.path)
-                if self.path == "/health":
-                    return self.answer(vm.health, {"ok": True, "screen": [64, 48]} if vm.health == 200
-                                       else {"error": "this desktop's X server died"})
-                if self.path == "/windows":
-                    return self.answer(200, {"windows": []})
+            def screen(self) -> bytes:
                 buf = io.BytesIO()
                 Image.new("RGB", (64, 48), (vm.actions * 40 % 256, 90, 120)).save(buf, format="PNG")
-                return self.answer(200, buf.getvalue(), "image/png")
+                return buf.getvalue()
+
+            def do_GET(self):
+                path = urlsplit(self.path).path
+                vm.calls.append(path)
+                if path == "/health":
+                    return self.answer(vm.health, {"ok": True, "screen": [64, 48]} if vm.health == 200
+                                       else {"error": "this desktop's X server died"})
+                if path == "/windows":
+                    return self.answer(200, {"windows": []})
+                return self.answer(200, self.screen(), "image/png")
 
             def do_POST(self):
-                vm.calls.append(self.path)
+                url = urlsplit(self.path)
+                vm.calls.append(url.path)
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if self.path == "/evaluate":
+                if url.path == "/evaluate":
                     return self.answer(200, {"score": 0.0, "results": []})
-                if self.path != "/action":
+                if url.path != "/action":
                     return self.answer(200, {"ok": True})
                 if vm.action == "hold":
                     vm.waited_out = vm.waited_out or not vm.release.wait(HOLD)
@@ -116,7 +124,10 @@ class LoopbackVM:
                 elif vm.action == "refuse":
                     return self.answer(400, {"error": "unknown key name(s) ['hyper']"})
                 vm.actions += 1
-                self.answer(200, {"ok": True})
+                settled = {"seconds": 0.0, "until": "fixed", "first_change": None}
+                if "screenshot=png" in url.query:  # the settled screen in the same answer (?settle=...)
+                    return self.answer(200, self.screen(), "image/png", [("X-Settle", json.dumps(settled))])
+                self.answer(200, {"ok": True, "settle": settled})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True

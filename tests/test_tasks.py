@@ -5,10 +5,10 @@ Run: python -m pytest -q tests/test_tasks.py   (needs Xvfb & co from setup.sh; ~
 For every task, on a real `vm_server.py --xvfb` desktop over real HTTP: /reset, the task's /setup,
 then (a) doing nothing must score 0.0 and (b) replaying its scripted solution
 (tests/task_solutions.py) must score 1.0, each action sent as a trainer sends it, with
-`?settle=watch` (the server answers once the desktop has settled; no fixed sleeps). Every episode is scored by train_arpo.outcome_scores, the
-rule training uses; infeasible tasks the way ARPO/OSWorld score them, client side: 1.0 iff the
-agent's last action is `fail` (no /evaluate call), so a solution ending in `fail` scores 1 and doing
-nothing or `done` scores 0.
+`?settle=watch` (the server answers once the desktop has settled; no fixed sleeps). Every episode
+is scored by train_arpo.outcome_scores, the rule training uses; infeasible tasks the way
+ARPO/OSWorld score them, client side: 1.0 iff the agent's last action is `fail` (no /evaluate
+call), so a solution ending in `fail` scores 1 and doing nothing or `done` scores 0.
 
 Speed: the tasks are spread over DESKTOPS desktops (the session's shared one from conftest.py plus
 extra ones), one thread per desktop pulling from a common queue; a desktop is reused across tasks

@@ -65,7 +65,7 @@ from procs import descendants
 
 # The constants, and the measurements behind them (bench/settle.py and tests/test_settle.py; a
 # 1280x720 --xvfb desktop on 2 shared cores, quiet and with 4 CPU burners beside it).
-LOOK = 0.02          # s between looks. One look reads ~40 threads' /proc files: ~0.3 ms of CPU.
+LOOK = 0.02          # s between looks. A look reads /proc: ~0.5 ms of CPU for a desktop of 16 processes.
 QUIET = 0.10         # s without change = settled. The longest still gap measured inside one reaction
 #                      (a window mapping, a dialog drawing) was 20-30 ms: GTK draws on a 16.7 ms frame
 #                      clock, and a waiting program is seen as R. Under 0.4 s, the shortest period of
@@ -154,6 +154,14 @@ class Programs:
 # The screen, from the X server
 
 
+def x_time(stamp: int, now: float) -> float:
+    """An X server timestamp (ms of the server's CLOCK_MONOTONIC, 32 bits, so it wraps every 49.7
+    days) as time.monotonic() seconds, given `now` = time.monotonic(). Xorg and Xvfb on Linux use
+    the same clock as ours; a stamp more than a minute old (another clock) counts as `now`."""
+    age = ((int(now * 1000) & 0xFFFFFFFF) - stamp) & 0xFFFFFFFF  # ms, correct across the wrap
+    return now - age / 1000 if age < 60_000 else now
+
+
 class Screen:
     """What the X server drew between two looks: DamageNotify events on the root window (reported
     raw, one per drawing, so no re-arming can race with new drawing). Without DAMAGE: a screenshot
@@ -161,7 +169,8 @@ class Screen:
 
     def __init__(self, display_name: str, damage: bool = True):
         from Xlib import display as xdisplay
-        self.x = xdisplay.Display(display_name or None)
+        self.name = display_name or None
+        self.x = xdisplay.Display(self.name)
         self.damage = None
         if damage and self.x.has_extension("DAMAGE"):
             from Xlib.ext import damage as xdamage
@@ -176,13 +185,13 @@ class Screen:
         if self.damage is not None:
             self.drawn()
         else:
-            self.last = ImageGrab.grab().tobytes()
+            self.last = ImageGrab.grab(xdisplay=self.name).tobytes()
 
     def drawn(self) -> float | None:
         """-> when the first drawing since the last look happened (time.monotonic()), or None."""
         now = time.monotonic()
         if self.damage is None:
-            shot = ImageGrab.grab().tobytes()
+            shot = ImageGrab.grab(xdisplay=self.name).tobytes()
             changed, self.last = shot != self.last, shot
             return now if changed else None
         first = None
@@ -190,12 +199,7 @@ class Screen:
             e = self.x.next_event()
             if e.type == self.notify and first is None:
                 first = e.timestamp
-        if first is None:
-            return None
-        # X time is the server's CLOCK_MONOTONIC in ms (32 bits); ours too. An age that does not
-        # fit (another clock) falls back to now.
-        age = ((int(now * 1000) & 0xFFFFFFFF) - first) & 0xFFFFFFFF
-        return now - age / 1000 if age < 60_000 else now
+        return None if first is None else x_time(first, now)
 
     def close(self) -> None:
         self.x.close()
@@ -203,6 +207,19 @@ class Screen:
 
 # -------------------------------------------------------------------------------------------------
 # The rule
+
+
+def verdict(waited: float, still: float, changed: bool, cap: float = CAP,
+            first_change: float = FIRST_CHANGE) -> str | None:
+    """The rule at one look: `waited` s since the action ended, the desktop `still` for that long,
+    the screen `changed` since the action began -> "quiet", "nochange", "cap", or None (wait on)."""
+    if waited >= cap:
+        return "cap"
+    if still >= QUIET and changed:
+        return "quiet"
+    if still >= QUIET and waited >= first_change:
+        return "nochange"
+    return None
 
 
 class Watcher:
@@ -236,11 +253,8 @@ class Watcher:
                 first = drew
             if drew is not None or running or sleeper or used > BUSY_CPU:
                 last = now
-            if now - end >= cap:
-                until = "cap"
-            elif now - last >= QUIET and (first is not None or now - end >= first_change):
-                until = "quiet" if first is not None else "nochange"
-            else:
+            until = verdict(now - end, now - last, first is not None, cap, first_change)
+            if until is None:
                 continue
             return {"seconds": round(now - end, 3), "until": until,
                     "first_change": None if first is None else round(max(0.0, first - started), 3)}

@@ -61,7 +61,7 @@ import time
 
 from PIL import ImageGrab
 
-from procs import descendants
+from procs import Desktop, descendants
 
 # The constants, and the measurements behind them (bench/settle.py and tests/test_settle.py; a
 # 1280x720 --xvfb desktop on 2 shared cores, quiet and with 4 CPU burners beside it).
@@ -261,3 +261,15 @@ class Watcher:
 
     def close(self) -> None:
         self.screen.close()
+
+
+_watchers: dict[str, Watcher] = {}
+
+
+def watcher(desk: Desktop) -> Watcher:
+    """The served desktop's Watcher, made at its first use and kept (an X connection of its own).
+    This server's descendants are the desktop; in your own VM (no --xvfb) also the processes of
+    our user that an action starts."""
+    if desk.display not in _watchers:
+        _watchers[desk.display] = Watcher(desk.display, os.getpid(), newcomers=desk.xvfb is None)
+    return _watchers[desk.display]

@@ -65,7 +65,7 @@ from PIL import ImageGrab
 
 from actions import ACTION_FIELDS, DIRECTIONS, MAX_KEYS, MAX_TEXT_CHARS
 from procs import Desktop, app_windows, kill_tree, prctl, reap
-from settle import Watcher
+from settle import watcher
 from vm_rules import DEFAULT_ALLOW, MAX_BODY, BadRequest, check_number, check_object, check_str
 from vm_tasks import evaluate, setup
 
@@ -97,18 +97,21 @@ def _desktop():
     return desktop
 
 
-def reset(desk: Desktop) -> None:
-    """Close every app started since the desktop came up, restore HOME, mouse to the centre."""
+def reset(desk: Desktop) -> dict[str, float]:
+    """Close every app started since the desktop came up, restore HOME, mouse to the centre.
+    -> seconds per phase (see desktop.reset_desktop)."""
     import pyautogui
     if desk.xvfb is not None:
-        # Killing every client but Xvfb and starting the session again is simpler and surer than
+        # Stopping every client but Xvfb and starting the session again is simpler and surer than
         # closing windows one by one (a file manager window lives inside the desktop process).
-        kill_tree(keep={desk.xvfb.pid})
-        _desktop().restore_home(desk)
-        _desktop().start_session(desk)
+        phases = _desktop().reset_desktop(desk)
     else:  # a real VM: close what we launched; its files are yours (restore them with a snapshot)
+        t = time.monotonic()
         kill_tree(keep=set())
-    pyautogui.moveTo(desk.screen[0] // 2, desk.screen[1] // 2)
+        phases = {"kill": round(time.monotonic() - t, 3)}
+    t = time.monotonic()
+    pyautogui.moveTo(desk.screen[0] // 2, desk.screen[1] // 2, _pause=False)  # no app left to see it in order
+    return {**phases, "mouse": round(time.monotonic() - t, 3)}
 
 # -------------------------------------------------------------------------------------------------
 # POST /action
@@ -283,8 +286,7 @@ def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[in
         return act(desk, check_action(desk, body), how, image)
     if path == "/reset":
         check_object({} if body is None else body, "the /reset body")
-        reset(desk)
-        return 200, {"ok": True}, {}
+        return 200, {"ok": True, "seconds": reset(desk)}, {}
     if path == "/setup":  # every step checked and the whole request planned before any runs
         return 200, setup(desk, body), {}
     return 200, evaluate(desk, body), {}
@@ -294,7 +296,6 @@ def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[in
 # POST /action?settle=watch|SECONDS&screenshot=png|jpeg: the action, the settle, the settled screen
 
 MAX_FIXED_SETTLE = 10.0  # s: the longest fixed settle a request may ask for
-_watcher: Watcher | None = None
 
 
 def settle_query(query: dict) -> str | float | None:
@@ -307,15 +308,6 @@ def settle_query(query: dict) -> str | float | None:
     if re.fullmatch(r"[0-9]{1,2}(\.[0-9]{1,3})?", v) and float(v) <= MAX_FIXED_SETTLE:  # ASCII digits only
         return float(v)
     raise BadRequest(f"'settle' must be watch or seconds in [0, {MAX_FIXED_SETTLE:g}] (e.g. 0.5).")
-
-
-def watcher(desk: Desktop) -> Watcher:
-    """The desktop's settle watcher, made at its first use (an X connection of its own). Our
-    descendants are the desktop; in your own VM also the processes of our user an action starts."""
-    global _watcher
-    if _watcher is None:
-        _watcher = Watcher(desk.display, os.getpid(), newcomers=desk.xvfb is None)
-    return _watcher
 
 
 def act(desk: Desktop, a: dict, how: str | float | None, image: tuple[str, int] | bool) -> tuple[int, object, dict]:

@@ -7,17 +7,22 @@ fixed settles of the papers, and whether the watched screen is the one a 2 s set
 
 Part 1, the step table: each kind of step the task suite has (a double-click on each desktop
 icon, a command typed into a terminal, typing into the editor, hotkeys that open or close a
-window, a click that opens a menu, a no-op click, ...), `--runs` times each, on a fresh desktop
-(/reset, the kind's setup). Columns, in seconds from the moment the action is sent:
+window, the Enter of a save dialog, a click that opens a menu, no-op clicks, moves and keys),
+`--runs` times each, on a fresh desktop (/reset, the kind's setup and first actions). Columns, in seconds from the moment the action is sent:
   action     the action's own round trip (POST /action with no settle)
   watched    POST /action?settle=watch&screenshot=png: the settled screen is in hand (until: why it
              stopped; final: it equals the screen 2.5 s after the action, carets and the taskbar
              clock aside)
   floor      the physical floor: the action, then screenshots as fast as the server answers them
              (GET /screenshot, PNG); the first one that shows the final screen. Nothing that waits
-             for the screen can do better than this without knowing the final screen in advance.
+             for the screen can do better than this without knowing the final screen in advance
+             (to within one screenshot round trip, ~20-40 ms, its resolution).
   fixed 0.5 / fixed 2.0   the papers' way: the action, a fixed sleep, a screenshot (0.5 final: the
              screen 0.5 s after the action's answer was already the final one)
+  gap        what QUIET must exceed: on a third fresh desktop, the action sent with no settle and
+             the desktop watched from this process with the rule's own signals (settle.Programs,
+             and X damage with each drawing's size) for FINAL_AFTER s; the longest stretch without
+             any signal that still ended in a change bigger than a caret (the largest over the runs)
 Medians over the runs; the last line is the headline (the median step, watched vs fixed 2.0).
 
 Part 2, the solutions check: every scripted solution of the task suite (tests/task_solutions.py)
@@ -48,9 +53,10 @@ from PIL import Image
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from conftest import start_vm_server  # noqa: E402
+from conftest import proc_descendants, start_vm_server  # noqa: E402
 from desktop import desktop_icons  # noqa: E402
 from env import VMClient, load_tasks  # noqa: E402
+from settle import BUSY_CPU, LOOK, QUIET, Programs  # noqa: E402
 from task_solutions import SOLUTIONS  # noqa: E402
 
 CARET, CARET_H = 4, 40   # px: a differing region this narrow (and at most this tall) is a caret
@@ -58,7 +64,7 @@ CLOCK = 160, 34          # px from the bottom-right corner: tint2's clock and da
 FINAL_AFTER = 2.5        # s after the action: the screen by then is "final"
 ICONS = desktop_icons()
 
-# name -> (setup steps, the action)
+# name -> (setup steps, actions before the measured one (sent with the watched settle), the action)
 TERM = [{"type": "launch", "argv": ["xterm"]},
         {"type": "command", "argv": ["xdotool", "search", "--sync", "--onlyvisible", "--class", "xterm"], "timeout": 15}]
 EDIT = [{"type": "write_file", "path": "Documents/draft.txt", "content": "Meeting notes\n"},
@@ -66,19 +72,25 @@ EDIT = [{"type": "write_file", "path": "Documents/draft.txt", "content": "Meetin
         {"type": "command", "argv": ["xdotool", "search", "--sync", "--onlyvisible", "--name", "Mousepad$"], "timeout": 15}]
 FILES = [{"type": "open", "path": "Documents"},
          {"type": "command", "argv": ["xdotool", "search", "--sync", "--onlyvisible", "--name", "^Documents$"], "timeout": 15}]
-KINDS = {f"dclick-{label.replace(' ', '')}": ([], {"type": "double_click", "x": x, "y": y}) for label, (x, y) in ICONS.items()}
+KEY = lambda *keys: {"type": "key", "keys": list(keys)}  # noqa: E731
+KINDS = {f"dclick-{label.replace(' ', '')}": ([], [], {"type": "double_click", "x": x, "y": y})
+         for label, (x, y) in ICONS.items()}
 KINDS.update({
-    "terminal-command": (TERM, {"type": "type", "text": "ls -l /usr/bin | tail -30\n"}),
-    "terminal-touch": (TERM, {"type": "type", "text": "touch ~/ready.flag\n"}),
-    "editor-type": (EDIT, {"type": "type", "text": "water the plants\n"}),
-    "editor-ctrl+s": (EDIT + [{"type": "write_file", "path": "x", "content": ""}], {"type": "key", "keys": ["ctrl", "s"]}),
-    "editor-save-as-dialog": (EDIT, {"type": "key", "keys": ["ctrl", "shift", "s"]}),
-    "editor-alt+f4": (EDIT, {"type": "key", "keys": ["alt", "f4"]}),
-    "files-new-folder-dialog": (FILES, {"type": "key", "keys": ["ctrl", "shift", "n"]}),
-    "files-location-bar": (FILES, {"type": "key", "keys": ["ctrl", "l"]}),
-    "desktop-menu-right-click": ([], {"type": "right_click", "x": 700, "y": 400}),
-    "noop-click": ([], {"type": "click", "x": 700, "y": 400}),
-    "noop-move": ([], {"type": "move", "x": 600, "y": 300}),
+    "terminal-command": (TERM, [], {"type": "type", "text": "ls -l /usr/bin | tail -30\n"}),
+    "terminal-touch": (TERM, [], {"type": "type", "text": "touch ~/ready.flag\n"}),
+    "editor-type": (EDIT, [], {"type": "type", "text": "water the plants\n"}),
+    "editor-ctrl+s": (EDIT, [{"type": "type", "text": "more\n"}], KEY("ctrl", "s")),
+    "editor-save-as-dialog": (EDIT, [], KEY("ctrl", "shift", "s")),
+    "editor-save-dialog-enter": (EDIT, [KEY("ctrl", "shift", "s"), KEY("ctrl", "a"),
+                                        {"type": "type", "text": "~/Documents/final.txt"}], KEY("enter")),
+    "editor-alt+f4": (EDIT, [], KEY("alt", "f4")),
+    "files-new-folder-dialog": (FILES, [], KEY("ctrl", "shift", "n")),
+    "files-location-bar": (FILES, [], KEY("ctrl", "l")),
+    "files-goto-folder": (FILES, [KEY("ctrl", "l"), {"type": "type", "text": "~/Pictures"}], KEY("enter")),
+    "desktop-menu-right-click": ([], [], {"type": "right_click", "x": 700, "y": 400}),
+    "noop-click": ([], [], {"type": "click", "x": 700, "y": 400}),
+    "noop-move": ([], [], {"type": "move", "x": 600, "y": 300}),
+    "noop-key": ([], [], KEY("shift")),
 })
 
 
@@ -129,11 +141,12 @@ def differences(a: Image.Image, b: Image.Image) -> list[tuple[int, int, int, int
 # Part 1: the step table
 
 
-def fresh(c: VMClient, setup: list[dict]) -> None:
-    """A reset desktop with the kind's setup, settled."""
+def fresh(c: VMClient, setup: list[dict], pre: list[dict]) -> None:
+    """A reset desktop with the kind's setup and first actions, settled."""
     c.reset()
     c.setup(setup)
-    c.act({"type": "wait", "amount": 0}, settle="watch")
+    for a in pre + [{"type": "wait", "amount": 0}]:
+        c.act(a, settle="watch")
 
 
 def grab(c: VMClient) -> Image.Image:
@@ -142,17 +155,62 @@ def grab(c: VMClient) -> Image.Image:
     return Image.open(io.BytesIO(r.content)).convert("RGB")
 
 
-def one_kind(c: VMClient, setup: list[dict], action: dict) -> dict:
+def server_pid(vm) -> int:
+    """The vm_server.py process itself (inside the sandbox, below bubblewrap): its descendants are
+    the desktop."""
+    for pid in proc_descendants(vm.proc.pid):
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        if argv[0] == sys.executable.encode() and argv[1:2] and argv[1].endswith(b"vm_server.py"):
+            return pid
+    raise SystemExit("bench/settle.py: cannot find the server's process below its launcher.")
+
+
+def longest_gap(c: VMClient, vm, setup: list[dict], pre: list[dict], action: dict) -> float:
+    """The longest stillness (no drawing, nothing busy, no newcomer asleep) after the action that
+    still ended in a change bigger than a caret (see the docstring's `gap`)."""
+    from Xlib import display as xdisplay
+    from Xlib.ext import damage as xdamage
+    fresh(c, setup, pre)
+    x = xdisplay.Display(vm.display)
+    x.damage_query_version()
+    x.screen().root.damage_create(xdamage.DamageReportRawRectangles)
+    notify = x.extension_event.DamageNotify
+    x.sync()
+    programs = Programs(server_pid(vm), newcomers=False)
+    while x.pending_events():
+        x.next_event()
+    programs.arm()
+    t0 = time.monotonic()
+    c.act(action)
+    answered = time.monotonic() - t0  # (no look while the action runs: its own time counts as busy)
+    seen = []  # (s after the action was sent, any signal, a change bigger than a caret)
+    while time.monotonic() - t0 < FINAL_AFTER:
+        time.sleep(LOOK)
+        drew = big = False
+        while x.pending_events():
+            e = x.next_event()
+            if e.type == notify:
+                drew = True
+                big |= not (e.area.width <= CARET and e.area.height <= CARET_H)
+        used, running, sleeper = programs.look()
+        seen.append((time.monotonic() - t0, drew or running or sleeper or used > BUSY_CPU, big))
+    x.close()
+    last_big = max((t for t, _, big in seen if big), default=0.0)
+    active = [answered] + [t for t, signal, _ in seen if signal and answered < t <= last_big]
+    return max((b - a for a, b in zip(active, active[1:])), default=0.0)
+
+
+def one_kind(c: VMClient, setup: list[dict], pre: list[dict], action: dict) -> dict:
     """One run of one kind: the watched step, then (on a fresh desktop) the action with no settle
     and screenshots as fast as they come, for the floor and the fixed settles."""
-    fresh(c, setup)
+    fresh(c, setup, pre)
     t0 = time.perf_counter()
     r = c.act(action, settle="watch", screenshot="png")
     watched = time.perf_counter() - t0
     time.sleep(max(0.0, t0 + FINAL_AFTER - time.perf_counter()))
     watched_final = not differences(r.image, grab(c))
 
-    fresh(c, setup)
+    fresh(c, setup, pre)
     t0 = time.perf_counter()
     c.act(action)
     answered = time.perf_counter() - t0
@@ -170,23 +228,25 @@ def one_kind(c: VMClient, setup: list[dict], action: dict) -> dict:
             "fixed2.0": answered + 2.0 + shot_rt}
 
 
-def table(c: VMClient, kinds: list[str], runs: int) -> None:
+def table(c: VMClient, vm, kinds: list[str], runs: int) -> None:
     print(f"{'step':26s} {'action':>7s} {'watched':>8s} {'until':>9s} {'final':>6s} {'floor':>7s} "
-          f"{'fixed 0.5':>9s} {'0.5 final':>9s} {'fixed 2.0':>9s}")
+          f"{'fixed 0.5':>9s} {'0.5 final':>9s} {'fixed 2.0':>9s} {'gap':>6s}")
     med = statistics.median
-    all_w, all_2 = [], []
+    all_w, all_2, gaps = [], [], []
     for name in kinds:
-        setup, action = KINDS[name]
-        rows = [one_kind(c, setup, action) for _ in range(runs)]
+        setup, pre, action = KINDS[name]
+        rows = [one_kind(c, setup, pre, action) for _ in range(runs)]
+        gap = max(longest_gap(c, vm, setup, pre, action) for _ in range(runs))
         untils = sorted({r["until"] for r in rows})
         all_w += [r["watched"] for r in rows]
         all_2 += [r["fixed2.0"] for r in rows]
         print(f"{name:26s} {med(r['action'] for r in rows):7.3f} {med(r['watched'] for r in rows):8.3f} "
               f"{'/'.join(untils):>9s} {sum(r['final'] for r in rows):>4d}/{runs} {med(r['floor'] for r in rows):7.3f} "
               f"{med(r['fixed0.5'] for r in rows):9.3f} {sum(r['half_final'] for r in rows):>7d}/{runs} "
-              f"{med(r['fixed2.0'] for r in rows):9.3f}", flush=True)
+              f"{med(r['fixed2.0'] for r in rows):9.3f} {gap:6.3f}", flush=True)
+        gaps.append(gap)
     print(f"median step: watched {med(all_w):.3f} s vs fixed 2.0 {med(all_2):.3f} s "
-          f"({med(all_2) / med(all_w):.1f}x faster)")
+          f"({med(all_2) / med(all_w):.1f}x faster); longest gap {max(gaps):.3f} s (QUIET = {QUIET} s)")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -253,7 +313,7 @@ def main() -> None:
     try:
         clients = [VMClient(vm.url, vm.token, timeout=60) for vm in vms]
         if not args.no_table:
-            table(clients[0], kinds, args.runs)
+            table(clients[0], vms[0], kinds, args.runs)
         if not args.no_solutions:
             solutions(clients, args.later)
     except requests.RequestException as e:

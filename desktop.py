@@ -4,7 +4,8 @@ One Xvfb display per server, with a real session on it: openbox (window manager)
 and pcmanfm (desktop icons pinned to a fixed grid), and a HOME of its own, copied from a fresh
 template before every episode. N servers are N independent desktops on one machine, standing in
 for N VMs. Top to bottom: the icon layout (`desktop_icons`, `DESKTOP_APPS`), the HOME template
-(`template_files`), `start_xvfb`, `start_session`, `restore_home`, `local_desktop`, which puts
+(`template_files`), `start_xvfb`, `start_session` (up and settled, read off X properties),
+`restore_home`, `reset_desktop` (POST /reset: a fresh desktop again), `local_desktop`, which puts
 them together, and `sandbox`, which runs all of it inside bubblewrap.
 
 The sandbox: `vm_server.py --xvfb` re-runs itself under `bwrap` before it starts anything, so the
@@ -23,8 +24,9 @@ exit need them too.
 Tested through `python -m pytest -q tests/test_vm_server.py tests/test_sandbox.py` (real Xvfb desktops).
 
 Where this departs from the papers' environment (OSWorld: one Ubuntu VM per episode, restored
-from a snapshot): a local Xvfb desktop per server, reset by restarting its session and copying its
-HOME back from the template, instead of restoring a VM. The icon layout is pinned (not pcmanfm's
+from a snapshot): a local Xvfb desktop per server, reset by restarting its session, syncing its
+HOME back to the template and its root window's properties back to the fresh X server's, instead
+of restoring a VM. The icon layout is pinned (not pcmanfm's
 auto-layout, which sorts by file time), so every desktop looks the same. A VM is its own sandbox;
 a local desktop gets bubblewrap instead, because an exploring agent types anything into its
 terminal, and without one that terminal is a shell on the trainer's machine.

@@ -34,7 +34,10 @@ R, not drawing), and after a hotkey the app thinks before it draws a dialog; the
 running or runnable all that time, and /proc shows it (rule 2), which X events alone would not
 (CreateNotify/MapNotify only come once the window exists). Rule 3 is there for a program that
 waits on purpose before it shows anything; one that waits inside its own event loop (a GLib
-timeout) is not seen, nor is a tooltip that appears after a hover delay of 0.5 s.
+timeout) is not seen, nor is a tooltip that appears after a hover delay of 0.5 s. The one case in
+the task suite: GTK's file chooser answers a save dialog's Enter ~0.5 s later, after timers of its
+own with nothing running or drawing meanwhile (bench/settle.py: the settled screen still shows
+the dialog, as a fixed 0.5 s one would).
 
 Which processes: with --xvfb every process of the desktop is below the server (it is a subreaper;
 in the sandbox the PID namespace holds nothing else). In your own VM the session was there before
@@ -42,14 +45,16 @@ the server, so besides our descendants we watch the processes of our user starte
 action began (the app a double-click launched), and not the rest of the session, whose background
 work would otherwise keep every step waiting.
 
-Without DAMAGE (an X server without the extension, or a python-xlib older than 0.24) the screen is
-compared as a full screenshot at every look instead (FALLBACK_LOOK apart: ~8 ms a grab at 1280x720).
+Without DAMAGE (an X server without the extension, or a python-xlib without Xlib.ext.damage) the
+screen is compared as a full screenshot at every look instead (FALLBACK_LOOK apart: ~8 ms a grab
+at 1280x720).
 
 Nothing in the papers does this: OSWorld-based trainers sleep a fixed time, and desktop-automation
 tools that poll screenshot hashes pay at least their polling interval (0.5-1 s) per step.
 
-Used by vm_server.py (POST /action?settle=watch) and desktop.py (a reset's session is up once it
-has settled); copied into a VM with vm_server.py. Stdlib, python-xlib and Pillow; imports procs.py.
+Used by vm_server.py (POST /action?settle=watch), vm_tasks.py (a setup that started an app
+answers once it has settled) and desktop.py (a reset's session is up once it has settled); copied
+into a VM with vm_server.py. Stdlib, python-xlib and Pillow; imports procs.py.
 Tested by `python -m pytest -q tests/test_settle.py` (real desktops); `python bench/settle.py`
 measures it step by step.
 """
@@ -63,23 +68,27 @@ from PIL import ImageGrab
 
 from procs import Desktop, descendants
 
-# The constants, and the measurements behind them (bench/settle.py and tests/test_settle.py; a
-# 1280x720 --xvfb desktop on 2 shared cores, quiet and with 4 CPU burners beside it).
+# The constants, and the measurements behind them (bench/settle.py, tests/test_settle.py and
+# probes of the same kind: a 1280x720 --xvfb desktop on 2 shared cores, at load 2, and with 4 CPU
+# burners beside it).
 LOOK = 0.02          # s between looks. A look reads /proc: ~0.5 ms of CPU for a desktop of 16 processes.
-QUIET = 0.10         # s without change = settled. The longest still gap measured inside one reaction
-#                      (a window mapping, a dialog drawing) was 20-30 ms: GTK draws on a 16.7 ms frame
-#                      clock, and a waiting program is seen as R. Under 0.4 s, the shortest period of
-#                      a caret blink or a taskbar tick, so those cost at most QUIET.
+QUIET = 0.10         # s without change = settled. The longest stillness inside one reaction (a window
+#                      mapping, a dialog drawing, a command's output) was 22-28 ms for every kind of
+#                      step in bench/settle.py (its gap column): GTK draws on a 16.7 ms frame clock, and
+#                      a program waiting for a CPU is seen as R. The exception is GTK's file chooser
+#                      (0.19 s: timers of its own, see the README). Under 0.4 s, the shortest period
+#                      of a caret blink or a taskbar tick, so those cost at most QUIET.
 FIRST_CHANGE = 0.25  # s an action that changes nothing waits for a first change. Every measured
-#                      reaction drew within 0.08 s of the action's end (alt+f4 closing mousepad:
-#                      0.05 s quiet, 0.19 s under load, with its threads busy in between); 0.25 s is
-#                      the margin for what /proc does not show (a compositor in your own VM).
-CAP = 5.0            # s at most. Slowest real settle measured: mousepad's first start under load,
-#                      ~0.3 s; an app's cold start on a slow VM can take seconds. Only continuous
-#                      change reaches it, which a fixed settle would have cut off anyway.
+#                      reaction drew within 0.08 s of the action's end (alt+f4 closing mousepad: 0.05 s,
+#                      0.19 s under load with its threads busy in between); the margin is for what
+#                      /proc does not show (a compositor in your own VM).
+CAP = 5.0            # s at most. The longest settle over the task suite's 89 solution steps was 0.46 s;
+#                      an app's cold start on a slow VM can take seconds. Only continuous change
+#                      reaches it (an animation, `watch date`), which a fixed settle cuts off too.
 BUSY_CPU = 0.002     # s of CPU the desktop may use between two looks and still be idle: its idle
-#                      wake-ups cost 0.03-1.1 ms each (taskbar, X server, a caret blink); a starting
-#                      app or a redraw uses a whole CPU (10-20 ms per look).
+#                      wake-ups cost 0.03-1.1 ms each (taskbar, X server, a caret blink; an open GTK
+#                      file chooser ticks at 60 Hz for ~0.1 ms); a starting app or a redraw uses a
+#                      whole CPU (10-20 ms per look).
 FALLBACK_LOOK = 0.05  # s between looks when screenshots stand in for DAMAGE
 
 

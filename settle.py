@@ -173,33 +173,44 @@ def x_time(stamp: int, now: float) -> float:
 
 class Screen:
     """What the X server drew between two looks: DamageNotify events on the root window (reported
-    raw, one per drawing, so no re-arming can race with new drawing). Without DAMAGE: a screenshot
-    compared with the previous look's."""
+    raw, one per drawing, so no re-arming can race with new drawing). The DAMAGE object lives from
+    arm() to disarm(), one settle: between settles nothing is reported, so nothing piles up unread
+    in the X server while a client settles by sleeping. Without DAMAGE: a screenshot compared with
+    the previous look's."""
 
     def __init__(self, display_name: str, damage: bool = True):
         from Xlib import display as xdisplay
         self.name = display_name or None
         self.x = xdisplay.Display(self.name)
-        self.damage = None
-        if damage and self.x.has_extension("DAMAGE"):
-            from Xlib.ext import damage as xdamage
+        self.watching = damage and self.x.has_extension("DAMAGE")  # else: screenshots
+        if self.watching:
             self.x.damage_query_version()  # the protocol requires it before any other DAMAGE request
             self.notify = self.x.extension_event.DamageNotify  # the event code (python-xlib clones the class)
-            self.damage = self.x.screen().root.damage_create(xdamage.DamageReportRawRectangles)
-            self.x.sync()
-        self.last = None
+        self.damage = None  # the DAMAGE object of the settle under way
+        self.last = None    # the fallback's previous screenshot
 
     def arm(self) -> None:
-        """Forget what was drawn before the action."""
-        if self.damage is not None:
-            self.drawn()
-        else:
+        """Start watching, just before the action."""
+        if not self.watching:
             self.last = ImageGrab.grab(xdisplay=self.name).tobytes()
+            return
+        from Xlib.ext import damage as xdamage
+        self.disarm()
+        self.damage = self.x.screen().root.damage_create(xdamage.DamageReportRawRectangles)
+        self.x.sync()  # a new object reports the whole screen once; that, and whatever the last
+        while self.x.pending_events():  # settle's object reported after it was read, is not news
+            self.x.next_event()
+
+    def disarm(self) -> None:
+        if self.damage is not None:
+            self.x.damage_destroy(self.damage)
+            self.x.flush()
+            self.damage = None
 
     def drawn(self) -> float | None:
         """-> when the first drawing since the last look happened (time.monotonic()), or None."""
         now = time.monotonic()
-        if self.damage is None:
+        if not self.watching:
             shot = ImageGrab.grab(xdisplay=self.name).tobytes()
             changed, self.last = shot != self.last, shot
             return now if changed else None
@@ -240,7 +251,7 @@ class Watcher:
     def __init__(self, display: str, root: int, newcomers: bool = False, damage: bool = True):
         self.screen = Screen(display, damage)
         self.programs = Programs(root, newcomers)
-        self.look = LOOK if self.screen.damage is not None else FALLBACK_LOOK
+        self.look = LOOK if self.screen.watching else FALLBACK_LOOK
 
     def arm(self) -> None:
         self.screen.arm()
@@ -265,6 +276,7 @@ class Watcher:
             until = verdict(now - end, now - last, first is not None, cap, first_change)
             if until is None:
                 continue
+            self.screen.disarm()
             return {"seconds": round(now - end, 3), "until": until,
                     "first_change": None if first is None else round(max(0.0, first - started), 3)}
 

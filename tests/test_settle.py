@@ -256,7 +256,7 @@ def test_the_screenshot_fallback_follows_the_same_rule(vm):
     server = [p for p, a in argv.items() if a[0] == sys.executable.encode() and a[1].endswith(b"vm_server.py")]
     w = settle.Watcher(vm.display, server[-1], damage=False)  # the one inside the sandbox
     try:
-        assert w.screen.damage is None and w.look == settle.FALLBACK_LOOK
+        assert not w.screen.watching and w.look == settle.FALLBACK_LOOK
         x, y = desktop_icons(SCREEN)["Terminal"]
         w.arm()
         started = time.monotonic()

@@ -257,10 +257,11 @@ def start_session(desk: Desktop) -> None:
     of the default config) in the desktop's run folder, not in HOME, so HOME is the template and
     nothing else."""
     x = _x(desk.display)
-    run = os.path.join(desk.env.get("XDG_RUNTIME_DIR") or desk.tmp or desk.home, "session")
+    run = os.path.join(desk.env.get("XDG_RUNTIME_DIR") or desk.tmp, "session")
     own = replace(desk, env={**desk.env, "XDG_CONFIG_HOME": os.path.join(run, "config"),
                              "XDG_CACHE_HOME": os.path.join(run, "cache")})
-    _fresh_root.setdefault(desk.display, root_properties(desk.display))  # the first start: a bare X server
+    if desk.display not in _fresh_root:  # the first start: the X server as it came up
+        _fresh_root[desk.display] = root_properties(desk.display)
     watch = watcher(desk)
     watch.arm()
     started = time.monotonic()
@@ -272,8 +273,10 @@ def start_session(desk: Desktop) -> None:
     px, py = desktop_icons(desk.screen)["Terminal"]
 
     def drawn():  # both sticky windows are up and the first icon's pixel is no longer background
+        if not {"pcmanfm", "tint2"} <= _sticky(x):
+            return False
         pixel = ImageGrab.grab(bbox=(px, py, px + 1, py + 1), xdisplay=desk.display).getpixel((0, 0))
-        return {"pcmanfm", "tint2"} <= _sticky(x) and "#%02x%02x%02x" % pixel[:3] != BG_COLOUR
+        return "#%02x%02x%02x" % pixel[:3] != BG_COLOUR
     _wait(drawn, "the desktop icons")
     watch.settle(started, first_change=0.0)
 

@@ -36,8 +36,9 @@ Where this departs from OSWorld's in-VM server (the papers' environment):
 What to copy into your VM: vm_server.py, vm_tasks.py (the /setup and /evaluate steps and checks),
 vm_rules.py (the allow-list and its argv rules, HOME confinement, the request checks), procs.py
 (the desktop's processes and windows), settle.py (?settle=watch: when the screen has settled) and
-actions.py (the action schema POST /action takes; stdlib only). desktop.py is the `--xvfb` desktop, imported only with `--xvfb`, so a VM serving its own
-display does without it. Nothing imports this file: it is the program you run.
+actions.py (the action schema POST /action takes; stdlib only). desktop.py is the `--xvfb`
+desktop, imported only with `--xvfb`, so a VM serving its own display does without it. Nothing
+imports this file: it is the program you run.
 """
 
 from __future__ import annotations
@@ -282,8 +283,8 @@ def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[in
     if path == "/windows":  # the application windows, oldest first (the window manager's list)
         return 200, {"windows": [{"id": i, "title": t} for i, t in app_windows(desk)]}, {}
     if path == "/action":  # the query and the action are checked before anything runs
-        how, image = settle_query(query), ("screenshot" in query and image_query(query, "screenshot"))
-        return act(desk, check_action(desk, body), how, image)
+        image = image_query(query, "screenshot") if "screenshot" in query else None
+        return act(desk, check_action(desk, body), settle_query(query), image)
     if path == "/reset":
         check_object({} if body is None else body, "the /reset body")
         return 200, {"ok": True, "seconds": reset(desk)}, {}
@@ -310,7 +311,7 @@ def settle_query(query: dict) -> str | float | None:
     raise BadRequest(f"'settle' must be watch or seconds in [0, {MAX_FIXED_SETTLE:g}] (e.g. 0.5).")
 
 
-def act(desk: Desktop, a: dict, how: str | float | None, image: tuple[str, int] | bool) -> tuple[int, object, dict]:
+def act(desk: Desktop, a: dict, how: str | float | None, image: tuple[str, int] | None) -> tuple[int, object, dict]:
     """Run one checked action, settle as asked, answer with the settled screen (`image`: its
     format and quality) or {"ok": true, "settle": ...}; either way the X-Settle header says how
     the settle went (see settle.Watcher.settle)."""
@@ -326,7 +327,7 @@ def act(desk: Desktop, a: dict, how: str | float | None, image: tuple[str, int] 
     else:
         info = {"seconds": 0.0, "until": "none", "first_change": None}
     headers = {"X-Settle": json.dumps(info, separators=(",", ":"))}
-    if not image:
+    if image is None:
         return 200, {"ok": True, "settle": info}, headers
     data, more = screenshot(*image)
     return 200, data, {**headers, **more}

@@ -1,7 +1,7 @@
 """Benchmark: what one step costs with the watched settle (vm_server ?settle=watch), beside the
 fixed settles of the papers, and whether the watched screen is the one a 2 s settle would show.
 
-    python bench/settle.py                          # both parts: the step table, then the solutions check
+    python bench/settle.py                          # both parts (~15 min on 2 cores): the step table, the solutions check
     python bench/settle.py --runs 1 --kinds dclick-Terminal,noop-click --no-solutions   # a quick look
     python bench/settle.py --no-table --desktops 3  # only the solutions check, on 3 desktops
 

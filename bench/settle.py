@@ -1,14 +1,15 @@
 """Benchmark: what one step costs with the watched settle (vm_server ?settle=watch), beside the
 fixed settles of the papers, and whether the watched screen is the one a 2 s settle would show.
 
-    python bench/settle.py                          # both parts (~15 min on 2 cores): the step table, the solutions check
+    python bench/settle.py                          # both parts, ~15 min on 2 cores
     python bench/settle.py --runs 1 --kinds dclick-Terminal,noop-click --no-solutions   # a quick look
     python bench/settle.py --no-table --desktops 3  # only the solutions check, on 3 desktops
 
 Part 1, the step table: each kind of step the task suite has (a double-click on each desktop
 icon, a command typed into a terminal, typing into the editor, hotkeys that open or close a
 window, the Enter of a save dialog, a click that opens a menu, no-op clicks, moves and keys),
-`--runs` times each, on a fresh desktop (/reset, the kind's setup and first actions). Columns, in seconds from the moment the action is sent:
+`--runs` times each, on a fresh desktop (/reset, the kind's setup and first actions). Columns, in
+seconds from the moment the action is sent:
   action     the action's own round trip (POST /action with no settle)
   watched    POST /action?settle=watch&screenshot=png: the settled screen is in hand (until: why it
              stopped; final: it equals the screen 2.5 s after the action, carets and the taskbar

@@ -35,9 +35,10 @@ running or runnable all that time, and /proc shows it (rule 2), which X events a
 (CreateNotify/MapNotify only come once the window exists). Rule 3 is there for a program that
 waits on purpose before it shows anything; one that waits inside its own event loop (a GLib
 timeout) is not seen, nor is a tooltip that appears after a hover delay of 0.5 s. The one case in
-the task suite: GTK's file chooser answers a save dialog's Enter ~0.5 s later, after timers of its
-own with nothing running or drawing meanwhile (bench/settle.py: the settled screen still shows
-the dialog, as a fixed 0.5 s one would).
+the task suite: GTK's file chooser, which completes a typed path (and turns its Save button
+sensitive) 0.1-0.3 s later and answers the Enter ~0.5 s later, on timers of its own with nothing
+running or drawing meanwhile (bench/settle.py: the settled screen still shows the dialog, as a
+fixed 0.5 s one would).
 
 Which processes: with --xvfb every process of the desktop is below the server (it is a subreaper;
 in the sandbox the PID namespace holds nothing else). In your own VM the session was there before

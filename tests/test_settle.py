@@ -75,8 +75,12 @@ def screen(vm) -> Image.Image:
 
 
 def boxes(a: Image.Image, b: Image.Image) -> tuple[int, int, int, int] | None:
-    """The bounding box of every pixel where two screens differ, or None."""
+    """The bounding box of every pixel where two screens differ, the taskbar's clock and date
+    aside (a minute may turn between two screenshots), or None."""
     from PIL import ImageChops
+    a, b = a.copy(), b.copy()
+    for img in (a, b):
+        img.paste((0, 0, 0), (SCREEN[0] - 160, SCREEN[1] - 34, SCREEN[0], SCREEN[1]))
     return ImageChops.difference(a, b).getbbox()
 
 

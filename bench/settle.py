@@ -54,7 +54,7 @@ from PIL import Image
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from conftest import proc_descendants, start_vm_server  # noqa: E402
+from conftest import in_x_namespace, proc_descendants, start_vm_server  # noqa: E402
 from desktop import desktop_icons  # noqa: E402
 from env import VMClient, load_tasks  # noqa: E402
 from settle import BUSY_CPU, LOOK, QUIET, Programs  # noqa: E402
@@ -172,7 +172,7 @@ def longest_gap(c: VMClient, vm, setup: list[dict], pre: list[dict], action: dic
     from Xlib import display as xdisplay
     from Xlib.ext import damage as xdamage
     fresh(c, setup, pre)
-    x = xdisplay.Display(vm.display)
+    x = in_x_namespace(vm, lambda: xdisplay.Display(vm.display))  # the display lives in the sandbox's network
     x.damage_query_version()
     x.screen().root.damage_create(xdamage.DamageReportRawRectangles)
     notify = x.extension_event.DamageNotify

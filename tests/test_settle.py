@@ -25,7 +25,7 @@ import time
 import pytest
 from PIL import Image
 
-from conftest import mouse, proc_descendants, vm_call, wait_for
+from conftest import in_x_namespace, mouse, proc_descendants, vm_call, wait_for, x11
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import settle  # noqa: E402
@@ -56,8 +56,7 @@ def act(vm, action: dict, query: str = "settle=watch&screenshot=png"):
 
 
 def titles(vm) -> list[str]:
-    out = subprocess.run(["wmctrl", "-l"], env={**os.environ, "DISPLAY": vm.display}, capture_output=True,
-                         text=True, timeout=10).stdout
+    out = x11(vm, "wmctrl", "-l").stdout
     return [line.split(None, 3)[3] if len(line.split(None, 3)) > 3 else "" for line in out.splitlines()]
 
 
@@ -253,25 +252,31 @@ def test_a_screen_that_never_stops_changing_stops_at_the_cap(vm):
 
 def test_the_screenshot_fallback_follows_the_same_rule(vm):
     """Without DAMAGE (forced here): screenshots compared at every look. Watched from this test
-    process, on the served desktop (its server's processes are the desktop)."""
+    process, on the served desktop (its server's processes are the desktop). The watcher's
+    screenshots need the desktop's display, so the whole episode runs in a thread inside the
+    sandbox's network namespace, and the double-click comes from xdotool on that display."""
     from desktop import desktop_icons
     argv = {p: open(f"/proc/{p}/cmdline", "rb").read().split(b"\0") for p in proc_descendants(vm.proc.pid)}
     server = [p for p, a in argv.items() if a[0] == sys.executable.encode() and a[1].endswith(b"vm_server.py")]
-    w = settle.Watcher(vm.display, server[-1], damage=False)  # the one inside the sandbox
-    try:
-        assert not w.screen.watching and w.look == settle.FALLBACK_LOOK
-        x, y = desktop_icons(SCREEN)["Terminal"]
-        w.arm()
-        started = time.monotonic()
-        assert vm_call(vm, "POST", "/action", {"type": "double_click", "x": x, "y": y}).status_code == 200
-        info = w.settle(started)
-        assert info["until"] == "quiet" and info["first_change"] is not None, info
-        assert "xterm" in titles(vm)
-        w.arm()
-        info = w.settle(time.monotonic())  # nothing happens
-        assert info["until"] == "nochange", info
-    finally:
-        w.close()
+    x, y = desktop_icons(SCREEN)["Terminal"]
+
+    def episode():
+        w = settle.Watcher(vm.display, server[-1], damage=False)  # the server inside the sandbox
+        try:
+            assert not w.screen.watching and w.look == settle.FALLBACK_LOOK
+            w.arm()
+            started = time.monotonic()
+            x11(vm, "xdotool", "mousemove", str(x), str(y), "click", "--repeat", "2", "--delay", "50", "1", check=True)
+            launched = w.settle(started)
+            w.arm()
+            idle = w.settle(time.monotonic())  # nothing happens
+            return launched, idle
+        finally:
+            w.close()
+    launched, idle = in_x_namespace(vm, episode)
+    assert launched["until"] == "quiet" and launched["first_change"] is not None, launched
+    assert "xterm" in titles(vm)
+    assert idle["until"] == "nochange", idle
 
 
 # ------------------------------------------------------------------------------------------------

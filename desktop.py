@@ -4,7 +4,8 @@ One Xvfb display per server, with a real session on it: openbox (window manager)
 and pcmanfm (desktop icons pinned to a fixed grid), and a HOME of its own, copied from a fresh
 template before every episode. N servers are N independent desktops on one machine, standing in
 for N VMs. Top to bottom: the icon layout (`desktop_icons`, `DESKTOP_APPS`), the HOME template
-(`template_files`), `start_xvfb` and its cookie, `start_session`, `restore_home`, `local_desktop`,
+(`template_files`), `start_xvfb` and its cookie, `start_session` (up and settled, read off X
+properties), `restore_home`, `reset_desktop` (POST /reset: a fresh desktop again), `local_desktop`,
 which puts them together, and `sandbox`, which runs all of it inside bubblewrap.
 
 The sandbox: `vm_server.py --xvfb` binds its port, then re-runs itself under `bwrap` before it
@@ -28,8 +29,9 @@ Tested through `python -m pytest -q tests/test_vm_server.py tests/test_sandbox.p
 (real Xvfb desktops; the last types an agent's attacks into a desktop's terminal).
 
 Where this departs from the papers' environment (OSWorld: one Ubuntu VM per episode, restored
-from a snapshot): a local Xvfb desktop per server, reset by restarting its session and copying its
-HOME back from the template, instead of restoring a VM. The icon layout is pinned (not pcmanfm's
+from a snapshot): a local Xvfb desktop per server, reset by restarting its session, syncing its
+HOME back to the template and its root window's properties back to the fresh X server's, instead
+of restoring a VM. The icon layout is pinned (not pcmanfm's
 auto-layout, which sorts by file time), so every desktop looks the same. A VM is its own sandbox;
 a local desktop gets bubblewrap instead, because an exploring agent types anything into its
 terminal, and without one that terminal is a shell on the trainer's machine.
@@ -49,10 +51,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 from PIL import ImageGrab
 
-from procs import Desktop, descendants, list_windows, prctl, spawn
+from procs import Desktop, descendants, kill_tree, prctl, spawn
+from settle import watcher
 
 # -------------------------------------------------------------------------------------------------
 # The icons and the HOME template
@@ -175,27 +179,132 @@ def write_xauthority(path: str) -> None:
         f.write(data)
 
 
-def _wait(cond, what: str, timeout: float = 30.0) -> None:
+def _wait(cond, what: str, timeout: float = 30.0, every: float = 0.005) -> None:
     deadline = time.time() + timeout
     while not cond():
         if time.time() > deadline:
             raise RuntimeError(f"{what} did not come up within {timeout:.0f} s")
-        time.sleep(0.1)
+        time.sleep(every)
+
+
+_displays: dict = {}
+_fresh_root: dict[str, dict] = {}  # display -> its root window's properties before the first session
+
+
+def _x(name: str):
+    """A python-xlib connection to the desktop's display, for the session's checks (kept)."""
+    if name not in _displays:
+        from Xlib import display
+        _displays[name] = display.Display(name)
+    return _displays[name]
+
+
+def _atom(x, name: str) -> int:
+    return x.intern_atom(name)
+
+
+def root_properties(name: str) -> dict:
+    """The root window's properties: atom -> (type, format, value)."""
+    from Xlib import X
+    x = _x(name)
+    root = x.screen().root
+    out = {}
+    for atom in root.list_properties():
+        p = root.get_full_property(atom, X.AnyPropertyType)
+        if p is not None:
+            out[atom] = (p.property_type, p.format, p.value)
+    return out
+
+
+def restore_root(name: str, fresh: dict) -> None:
+    """Make the root window's properties what they were on the fresh X server: the session's own
+    (a window manager reads _NET_CURRENT_DESKTOP and keeps the workspace an agent switched to) and
+    whatever an agent set (`xrdb` writes RESOURCE_MANAGER, which every Xt app reads) go."""
+    from Xlib import X
+    x = _x(name)
+    root = x.screen().root
+    now = root_properties(name)
+    for atom, (kind, fmt, value) in now.items():
+        if atom not in fresh:
+            root.delete_property(atom)
+    for atom, (kind, fmt, value) in fresh.items():
+        if now.get(atom) != (kind, fmt, value):
+            root.change_property(atom, kind, fmt, value, X.PropModeReplace)
+    x.sync()
+
+
+def _wm_gone(x) -> bool:
+    """The X server has let the last window manager go (ICCCM: it owned the WM_S0 selection). A
+    window manager that starts before then finds the screen taken and manages nothing."""
+    from Xlib import X
+    return x.get_selection_owner(_atom(x, "WM_S0")) == X.NONE
+
+
+def _wm_ready(x) -> bool:
+    """A window manager manages the screen: EWMH's check window names itself (set once the window
+    manager has taken the screen's redirect), and the workspaces and work area are published. (tint2
+    reads _NET_NUMBER_OF_DESKTOPS once at its start and, without it, sleeps a whole second.)"""
+    from Xlib import X, error
+    root = x.screen().root
+    if any(root.get_full_property(_atom(x, n), X.AnyPropertyType) is None
+           for n in ("_NET_NUMBER_OF_DESKTOPS", "_NET_WORKAREA")):
+        return False
+    check = _atom(x, "_NET_SUPPORTING_WM_CHECK")
+    p = root.get_full_property(check, X.AnyPropertyType)
+    if p is None or not len(p.value):
+        return False
+    try:
+        q = x.create_resource_object("window", p.value[0]).get_full_property(check, X.AnyPropertyType)
+    except error.XError:  # a check window that is gone
+        return False
+    return q is not None and len(q.value) > 0 and q.value[0] == p.value[0]
+
+
+def _sticky(x) -> set[str]:
+    """The names of the managed windows on every workspace (the taskbar, the desktop icons)."""
+    from Xlib import X, error
+    root = x.screen().root
+    clients = root.get_full_property(_atom(x, "_NET_CLIENT_LIST"), X.AnyPropertyType)
+    names = set()
+    for wid in (clients.value if clients is not None else []):
+        try:
+            w = x.create_resource_object("window", wid)
+            desktop = w.get_full_property(_atom(x, "_NET_WM_DESKTOP"), X.AnyPropertyType)
+            if desktop is not None and len(desktop.value) and desktop.value[0] == 0xFFFFFFFF:
+                names.add(w.get_wm_name() or "")
+        except error.XError:  # closed meanwhile
+            continue
+    return names
 
 
 def start_session(desk: Desktop) -> None:
-    """Window manager, then taskbar and desktop icons; returns once the icons are drawn."""
-    spawn(desk, ["openbox"])
-    _wait(lambda: subprocess.run(["wmctrl", "-m"], env=desk.env, capture_output=True).returncode == 0, "openbox")
-    spawn(desk, ["tint2"])
+    """Window manager, then taskbar and desktop icons; returns once the desktop has settled (every
+    icon drawn, nothing busy: settle.py). openbox and tint2 keep their caches (and tint2 its copy
+    of the default config) in the desktop's run folder, not in HOME, so HOME is the template and
+    nothing else."""
+    x = _x(desk.display)
+    run = os.path.join(desk.env.get("XDG_RUNTIME_DIR") or desk.tmp, "session")
+    own = replace(desk, env={**desk.env, "XDG_CONFIG_HOME": os.path.join(run, "config"),
+                             "XDG_CACHE_HOME": os.path.join(run, "cache")})
+    if desk.display not in _fresh_root:  # the first start: the X server as it came up
+        _fresh_root[desk.display] = root_properties(desk.display)
+    watch = watcher(desk)
+    watch.arm()
+    started = time.monotonic()
+    _wait(lambda: _wm_gone(x), "the last window manager's exit")
+    spawn(own, ["openbox"])
+    _wait(lambda: _wm_ready(x), "openbox")
+    spawn(own, ["tint2"])
     spawn(desk, ["pcmanfm", "--desktop"])
-    x, y = desktop_icons(desk.screen)["Terminal"]
+    px, py = desktop_icons(desk.screen)["Terminal"]
 
     def drawn():  # both sticky windows are up and the first icon's pixel is no longer background
-        titles = [t for _, ws, t in list_windows(desk) if ws == -1]
-        px = ImageGrab.grab(bbox=(x, y, x + 1, y + 1)).getpixel((0, 0))
-        return {"pcmanfm", "tint2"} <= set(titles) and "#%02x%02x%02x" % px[:3] != BG_COLOUR
+        if not {"pcmanfm", "tint2"} <= _sticky(x):
+            return False
+        pixel = ImageGrab.grab(bbox=(px, py, px + 1, py + 1), xdisplay=desk.display).getpixel((0, 0))
+        return "#%02x%02x%02x" % pixel[:3] != BG_COLOUR
     _wait(drawn, "the desktop icons")
+    watch.settle(started, first_change=0.0)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -220,17 +329,69 @@ def remove_tree(path: str) -> None:
 
 
 def restore_home(desk: Desktop) -> None:
-    """Empty HOME and copy the template into it. HOME itself stays: in the sandbox it is a mount
-    point (the one writable place), which cannot be removed."""
+    """Make HOME the template again, touching only what differs: every entry of the template with
+    its content, mode, mtime and symlink target, and nothing else. HOME itself stays (in the
+    sandbox it is a mount point, the one writable place, which cannot be removed)."""
     os.makedirs(desk.home, exist_ok=True)
     os.chmod(desk.home, 0o755)  # the agent may have locked itself out (chmod 000 ~)
-    for name in os.listdir(desk.home):
-        p = os.path.join(desk.home, name)
-        if os.path.isdir(p) and not os.path.islink(p):
-            remove_tree(p)
-        else:
-            os.unlink(p)
-    shutil.copytree(os.path.join(desk.tmp, "template"), desk.home, symlinks=True, dirs_exist_ok=True)
+    _sync(os.path.join(desk.tmp, "template"), desk.home)
+
+
+def _same(a: os.DirEntry, b: os.DirEntry) -> bool:
+    """Is HOME's entry `b` the template's `a` (a folder of the same kind counts: its insides are
+    synced on their own)? Contents are compared only when the sizes and mtimes agree."""
+    sa, sb = a.stat(follow_symlinks=False), b.stat(follow_symlinks=False)
+    if a.is_symlink() or b.is_symlink():
+        return a.is_symlink() and b.is_symlink() and os.readlink(a.path) == os.readlink(b.path)
+    if a.is_dir() or b.is_dir():
+        return a.is_dir() and b.is_dir()
+    if (sa.st_mode, sa.st_size, sa.st_mtime_ns) != (sb.st_mode, sb.st_size, sb.st_mtime_ns) or sb.st_nlink != 1:
+        return False  # (a second hard link would let an edit elsewhere change this file)
+    with open(a.path, "rb") as fa, open(b.path, "rb") as fb:
+        return fa.read() == fb.read()
+
+
+def _sync(src: str, dst: str) -> None:
+    """Make folder `dst` equal to the template folder `src` (see restore_home)."""
+    os.chmod(dst, 0o700)  # readable and writable while we work in it; its own mode comes last
+    want = {e.name: e for e in os.scandir(src)}
+    for e in os.scandir(dst):
+        if e.name not in want or not _same(want[e.name], e):
+            if e.is_dir(follow_symlinks=False):
+                remove_tree(e.path)
+            else:
+                os.unlink(e.path)
+    for name, e in want.items():
+        path = os.path.join(dst, name)
+        if e.is_symlink():
+            if not os.path.lexists(path):
+                os.symlink(os.readlink(e.path), path)
+        elif e.is_dir():
+            if not os.path.lexists(path):
+                os.mkdir(path)
+            _sync(e.path, path)
+        elif not os.path.lexists(path):
+            shutil.copy2(e.path, path)
+    shutil.copystat(src, dst)  # mode and mtime last: the changes above moved the mtime
+
+
+def reset_desktop(desk: Desktop) -> dict[str, float]:
+    """POST /reset of an --xvfb desktop: stop every program but Xvfb (the session too: a file
+    manager window, its clipboard and the icons' selection live in the desktop's process), make
+    HOME the template and the root window's properties what the fresh X server had, start the
+    session again. -> seconds per phase. A reset desktop looks exactly like a fresh one
+    (tests/test_vm_server.py checks the pixels and HOME's bytes)."""
+    t = [time.monotonic()]
+    kill_tree(keep={desk.xvfb.pid})
+    t.append(time.monotonic())
+    restore_home(desk)
+    t.append(time.monotonic())
+    _wait(lambda: _wm_gone(_x(desk.display)), "the last window manager's exit")  # its last requests are done
+    restore_root(desk.display, _fresh_root[desk.display])
+    t.append(time.monotonic())
+    start_session(desk)
+    t.append(time.monotonic())
+    return {k: round(b - a, 3) for k, a, b in zip(("kill", "home", "root", "session"), t, t[1:])}
 
 
 def make_tmp() -> str:

@@ -109,9 +109,7 @@ class VMClient:
         for attempt in range(2):
             r = self._call("GET", "/screenshot" + query, retries=2, timeout=timeout)
             try:
-                img = Image.open(BytesIO(r.content))
-                img.load()  # decode now, so a truncated body fails here and is fetched again
-                return img if img.mode == "RGB" else img.convert("RGB")
+                return _decode(r.content)  # a truncated body fails here and is fetched again
             except Exception as e:  # noqa: BLE001 -- PIL raises several types for a bad image
                 err = VMError(f"{self.url}/screenshot returned an image that does not decode ({e}).")
         raise err
@@ -120,9 +118,29 @@ class VMClient:
         """The desktop's application windows, [{"id": X window id, "title": str}], oldest first."""
         return self._call("GET", "/windows", retries=2, timeout=timeout).json()["windows"]
 
-    def act(self, action: Action | dict, timeout: float | None = None) -> dict:
+    def act(self, action: Action | dict, settle: str | float | None = None, screenshot: str | bool = False,
+            timeout: float | None = None, quality: int = 90) -> dict | ActResult:
+        """Run one action. `settle`: None answers as soon as it ran; "watch" once the desktop has
+        settled (the server watches it: vm_server.py, settle.py); a number sleeps that many seconds
+        there (0-10, the papers' fixed settle). `screenshot` "png"/"jpeg": answer with the settled
+        screen in the same round trip -> ActResult(image, settle); else -> {"ok": True, "settle":
+        {...}}. The settle dict: seconds waited, until ("quiet", "nochange", "cap", "fixed",
+        "none"), first_change (seconds from the action's start, or None)."""
         body = action.to_dict() if isinstance(action, Action) else action
-        return self._call("POST", "/action", body, timeout=timeout).json()
+        if isinstance(settle, str) and settle != "watch":
+            raise ValueError(f"settle must be None, 'watch' or seconds, got {settle!r}.")
+        screenshot = "png" if screenshot is True else screenshot
+        query = {"settle": settle if settle in (None, "watch") else f"{float(settle):.3f}",
+                 "screenshot": screenshot or None, "quality": quality if screenshot in ("jpeg", "jpg") else None}
+        query = "&".join(f"{k}={v}" for k, v in query.items() if v is not None)
+        r = self._call("POST", "/action" + ("?" + query if query else ""), body, timeout=timeout)
+        if not screenshot:
+            return r.json()
+        info = json.loads(r.headers.get("X-Settle", "{}"))
+        try:
+            return ActResult(_decode(r.content), info)
+        except Exception:  # noqa: BLE001 -- a body cut short; the action must not run twice, the screen can be read again
+            return ActResult(self.screenshot(screenshot, quality, timeout=timeout), info)
 
     def reset(self, timeout: float | None = None) -> dict:
         return self._call("POST", "/reset", {}, retries=1, timeout=timeout).json()
@@ -134,6 +152,19 @@ class VMClient:
 
     def evaluate(self, evaluator: dict, timeout: float | None = None) -> dict:
         return self._call("POST", "/evaluate", evaluator, retries=1, timeout=timeout).json()
+
+
+@dataclass
+class ActResult:
+    """What VMClient.act(..., screenshot=...) answers: the settled screen and how it settled."""
+    image: Image.Image   # RGB
+    settle: dict         # {"seconds", "until", "first_change"}, the server's X-Settle header
+
+
+def _decode(data: bytes) -> Image.Image:
+    img = Image.open(BytesIO(data))
+    img.load()  # decode now, so a truncated body fails here
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 
 @dataclass

@@ -7,7 +7,9 @@ It runs INSIDE each VM, or as a local desktop of its own on this machine:
     VM_TOKEN=<secret> python vm_server.py --token-for URL         # the token of the VM at URL
 
 Endpoints (JSON; errors are 4xx/5xx {"error": "<one sentence>"}; see README "VM protocol"):
-    GET /health, GET /screenshot[?format=png|jpeg&quality=Q], GET /windows, POST /action, POST /reset,
+    GET /health, GET /screenshot[?format=png|jpeg&quality=Q], GET /windows,
+    POST /action[?settle=watch|SECONDS][&screenshot=png|jpeg&quality=Q] (the settled screen as the
+    answer: one round trip per step; header X-Settle), POST /reset,
     POST /setup {"steps": [...]}, POST /evaluate {"conj": "and"|"or", "checks": [...]}.
 With a token every endpoint needs `Authorization: Bearer <token>`; binding to anything but loopback
 without one is refused, and a server without one answers only requests with a loopback Host and
@@ -32,12 +34,16 @@ Where this departs from OSWorld's in-VM server (the papers' environment):
     per-application getters, so task files stay small and readable.
   - `--xvfb` builds a whole desktop (Xvfb, openbox, tint2 taskbar, pcmanfm icons) per server, with
     its own HOME copied from a template, so N local desktops stand in for N VMs.
+  - After an action the papers' clients sleep a fixed time before the next screenshot; here
+    `?settle=watch` waits until the desktop has settled, watched from inside (settle.py), and
+    answers with the settled screen.
 
 What to copy into your VM: vm_server.py, vm_tasks.py (the /setup and /evaluate steps and checks),
 vm_rules.py (the allow-list and its argv rules, HOME confinement, the request checks), procs.py
-(the desktop's processes and windows) and actions.py (the action schema POST /action takes; stdlib
-only). desktop.py is the `--xvfb` desktop, imported only with `--xvfb`, so a VM serving its own
-display does without it. Nothing imports this file: it is the program you run.
+(the desktop's processes and windows), settle.py (?settle=watch: when the screen has settled) and
+actions.py (the action schema POST /action takes; stdlib only). desktop.py is the `--xvfb`
+desktop, imported only with `--xvfb`, so a VM serving its own display does without it. Nothing
+imports this file: it is the program you run.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ from PIL import ImageGrab
 
 from actions import ACTION_FIELDS, DIRECTIONS, MAX_KEYS, MAX_TEXT_CHARS
 from procs import Desktop, app_windows, kill_tree, prctl, reap
+from settle import watcher
 from vm_rules import DEFAULT_ALLOW, MAX_BODY, BadRequest, check_number, check_object, check_str, vm_token
 from vm_tasks import evaluate, setup
 
@@ -96,18 +103,21 @@ def _desktop():
     return desktop
 
 
-def reset(desk: Desktop) -> None:
-    """Close every app started since the desktop came up, restore HOME, mouse to the centre."""
+def reset(desk: Desktop) -> dict[str, float]:
+    """Close every app started since the desktop came up, restore HOME, mouse to the centre.
+    -> seconds per phase (see desktop.reset_desktop)."""
     import pyautogui
     if desk.xvfb is not None:
-        # Killing every client but Xvfb and starting the session again is simpler and surer than
+        # Stopping every client but Xvfb and starting the session again is simpler and surer than
         # closing windows one by one (a file manager window lives inside the desktop process).
-        kill_tree(keep={desk.xvfb.pid})
-        _desktop().restore_home(desk)
-        _desktop().start_session(desk)
+        phases = _desktop().reset_desktop(desk)
     else:  # a real VM: close what we launched; its files are yours (restore them with a snapshot)
+        t = time.monotonic()
         kill_tree(keep=set())
-    pyautogui.moveTo(desk.screen[0] // 2, desk.screen[1] // 2)
+        phases = {"kill": round(time.monotonic() - t, 3)}
+    t = time.monotonic()
+    pyautogui.moveTo(desk.screen[0] // 2, desk.screen[1] // 2, _pause=False)  # no app left to see it in order
+    return {**phases, "mouse": round(time.monotonic() - t, 3)}
 
 # -------------------------------------------------------------------------------------------------
 # POST /action
@@ -240,46 +250,92 @@ def encode_png(img) -> bytes:
             + chunk(b"IDAT", zlib.compress(rows, PNG_LEVEL)) + chunk(b"IEND", b""))
 
 
-def screenshot(query: dict) -> tuple[bytes, str]:
-    fmt, q = query.get("format", ["png"])[-1], query.get("quality", ["80"])[-1]
+def image_query(query: dict, key: str = "format") -> tuple[str, int]:
+    """The image format and JPEG quality a request asks for (`?format=` for /screenshot,
+    `?screenshot=` for /action, `&quality=` for both), checked."""
+    fmt, q = query.get(key, ["png"])[-1], query.get("quality", ["80"])[-1]
     if fmt not in ("png", "jpeg", "jpg"):
-        raise BadRequest("'format' must be png or jpeg.")
+        raise BadRequest(f"'{key}' must be png or jpeg.")
     if not re.fullmatch(r"[0-9]{1,2}", q) or not 1 <= int(q) <= 95:  # not isdigit(): '²' is a digit to it
         raise BadRequest("'quality' must be an integer in [1, 95].")
+    return fmt, int(q)
+
+
+def screenshot(fmt: str = "png", quality: int = 80) -> tuple[bytes, dict]:
+    """The screen now -> (image bytes, headers)."""
     img = ImageGrab.grab()  # X11 GetImage through Pillow's XCB binding: ~8 ms at 1280x720
     if fmt == "png":
-        return encode_png(img), "image/png"
+        return encode_png(img), {"Content-Type": "image/png"}
     buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=int(q))
-    return buf.getvalue(), "image/jpeg"
+    img.save(buf, "JPEG", quality=quality)
+    return buf.getvalue(), {"Content-Type": "image/jpeg"}
 
 
-def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[int, object, str]:
-    """Route one authenticated request -> (status, JSON object or bytes, content type)."""
+def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[int, object, dict]:
+    """Route one authenticated request -> (status, JSON object or bytes, extra headers)."""
     routes = {"/health": "GET", "/screenshot": "GET", "/windows": "GET", "/action": "POST", "/reset": "POST",
               "/setup": "POST", "/evaluate": "POST"}
     if path not in routes:
-        return 404, {"error": f"no endpoint {path}; see the README's VM protocol section."}, ""
+        return 404, {"error": f"no endpoint {path}; see the README's VM protocol section."}, {}
     if routes[path] != method:
-        return 405, {"error": f"{path} takes {routes[path]}, not {method}."}, ""
+        return 405, {"error": f"{path} takes {routes[path]}, not {method}."}, {}
     if desk.xvfb is not None and desk.xvfb.poll() is not None:
-        return 503, {"error": "this desktop's X server died; restart vm_server.py."}, ""
+        return 503, {"error": "this desktop's X server died; restart vm_server.py."}, {}
     if path == "/health":
-        return 200, {"ok": True, "screen": list(desk.screen)}, ""
+        return 200, {"ok": True, "screen": list(desk.screen)}, {}
     if path == "/screenshot":
-        return (200, *screenshot(query))
+        return (200, *screenshot(*image_query(query)))
     if path == "/windows":  # the application windows, oldest first (the window manager's list)
-        return 200, {"windows": [{"id": i, "title": t} for i, t in app_windows(desk)]}, ""
-    if path == "/action":
-        do_action(desk, check_action(desk, body))
-        return 200, {"ok": True}, ""
+        return 200, {"windows": [{"id": i, "title": t} for i, t in app_windows(desk)]}, {}
+    if path == "/action":  # the query and the action are checked before anything runs
+        image = image_query(query, "screenshot") if "screenshot" in query else None
+        return act(desk, check_action(desk, body), settle_query(query), image)
     if path == "/reset":
         check_object({} if body is None else body, "the /reset body")
-        reset(desk)
-        return 200, {"ok": True}, ""
+        return 200, {"ok": True, "seconds": reset(desk)}, {}
     if path == "/setup":  # every step checked and the whole request planned before any runs
-        return 200, setup(desk, body), ""
-    return 200, evaluate(desk, body), ""
+        return 200, setup(desk, body), {}
+    return 200, evaluate(desk, body), {}
+
+
+# -------------------------------------------------------------------------------------------------
+# POST /action?settle=watch|SECONDS&screenshot=png|jpeg: the action, the settle, the settled screen
+
+MAX_FIXED_SETTLE = 10.0  # s: the longest fixed settle a request may ask for
+
+
+def settle_query(query: dict) -> str | float | None:
+    """?settle=watch (settle.py's rule), ?settle=SECONDS (a fixed sleep), or absent (None)."""
+    if "settle" not in query:
+        return None
+    v = query["settle"][-1]
+    if v == "watch":
+        return v
+    if re.fullmatch(r"[0-9]{1,2}(\.[0-9]{1,3})?", v) and float(v) <= MAX_FIXED_SETTLE:  # ASCII digits only
+        return float(v)
+    raise BadRequest(f"'settle' must be watch or seconds in [0, {MAX_FIXED_SETTLE:g}] (e.g. 0.5).")
+
+
+def act(desk: Desktop, a: dict, how: str | float | None, image: tuple[str, int] | None) -> tuple[int, object, dict]:
+    """Run one checked action, settle as asked, answer with the settled screen (`image`: its
+    format and quality) or {"ok": true, "settle": ...}; either way the X-Settle header says how
+    the settle went (see settle.Watcher.settle)."""
+    if how == "watch":
+        watcher(desk).arm()
+    started = time.monotonic()
+    do_action(desk, a)
+    if how == "watch":
+        info = watcher(desk).settle(started)
+    elif how is not None:
+        time.sleep(how)
+        info = {"seconds": how, "until": "fixed", "first_change": None}
+    else:
+        info = {"seconds": 0.0, "until": "none", "first_change": None}
+    headers = {"X-Settle": json.dumps(info, separators=(",", ":"))}
+    if image is None:
+        return 200, {"ok": True, "settle": info}, headers
+    data, more = screenshot(*image)
+    return 200, data, {**headers, **more}
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -411,15 +467,16 @@ class Handler(BaseHTTPRequestHandler):
             with contextlib.nullcontext() if health else self.lock:
                 if not health:
                     reap()  # never beside a running setup command: that would steal its exit status
-                status, payload, ctype = handle(self.desk, method, url.path, parse_qs(url.query), body)
+                status, payload, headers = handle(self.desk, method, url.path, parse_qs(url.query), body)
         except BadRequest as e:
-            status, payload, ctype = e.status, {"error": str(e)}, ""
+            status, payload, headers = e.status, {"error": str(e)}, {}
         except Exception as e:  # a bug or a broken desktop: say so, keep serving
             print(f"vm_server: {method} {url.path} failed: {e!r}", file=sys.stderr, flush=True)
-            status, payload, ctype = 500, {"error": f"the VM failed: {type(e).__name__}: {e}"[:500]}, ""
+            status, payload, headers = 500, {"error": f"the VM failed: {type(e).__name__}: {e}"[:500]}, {}
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         self.send_response(status)
-        self.send_header("Content-Type", ctype or "application/json")
+        for k, v in {"Content-Type": "application/json", **headers}.items():
+            self.send_header(k, v)
         self.send_header("Content-Length", str(len(data)))
         if self.close_connection:
             self.send_header("Connection", "close")

@@ -237,6 +237,44 @@ def x_env(vm: ServedDesktop) -> tuple[list[str], dict]:
     return ([] if ns is None else [sys.executable, "-c", ENTER, ns]), env
 
 
+def in_x_namespace(vm: ServedDesktop, fn):
+    """fn() run in a thread that entered the desktop's network namespace, with its cookie shown:
+    what fn connects to there (an X display, through python-xlib) stays connected from any thread
+    (a socket keeps the namespace it was made in). setns(CLONE_NEWNET) changes only the calling
+    thread, so the test's own HTTP calls still reach the host's loopback. Root only."""
+    import ctypes
+    import threading
+    prefix, env = x_env(vm)
+    out: dict = {}
+
+    def run():
+        try:
+            if prefix:
+                if os.getuid() != 0:
+                    pytest.skip("joining a sandbox's network namespace from a thread needs root")
+                fd = os.open(netns_of(vm), os.O_RDONLY)
+                try:
+                    if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000):  # CLONE_NEWNET
+                        raise OSError(ctypes.get_errno(), "cannot join the sandbox's network namespace")
+                finally:
+                    os.close(fd)
+            saved = {k: os.environ.get(k) for k in ("DISPLAY", "XAUTHORITY")}
+            os.environ.update(DISPLAY=env["DISPLAY"], XAUTHORITY=env["XAUTHORITY"])
+            try:
+                out["value"] = fn()
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        except BaseException as e:  # noqa: BLE001 -- re-raised in the caller's thread
+            out["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def x11(vm: ServedDesktop, *argv: str, check: bool = False) -> subprocess.CompletedProcess:
     """Run `argv` (xdotool, wmctrl, xwininfo ...) on the desktop's display from the host."""
     prefix, env = x_env(vm)

@@ -80,7 +80,7 @@ class Desk:
             f.write(script)
         os.chmod(path, 0o644)
         line = f"{run} {name}.x > {name}.out 2>&1; echo $? > {name}.rc\n"
-        assert self.client.act({"type": "type", "text": line}) == {"ok": True}
+        assert self.client.act({"type": "type", "text": line})["ok"] is True
         rc = os.path.join(self.home, f"{name}.rc")
         wait_for(lambda: os.path.exists(rc) and open(rc).read().endswith("\n"), f"{name} to finish on {self.name}", timeout)
         return open(os.path.join(self.home, f"{name}.out"), errors="replace").read()

@@ -44,8 +44,9 @@ def test_client_round_trip(client, vm):
     img = client.screenshot()
     assert isinstance(img, Image.Image) and img.size == (1280, 720) and img.mode == "RGB"
     assert client.screenshot(format="jpeg", quality=50).size == (1280, 720)
-    assert client.act(Action("move", x=10, y=10)) == {"ok": True}
-    assert client.act({"type": "wait", "amount": 0}) == {"ok": True}
+    none = {"seconds": 0.0, "until": "none", "first_change": None}  # no settle asked for: none done
+    assert client.act(Action("move", x=10, y=10)) == {"ok": True, "settle": none}
+    assert client.act({"type": "wait", "amount": 0}) == {"ok": True, "settle": none}
     ev = client.evaluate({"conj": "and", "checks": [{"type": "file_exists", "path": "notes.txt"}]})
     assert ev["score"] == 1.0
     ev = client.evaluate({"conj": "and", "checks": [{"type": "file_exists", "path": "nope.txt"}]})

@@ -1,13 +1,14 @@
 """Tests for the task suite (tasks/*.json): every shipped task is proven on a real desktop.
 
-Run: python -m pytest -q tests/test_tasks.py   (needs Xvfb & co from setup.sh; ~50 s)
+Run: python -m pytest -q tests/test_tasks.py   (needs Xvfb & co from setup.sh; ~30 s)
 
 For every task, on a real `vm_server.py --xvfb` desktop over real HTTP: /reset, the task's /setup,
 then (a) doing nothing must score 0.0 and (b) replaying its scripted solution
-(tests/task_solutions.py) must score 1.0. Every episode is scored by train_arpo.outcome_scores, the
-rule training uses; infeasible tasks the way ARPO/OSWorld score them, client side: 1.0 iff the
-agent's last action is `fail` (no /evaluate call), so a solution ending in `fail` scores 1 and doing
-nothing or `done` scores 0.
+(tests/task_solutions.py) must score 1.0, each action sent as a trainer sends it, with
+`?settle=watch` (the server answers once the desktop has settled; no fixed sleeps). Every episode
+is scored by train_arpo.outcome_scores, the rule training uses; infeasible tasks the way
+ARPO/OSWorld score them, client side: 1.0 iff the agent's last action is `fail` (no /evaluate
+call), so a solution ending in `fail` scores 1 and doing nothing or `done` scores 0.
 
 Speed: the tasks are spread over DESKTOPS desktops (the session's shared one from conftest.py plus
 extra ones), one thread per desktop pulling from a common queue; a desktop is reused across tasks
@@ -35,7 +36,7 @@ from train_arpo import outcome_scores
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tasks")
 TASKS = load_tasks(TASKS_DIR)
-DESKTOPS = 3  # 2 would do on 2 cores, but the desktops mostly wait on `wait` actions and app starts
+DESKTOPS = 3  # 2 would do on 2 cores, but the desktops mostly wait on app starts, setups and resets
 
 
 def episode_score(task: Task, actions: list[dict], vm: VMClient) -> float:
@@ -117,7 +118,7 @@ def run_task(vm: VMClient, task: Task) -> Run:
             run.also["wait+done"] = episode_score(task, [{"type": "wait"}, {"type": "done"}], vm)
         for a in SOLUTIONS[task.id]:
             if a["type"] not in ("done", "fail"):
-                vm.act(a)
+                vm.act(a, settle="watch")  # the server answers once the screen has settled
         run.solved = episode_score(task, SOLUTIONS[task.id], vm)
         if not task.infeasible:
             run.details = vm.evaluate(task.evaluator)["details"]

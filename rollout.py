@@ -3,6 +3,7 @@
     out = rollout.run(pool, [episode, episode, ...], policy_fn, retries=1)
     out.results[k]          # what episode k returned, or a rollout.Lost (the environment failed it)
     out.times, out.batches  # time/* (below) and the size of every policy_fn call
+    out.settles             # how every action settled (the server's X-Settle; settle_metrics sums it up)
 
 An episode is a plain generator function of one desktop, run in that desktop's own thread. It reads
 top to bottom like a gym loop; `yield` hands an observation to the policy and receives its answer:
@@ -47,6 +48,9 @@ Timing (`out.times`, seconds; both trainers log them as metrics under these name
                    time in revive/reset/setup, act/settle/screenshot/windows, evaluate. They overlap
                    generation and one another, so they do not add up to the wall time.
 
+`settle_metrics(out.settles)`: settle/seconds (mean seconds the screen got after an action) and
+settle/capped (the share of watched actions that gave up at the server's cap).
+
 Tested by tests/test_rollout.py (real HTTP servers on loopback, real desktops); measured by
 bench/arpo_iter.py. Where this departs from the papers: ARPO's rollout (and ScreenExplorer's release)
 steps every environment in lockstep, one batched generate per step after all of them answered. Here
@@ -69,7 +73,6 @@ from env import VMError, VMPool
 
 GATHER = 0.05  # seconds a batch waits for more observations after its first one (see run)
 GRACE = 5.0    # seconds past a call's own timeout before the stepper gives up on it
-WATCH_CAP = 2.0  # SHIM: the client-side watched settle's cap, until the server watches (see Desktop.act)
 
 # ------------------------------------------------------------------------------------------------
 # The settle rule and who is to blame
@@ -127,6 +130,7 @@ class Desktop:
     def __init__(self, pool: VMPool, vm: int):
         self.pool, self.vm = pool, vm
         self.times = {"reset": 0.0, "env": 0.0, "evaluate": 0.0}
+        self.settles: list[dict] = []  # the server's X-Settle of every action: seconds, until (quiet, cap, ...)
         self.deadline: float | None = None  # while a call runs: when the stepper stops waiting for it
 
     def _call(self, phase: str, fn_name: str, *args, **kwargs):
@@ -154,23 +158,21 @@ class Desktop:
         return self._call("evaluate", "evaluate", evaluator)
 
     def act(self, action, settle: str | float) -> Image.Image:
-        """Run `action`, let the screen settle (`settle`: "watch", or seconds), return the screen.
-        SHIM until the server's POST /action?settle=...&screenshot=png lands: the action, then a
-        fixed sleep or a client-side watch (screenshots until two in a row are equal, WATCH_CAP at
-        most), then the screenshot: two or more round trips where the server will need one."""
-        self._call("env", "act", action)
-        if settle != "watch":
-            t0 = time.monotonic()
-            time.sleep(settle)
-            self.times["env"] += time.monotonic() - t0
-            return self.screenshot()
-        start, last = time.monotonic(), self.screenshot()
-        while time.monotonic() - start < WATCH_CAP:
-            now = self.screenshot()
-            if now.tobytes() == last.tobytes():
-                return now
-            last = now
-        return last
+        """Run `action`, let the screen settle on the server (`settle`: "watch" until it stops
+        changing, with a cap; or seconds of a fixed sleep) and return the settled screen: ONE round
+        trip (POST /action?settle=...&screenshot=png). How it settled goes into `settles`."""
+        out = self._call("env", "act", action, settle=settle, screenshot="png")
+        self.settles.append(out.settle)
+        return out.image
+
+
+def settle_metrics(settles: list[dict]) -> dict:
+    """settle/seconds: the mean seconds the screen got after an action (the watch's, or the fixed
+    sleep); settle/capped: the share of watched actions that gave up at the cap (still changing)."""
+    if not settles:
+        return {}
+    return {"settle/seconds": sum(s.get("seconds", 0.0) for s in settles) / len(settles),
+            "settle/capped": sum(s.get("until") == "cap" for s in settles) / len(settles)}
 
 
 def in_service(pool: VMPool) -> list[int]:
@@ -194,6 +196,7 @@ class Rollout:
     failures: list = field(default_factory=list)   # every environment failure (Lost), retried or not
     times: dict = field(default_factory=dict)      # time/* (the module docstring)
     batches: list = field(default_factory=list)    # the size of every policy_fn call
+    settles: list = field(default_factory=list)    # how every action settled (the server's X-Settle)
 
 
 @dataclass
@@ -373,4 +376,5 @@ def run(pool: VMPool, episodes: list, policy_fn, retries: int = 0, on: list | No
             inbox[i].put(_STOP)
     per = {p: sum(desks[i].times[p] for i in played) / max(1, len(played)) for p in ("reset", "env", "evaluate")}
     out.times = {"time/rollout": time.monotonic() - t_start, **times, **{f"time/{p}": s for p, s in per.items()}}
+    out.settles = [s for i in use for s in desks[i].settles]
     return out

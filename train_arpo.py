@@ -752,15 +752,16 @@ def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
     times["time/iteration"] = time.perf_counter() - t0
     # -- every rank's numbers into one line
     mine = {"fresh": [outcome(e) for e in fresh], "batch": batch_rows(batch, adv, pieces, tr.first),
-            "groups": group_stats, "injections": injections, "batches": out.batches,
+            "groups": group_stats, "injections": injections, "batches": out.batches, "settles": out.settles,
             "failures": [(tr.first + f.vm if f.vm is not None else None, f.error) for f in out.failures]}
     parts = dist.gather(mine)
     every = {k: [x for p in parts for x in p[k]] for k in ("fresh", "batch", "groups", "injections", "batches",
-                                                           "failures")}
+                                                           "failures", "settles")}
     m = iteration_metrics(it, task_ids, every["fresh"], every["failures"], every["batch"], upd,
                           rundir.gather_times(times), every["batches"], args)
     m.update({"actor/lr": lr, "groups": every["groups"], "replay_injections": every["injections"],
               "n_injections": len(every["injections"]), "replay_size": len(tr.replay) if tr.replay is not None else 0,
+              **rollout.settle_metrics(every["settles"]),
               "zero_std_groups": flat_groups([b["group"] for b in every["batch"]], [b["advantage"] for b in every["batch"]])})
     return m, eps
 

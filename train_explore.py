@@ -894,10 +894,12 @@ def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int,
         if not buffer and dist.size() == 1:
             print(f"it {it}: no desktop answered; resetting them and going on.", flush=True)
             continue
-        failures = int(dist.all_sum([len(out.failures)])[0])  # every rank's
+        parts = dist.gather((len(out.failures), out.settles))  # every rank's
+        failures, settles = sum(n for n, _ in parts), [s for _, ss in parts for s in ss]
         r, adv, metrics = learn(L, buffer, it, args, times)
         metrics = {"iteration": it, "generation": L.generation, **metrics, "env_failures": failures,
                    "rollout/batches": len(out.batches), "rollout/batch_mean": float(np.mean(out.batches or [0])),
+                   **rollout.settle_metrics(settles),
                    **distill_metrics}
         distill_metrics = {}
         with rundir.timed(times, "save"):  # trajectories, checkpoint, then the metrics line: see rundir.py

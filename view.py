@@ -233,7 +233,8 @@ def action_svg(action, w: int, h: int) -> str:
 # desktops that failed; both trainers log these.
 TIME = [("seconds: iteration, learner computing (generation, update) and idle (VM wait)",
          ["time/iteration", "time/generation", "time/update", "time/vm_wait"]),
-        ("learner idle share (VM wait)", ["vm_wait_share"]), ("environment failures", ["env_failures"])]
+        ("learner idle share (VM wait)", ["vm_wait_share"]), ("environment failures", ["env_failures"]),
+        ("settle: mean seconds after an action, share that hit the watch's cap", ["settle/seconds", "settle/capped"])]
 # The charts a reader wants first, by run type: (title, metric keys); every other number follows.
 HEADLINE = {
     "explore": [("total reward", ["reward/total"]), ("format reward", ["reward/format"]),

@@ -201,6 +201,9 @@ def test_a_held_desktop_holds_nobody(loopback):
     assert not held.waited_out, "the held desktop held the others (lockstep)"
     assert sorted(done[:2]) == [0, 1] and done[2] == 2 and out.results == [0, 1, 2]
     assert out.failures == [] and fast0.actions == fast1.actions == held.actions == 3
+    # each action answered with its settled screen and the server's X-Settle, in one round trip
+    assert len(out.settles) == 9 and all(s["until"] == "fixed" for s in out.settles)
+    assert fast0.count("/screenshot") == 1  # only the episode's first look: every later screen came with its action
     # every desktop's observations reached the policy, each exactly once per step
     assert sorted(o for b in batches for o in b) == [(vm, t) for vm in range(3) for t in range(3)]
 
@@ -309,6 +312,7 @@ def test_arpo_a_500_drops_the_episode_and_a_400_is_a_format_failure(loopback):
     assert (m["episodes"], m["dropped"], m["env_failures"]) == (1, 1, 1) and list(m["env_errors"]) == ["0"]
     assert [b["vm"] for b in m["batch"]] == [1]  # only the model's own failure is trained on
     assert m["vm_wait_share"] == pytest.approx(m["time/vm_wait"] / m["time/iteration"])
+    assert "settle/seconds" not in m  # no action ran: nothing settled
 
 
 def test_explore_a_500_drops_the_step_and_a_400_is_a_format_failure(loopback):
@@ -320,6 +324,13 @@ def test_explore_a_500_drops_the_step_and_a_400_is_a_format_failure(loopback):
     assert [(s.vm, s.t) for s in buffer] == [(1, 0), (1, 1), (1, 2)]
     # desktop 1 refused every action: format failures (nothing ran), the refusal kept
     assert all(s.parsed is None and "400" in s.error for s in buffer)
+
+
+def test_settle_metrics_by_hand():
+    settles = [{"seconds": 0.2, "until": "quiet"}, {"seconds": 1.0, "until": "cap"}, {"seconds": 0.3, "until": "nochange"}]
+    # mean seconds (0.2 + 1.0 + 0.3) / 3 = 0.5; one of three hit the cap
+    assert rollout.settle_metrics(settles) == pytest.approx({"settle/seconds": 0.5, "settle/capped": 1 / 3})
+    assert rollout.settle_metrics([]) == {}
 
 
 def test_settle_parses():

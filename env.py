@@ -1,8 +1,9 @@
 """env.py: the trainer's side of the desktops.
 
 What is here, top to bottom:
-  1. `VMClient` (one desktop over HTTP) and `VMPool` (N desktops in lockstep, thread fan-out with a
-     deadline, so one dead or frozen VM never stalls or kills a run).
+  1. `VMClient` (one desktop over HTTP) and `VMPool` (N desktops: one call on all of them at once,
+     a thread fan-out with a deadline, so one dead or frozen VM never stalls or kills a run; or one
+     VM at a time from its own thread, `call` and `revive`, as rollout.py steps them).
   2. `launch_local_vms`: N local Xvfb desktops (`vm_server.py --xvfb`) as subprocesses.
   3. `Task` + `load_tasks`: ARPO's task files (tasks/*.json).
 
@@ -34,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -176,16 +178,18 @@ _CALLS = ("health", "screenshot", "windows", "act", "reset", "setup", "evaluate"
 
 
 class VMPool:
-    """N desktops driven in lockstep. `vms`: an int (launch that many local Xvfb desktops), or URLs
-    of running vm_server.py instances (a list or one comma-separated string) -- what `--vms` takes.
+    """N desktops. `vms`: an int (launch that many local Xvfb desktops), or URLs of running
+    vm_server.py instances (a list or one comma-separated string) -- what `--vms` takes.
 
-    Every call fans out in threads and returns one VMResult per VM, in order, within `timeout`
-    seconds, whatever the VMs do: a VM that errors gives ok=False with the error; one that does not
-    answer in time is marked down (`alive[i]` False) and skipped (an immediate error) until
-    `reset()`, which restarts dead local desktops and re-checks remote ones. The pool is driven from
-    one thread (the trainer); the threads inside are its own. `token` is the secret each VM's own
-    token is derived from (vm_rules.vm_token; `python vm_server.py --token-for URL` prints a
-    remote VM's); local desktops without one get random tokens."""
+    `map` (and screenshots, act, reset, ...) fans one call out to every VM in threads and returns
+    one VMResult per VM, in order, within `timeout` seconds, whatever the VMs do: a VM that errors
+    gives ok=False with the error; one that does not answer in time is marked down (`alive[i]`
+    False) and skipped (an immediate error) until `reset()`, which restarts dead local desktops and
+    re-checks remote ones. Those are driven from one thread (the trainer's). The trainers' rollouts
+    drive each VM from a thread of its own instead (rollout.py): `call(i, ...)` one request,
+    `revive(i)` a health check and, for a local desktop, a restart of that one alone. `token` is the
+    secret each VM's own token is derived from (vm_rules.vm_token; `python vm_server.py --token-for
+    URL` prints a remote VM's); local desktops without one get random tokens."""
 
     def __init__(self, vms: int | str | list[str], token: str | None = None, timeout: float = 30,
                  screen: tuple[int, int] = (1280, 720)):
@@ -219,6 +223,8 @@ class VMPool:
         self._generation = [0] * len(self.urls)  # bumped on restart: late results of the old VM are ignored
         # 2 workers per VM: after a restart the old VM's stuck thread may still hold one.
         self._executor = ThreadPoolExecutor(max_workers=2 * len(self.urls), thread_name_prefix="vmpool")
+        # One lock per VM for revive(): the rollout stepper drives each VM from a thread of its own.
+        self._locks = [threading.Lock() for _ in self.urls]
 
     @property
     def size(self) -> int:
@@ -227,6 +233,69 @@ class VMPool:
     def _mark_down(self, i: int, gen: int, why: str) -> None:
         if self._generation[i] == gen:
             self.alive[i], self.why_down[i] = False, why
+
+    def mark_down(self, i: int, why: str) -> None:
+        """VM i is out until revive(i) or reset() (the rollout stepper's watchdog gave up on it)."""
+        self._mark_down(i, self._generation[i], why)
+
+    # -- One VM at a time, from that VM's own thread (rollout.py): call, revive
+
+    def call(self, i: int, fn_name: str, *args, **kwargs):
+        """VMClient.<fn_name>(*args, **kwargs) on VM i -> its answer; raises VMError. An answer that
+        never came (unreachable, silent: status None) or any other client-side failure marks the VM
+        down, as map() does; an HTTP error status leaves it up (the request, or the VM's own
+        program, failed: revive() tells which). Calls on different VMs may run in parallel."""
+        if fn_name not in _CALLS:
+            raise ValueError(f"VMPool.call: unknown call {fn_name!r}; one of {list(_CALLS)}.")
+        gen, client = self._generation[i], self.clients[i]
+        try:
+            return getattr(client, fn_name)(*args, **kwargs)
+        except VMError as e:
+            if e.status is None:
+                self._mark_down(i, gen, str(e))
+            raise
+        except Exception as e:  # noqa: BLE001 -- a garbled answer: the VM's fault, in its own words
+            why = f"{self.urls[i]}: {type(e).__name__}: {e}"
+            self._mark_down(i, gen, why)
+            raise VMError(why) from None
+
+    def revive(self, i: int) -> bool:
+        """Make VM i fit for a new episode, from its own thread: True if it answers /health (a local
+        desktop also needs its process running and not to have been marked down), else a local
+        desktop is restarted (only this one; the others go on) and a remote one stays down.
+        Thread-safe: one revive per VM at a time."""
+        with self._locks[i]:
+            local = self.local[i] if self.local is not None else None
+            if self.alive[i] and (local is None or local.proc.poll() is None):
+                try:
+                    self.clients[i].health(timeout=min(10.0, self.timeout))
+                    return True
+                except VMError as e:
+                    self._mark_down(i, self._generation[i], str(e))
+            elif local is None:  # a remote VM that was down: back if it answers now
+                try:
+                    self.clients[i].health(timeout=min(10.0, self.timeout))
+                    self.alive[i], self.why_down[i] = True, None
+                    return True
+                except VMError as e:
+                    self.why_down[i] = str(e)
+            if local is None:
+                return False
+            stop_vms([local])
+            try:
+                (vm,) = launch_local_vms(1, screen=self.screen, token=self._secret)
+            except Exception as e:  # noqa: BLE001 -- the slot stays down, the run goes on without it
+                self._mark_down(i, self._generation[i], f"restart failed: {e}")
+                return False
+            self._install(i, vm)
+            return True
+
+    def _install(self, i: int, vm: LocalVM) -> None:
+        """A freshly started local desktop takes slot i; late results of the old one are ignored."""
+        self._generation[i] += 1
+        self.local[i], self.urls[i] = vm, vm.url
+        self.clients[i] = VMClient(vm.url, vm.token, self.timeout)
+        self._inflight[i], self.alive[i], self.why_down[i] = None, True, None
 
     def _run(self, i: int, gen: int, fn_name: str, args: tuple, timeout: float) -> VMResult:
         try:
@@ -306,10 +375,7 @@ class VMPool:
                     self._mark_down(i, self._generation[i], f"restart failed: {e}")
                 fresh = []
             for i, vm in zip(bad, fresh):
-                self._generation[i] += 1
-                self.local[i], self.urls[i] = vm, vm.url
-                self.clients[i] = VMClient(vm.url, vm.token, self.timeout)
-                self._inflight[i], self.alive[i], self.why_down[i] = None, True, None
+                self._install(i, vm)
         return self.map("reset", timeout=timeout)
 
     def close(self) -> None:

@@ -433,14 +433,17 @@ def open_trackers(run: str, args):
                                   tensorboard=args.tensorboard and dist.is_main())
 
 
-def gather_times(times: dict, vm_phases: tuple) -> dict:
-    """One process: `times` as they are. Under torchrun: each phase's seconds on the slowest rank,
-    and every rank's own under "ranks" (with "vm_wait": its seconds waiting on its desktops)."""
-    if dist.size() == 1:
-        return dict(times)
-    per = dist.gather(dict(times))
-    out = {k: max(p.get(k, 0.0) for p in per) for k in sorted(set().union(*per))}
-    out["ranks"] = [{**p, "vm_wait": sum(p.get(f"time/{k}", 0.0) for k in vm_phases)} for p in per]
+def gather_times(times: dict) -> dict:
+    """An iteration's time/* (rollout.py says what each phase means) and vm_wait_share = time/vm_wait
+    / time/iteration, the share of the iteration the learner had nothing to generate or update.
+    Under torchrun: each phase's seconds on the slowest rank, and every rank's own under "ranks"
+    (with "vm_wait": its seconds waiting on its desktops)."""
+    out = dict(times)
+    if dist.size() > 1:
+        per = dist.gather(dict(times))
+        out = {k: max(p.get(k, 0.0) for p in per) for k in sorted(set().union(*per))}
+        out["ranks"] = [{**p, "vm_wait": p.get("time/vm_wait", 0.0)} for p in per]
+    out["vm_wait_share"] = out.get("time/vm_wait", 0.0) / out["time/iteration"] if out.get("time/iteration") else 0.0
     return out
 
 

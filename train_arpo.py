@@ -7,11 +7,13 @@
     python train_arpo.py --eval-only --resume runs/<name>                 # standard + hard success rates
 
 One iteration, top to bottom (`run_iteration`):
-    reset every VM -> pick tasks (live VMs // group size) -> task setup on each VM ->
-    rollout: at each step ONE batched generate over all unfinished VMs, parse the UI-TARS answer,
-      act, next screenshot; an episode ends at finished()/call_user()/an unparseable answer/max steps ->
-    score, as OSWorld's DesktopEnv.evaluate: a last call_user() (FAIL) scores 1 on an infeasible
-      task and 0 on a feasible one; otherwise 0, resp. the task's evaluator on the VM ->
+    pick tasks (desktops in service // group size) -> every group member is a job for rollout.py's
+    stepper, and each desktop plays its job on its own (`play`, in its thread): reset, task setup,
+      then screenshot -> the policy's answer -> parse the UI-TARS answer -> act (the settled screen
+      comes back) until finished()/call_user()/an unparseable answer/max steps -> score, as OSWorld's
+      DesktopEnv.evaluate: a last call_user() (FAIL) scores 1 on an infeasible task and 0 on a
+      feasible one; otherwise 0, resp. the task's evaluator on the VM. Generation batches whatever
+      observations are waiting (one policy call), so a slow desktop holds nobody ->
     replay: an all-failed group gets one member swapped for a stored success of the same task ->
     reward = score - format penalty -> advantages per group, broadcast to every assistant token ->
     GRPO update on whole trajectories (ARPO's schedule: the batch shuffled into two optimizer steps,
@@ -22,10 +24,16 @@ Output: runs/<name>/ with args.json, metrics.jsonl (one line per iteration), tra
 
 Where this departs from ARPO (paper + its released code), on purpose:
 1. Desktops are local Xvfb desktops (or remote `vm_server.py`s), not OSWorld's Ubuntu VMs; tasks are
-   tasks/*.json with execution-based checks. A VM that dies drops out of its group (the group goes on
-   with fewer members) instead of stalling the run.
-2. Rollouts step in lockstep: VM waits and generation do not overlap (`bench/arpo_iter.py` measures
-   what that costs). ARPO's workers are Ray actors; its generation is batched the same way.
+   tasks/*.json with execution-based checks. A VM that fails (no answer, a 5xx, garbage) drops its
+   episode as the environment's failure (the group goes on with fewer members; `env_failures` in the
+   metrics) instead of stalling the run or costing the model a format penalty; only a refused
+   action (4xx) is the model's. Evaluation and task selection play a lost episode once more.
+2. No lockstep (rollout.py): each desktop steps on its own and generation batches the observations
+   that are ready, so VM waits and generation overlap (`bench/arpo_iter.py` measures it); ARPO's
+   workers are Ray actors stepped together, one batched generate per step. The sampled tokens of a
+   run are therefore not reproducible across runs (batches depend on timing); the task order is.
+   After an action the screen settles by the server's watch (--settle watch, the default: until
+   it stops changing, with a cap) or, as ARPO/OSWorld, a fixed sleep (--settle 0.5).
 3. The format penalty follows ARPO's code (reward = score + 0.5 * (-1 on an unparseable answer), and
    that answer ends the episode); `--format-penalty` sets the 0.5, `--no-stop-on-format-error` lets the
    episode go on (the penalty is still paid once per trajectory).
@@ -70,6 +78,7 @@ import random
 import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
+from functools import partial
 from io import BytesIO
 
 import numpy as np
@@ -79,10 +88,12 @@ from transformers.utils import logging as hf_logging
 
 import dist
 import progress
+import rollout
 import rundir
 from actions import MIN_PIXELS, parse_action, smart_resize
 from chat import encode_chat, uitars_messages
-from env import Task, TaskError, VMPool, load_tasks
+from env import Task, TaskError, VMError, VMPool, load_tasks
+from rollout import SETTLE_HELP, EnvFailure, parse_settle, refused
 from grpo import ReplayBuffer, group_advantages, trajectory_sample, update_policy
 from model import Generation, generate, load_policy, sync_weights
 
@@ -123,7 +134,8 @@ class Args:
     temperature: float = arg(1.0, "sampling temperature in training; the update scores log-probs at it too (ARPO: 1.0)")
     top_p: float = arg(1.0, "nucleus sampling in training")
     stop_on_format_error: bool = arg(True, "an unparseable answer ends the episode, as in ARPO's code")
-    settle: float = arg(0.5, "seconds the screen gets to settle after the actions (ARPO/OSWorld: 0.5)")
+    settle: str = arg("watch", "after each action: 'watch' (the server waits until the screen stops changing, "
+                               "with a cap) or seconds of a fixed sleep (ARPO/OSWorld: 0.5)")
     # reward, loss, update
     format_penalty: float = arg(0.5, "reward -= this if any answer of the trajectory did not parse (ARPO: 0.5 * 1)")
     lr: float = arg(1e-6, "AdamW learning rate (ARPO: 1e-6)")
@@ -182,6 +194,7 @@ def check_args(args: Args) -> None:
         (args.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
         (args.lr_warmup < 0 or args.epochs < 1, "--lr-warmup must be 0 or more and --epochs at least 1"),
         (screen_size(args) is None, "--screen must be WIDTHxHEIGHT, e.g. 1280x720"),
+        (parse_settle(args.settle) is None, SETTLE_HELP),
         *vllm_engine.flag_errors(args.engine, args.temperature, args.eval_temperature),
     ], PROG)
 
@@ -224,7 +237,7 @@ class Episode:
     score_standard: float = 0.0  # standard protocol: running out of steps counts as FAIL
     reward: float = 0.0        # score - format penalty
     replayed: bool = False     # came from the replay buffer (an earlier iteration)
-    job: int = -1              # run_jobs: its index in the list of jobs
+    job: int = -1              # its index in the list of jobs played together (play_all)
 
 
 def to_record(ep: Episode, first: int = 0) -> dict:
@@ -259,6 +272,7 @@ class Observation:
     messages: list          # the UI-TARS prompt: instruction, screenshots, earlier answers
     screen: tuple           # (w, h) of the screenshot in screen pixels
     image_size: tuple       # (w, h) of the screenshot as the model sees it (coordinates live here)
+    job: int = 0            # which of the episodes played together this is (a scripted policy plans by it)
 
 
 def model_policy(policy, args: Args, temperature: float):
@@ -270,44 +284,17 @@ def model_policy(policy, args: Args, temperature: float):
 
 
 # ------------------------------------------------------------------------------------------------
-# Desktops: reset, setup, rollout, score
+# One episode on one desktop (a generator rollout.run steps in the desktop's own thread), and many
 
 
-def reset_vms(pool: VMPool) -> list[int]:
-    """Reset every VM (dead local desktops are restarted); the indices of those that answered."""
-    return [i for i, r in enumerate(pool.reset()) if r.ok]
-
-
-def setup_vms(pool: VMPool, vm_tasks: list, timeout: float) -> tuple[list, dict]:
-    """Run each VM's task setup in parallel. A VM whose setup fails gets no task this time."""
-    res = pool.setup([t.setup if t is not None else None for t in vm_tasks], timeout=timeout)
-    errors = {i: r.error for i, r in enumerate(res) if vm_tasks[i] is not None and not r.ok}
-    return [None if i in errors else t for i, t in enumerate(vm_tasks)], errors
-
-
-def _drop(ep: Episode, why: str) -> None:
-    ep.end, ep.error = "dropped", why
-
-
-def observe(pool: VMPool, eps: list, active: list[int], args: Args, times: dict) -> list[Observation]:
-    """Screenshots of the active VMs -> one Observation each (a VM whose screenshot fails is dropped)."""
-    with rundir.timed(times, "env"):
-        shots = pool.map("screenshot", ["png" if i in active else None for i in range(pool.size)])
-    obs = []
-    for i in active:
-        e = eps[i]
-        if not shots[i].ok:
-            _drop(e, shots[i].error)
-            continue
-        img = shots[i].value
-        e.screenshots.append(img)
-        # The size the processor resizes this screenshot to: UI-TARS answers in those pixels.
-        h, w = smart_resize(img.height, img.width, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
-        # The history: earlier answers as the sampled ids themselves, so this prompt and the
-        # training sequence built from the same episode later hold the very same tokens.
-        msgs = uitars_messages(e.task.instruction, e.screenshots, e.assistant, max_images=args.max_images)
-        obs.append(Observation(e.task, i, len(e.assistant), msgs, img.size, (w, h)))
-    return obs
+def observe(e: Episode, img: Image.Image, args: Args) -> Observation:
+    """The prompt of the episode's next step: its screenshots so far, the last one `img`."""
+    # The size the processor resizes this screenshot to: UI-TARS answers in those pixels.
+    h, w = smart_resize(img.height, img.width, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+    # The history: earlier answers as the sampled ids themselves, so this prompt and the training
+    # sequence built from the same episode later hold the very same tokens.
+    msgs = uitars_messages(e.task.instruction, e.screenshots, e.assistant, max_images=args.max_images)
+    return Observation(e.task, e.vm, len(e.assistant), msgs, img.size, (w, h), e.job)
 
 
 def record(e: Episode, o: Observation, out, args: Args):
@@ -332,53 +319,52 @@ def record(e: Episode, o: Observation, out, args: Args):
     return None
 
 
-def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
-            groups: dict | None = None, iteration: int = 0) -> list:
-    """Play vm_tasks[i] on VM i (None: idle), all VMs in lockstep, to the end of every episode.
-
-    Each step: screenshots of the unfinished VMs -> ONE policy_fn call for all of them -> parse
-    (UI-TARS style, coordinates mapped from the image the model saw to the screen) -> act. policy_fn
-    returns model.Generations (their sampled token ids are kept verbatim for training) or plain
-    texts. Returns one Episode per VM (None where idle); a VM that fails is `dropped`.
-    """
-    groups = groups or {}
-    eps = [Episode(t, i, groups.get(i, 0), iteration) if t is not None else None for i, t in enumerate(vm_tasks)]
-    pb = progress.bar(args.max_steps, "rollout")  # lockstep steps of the longest episode
-    while True:
-        # Lockstep: every step waits for the slowest VM and for the one generate call. Finished
-        # VMs sit out (a None argument sends them nothing) instead of padding the batch.
-        active = [i for i, e in enumerate(eps) if e is not None and e.end is None]
-        if not active:
-            pb.close()
-            return eps
-        obs = observe(pool, eps, active, args, times)
-        if not obs:
-            continue
-        with rundir.timed(times, "generation"):
-            outs = policy_fn(obs)
-        actions = [None] * pool.size
-        for o, out in zip(obs, outs):
-            actions[o.vm] = record(eps[o.vm], o, out, args)
-        with rundir.timed(times, "env"):
-            res = pool.act(actions) if any(a is not None for a in actions) else []
-            if res and args.settle > 0:
-                time.sleep(args.settle)  # a window takes a moment to map; the model should see it
-        for i, r in enumerate(res):
-            if actions[i] is None or r.ok:
-                continue
-            if not pool.alive[i]:
-                _drop(eps[i], r.error)  # the VM stopped answering: its trajectory is lost
-            else:
-                # The VM refused the action (a key it does not know, say): the model's answer was
-                # not a valid action after all, so it counts as a format failure.
-                eps[i].format_ok[-1] = False
-                eps[i].actions[-1] = {**eps[i].actions[-1], "refused": r.error}
-                eps[i].end = "format" if args.stop_on_format_error else None
-        for o in obs:
-            e = eps[o.vm]
-            if e.end is None and len(e.assistant) >= min(args.max_steps, e.task.max_steps):
+def play(desk: rollout.Desktop, task: Task, args: Args, group: int = 0, iteration: int = 0, job: int = 0):
+    """One ARPO episode on one desktop, top to bottom: reset, the task's setup, then screenshot ->
+    the policy's answer (`yield`, batched with other desktops' by rollout.run) -> parse (UI-TARS,
+    coordinates mapped from the image the model saw to the screen) -> act (the settled screen comes
+    back) until finished() / call_user() / an unparseable answer / max steps; then the score, as
+    soon as the episode ends (as ARPO does). -> the Episode. A VM that fails at any point (no answer,
+    5xx, garbage) drops it: EnvFailure with the Episode so far, the environment's fault, not the
+    model's. Only a refused action (4xx) is the model's: a format failure."""
+    settle = parse_settle(args.settle)
+    e = Episode(task, desk.vm, group, iteration, job=job)
+    try:
+        desk.reset()
+        desk.setup(task.setup)
+        img = desk.screenshot()
+        while e.end is None:
+            e.screenshots.append(img)
+            o = observe(e, img, args)
+            answer = yield o
+            action = record(e, o, answer, args)
+            if action is not None:
+                try:
+                    img = desk.act(action, settle)  # a window takes a moment to map; the model should see it
+                except VMError as err:
+                    if not refused(err):
+                        raise
+                    # The VM refused the action (a key it does not know, say): the model's answer was
+                    # not a valid action after all, so it counts as a format failure.
+                    e.format_ok[-1] = False
+                    e.actions[-1] = {**e.actions[-1], "refused": str(err)}
+                    e.end = "format" if args.stop_on_format_error else None
+                    action = None
+            if e.end is None and len(e.assistant) >= min(args.max_steps, task.max_steps):
                 e.end = "max_steps"
-        pb.update(1)
+            if e.end is None and action is None:
+                img = desk.screenshot()  # nothing ran, and the episode goes on: look again
+        checks = None
+        if not task.infeasible:  # ALGO: execution-based score (an infeasible task's is the client's)
+            checks = desk.evaluate(task.evaluator)
+            if not isinstance(checks, dict) or "score" not in checks:
+                # No score is not a score of 0: training on it would punish the policy for a VM fault.
+                raise VMError("the VM's /evaluate answered without a score")
+        score_episode(e, checks["score"] if checks else None, args)
+    except VMError as err:
+        e.end, e.error = "dropped", str(err)
+        raise EnvFailure(str(err), partial=e) from None
+    return e
 
 
 def outcome_scores(infeasible: bool, actions: list, end: str | None, evaluator_score: float | None = None):
@@ -398,64 +384,38 @@ def outcome_scores(infeasible: bool, actions: list, end: str | None, evaluator_s
     return score(last), score("fail" if end == "max_steps" else last)
 
 
-def score_episodes(pool: VMPool, eps: list, args: Args, timeout: float) -> None:
-    """Fill score (hard), score_standard and reward of every finished episode, in place.
-
-    Feasible tasks: the evaluator's checks on the VM (in parallel), overruled by a last FAIL.
-    Infeasible tasks, client side: 1 iff the last action is `fail` (call_user()). Under the
-    standard protocol an episode that ran out of steps counts its last action as FAIL
-    (outcome_scores has the whole rule).
-    """
-    # All VMs are evaluated at once after the last episode ended; a finished VM's screen no longer
-    # changes, so this scores the same as ARPO's evaluate-as-soon-as-done, in one round trip.
-    evaluators = [e.task.evaluator if e is not None and e.end != "dropped" and not e.task.infeasible else None
-                  for e in eps]
-    res = pool.evaluate(evaluators, timeout=timeout) if any(evaluators) else [None] * len(eps)
-    for i, e in enumerate(eps):
-        if e is None or e.end == "dropped":
-            continue
-        if e.task.infeasible:
-            e.score, e.score_standard = outcome_scores(True, e.actions, e.end)  # ALGO: OSWorld's infeasible rule
-        elif res[i].ok and isinstance(res[i].value, dict) and "score" in res[i].value:
-            # ALGO: execution-based score
-            e.score, e.score_standard = outcome_scores(False, e.actions, e.end, res[i].value["score"])
-        else:
-            # No score is not a score of 0: training on it would punish the policy for a VM fault.
-            _drop(e, res[i].error or "the VM's /evaluate answered without a score")
-            continue
-        # ALGO: ARPO's trajectory reward: the task score, minus the format penalty once if any answer
-        # did not parse (its code: eval_result + 0.5 * format_reward, format_reward = -1).
-        e.reward = e.score - args.format_penalty * (not all(e.format_ok))
+def score_episode(e: Episode, evaluator_score: float | None, args: Args) -> None:
+    """Fill score (hard), score_standard and reward of a finished episode, in place. Feasible tasks:
+    the evaluator's checks on the VM, overruled by a last FAIL; infeasible ones (evaluator_score
+    None): 1 iff the last action is `fail` (call_user()); outcome_scores has the whole rule."""
+    e.score, e.score_standard = outcome_scores(e.task.infeasible, e.actions, e.end, evaluator_score)
+    # ALGO: ARPO's trajectory reward: the task score, minus the format penalty once if any answer
+    # did not parse (its code: eval_result + 0.5 * format_reward, format_reward = -1).
+    e.reward = e.score - args.format_penalty * (not all(e.format_ok))
 
 
-def run_jobs(pool: VMPool, jobs: list, policy_fn, args: Args, times: dict) -> tuple[list, int]:
-    """Play a list of tasks (repeats allowed) in waves of as many VMs as are alive: reset, setup,
-    rollout, score. An episode lost to a failing VM is played once more. Returns (episodes, lost)."""
-    queue, done, lost = [(t, 0, j) for j, t in enumerate(jobs)], [], 0
-    pb = progress.bar(len(jobs), "episodes")
-    while queue:
-        with rundir.timed(times, "reset"):
-            live = reset_vms(pool)
-        if not live:
-            raise SystemExit("No VM answered after a reset; check that the desktops run (see --vms).")
-        wave, queue = queue[:len(live)], queue[len(live):]
-        vm_tasks, tries, job = [None] * pool.size, {}, {}
-        for i, (t, n, j) in zip(live, wave):
-            vm_tasks[i], tries[i], job[i] = t, n, j
-        with rundir.timed(times, "reset"):
-            vm_tasks, errors = setup_vms(pool, vm_tasks, args.vm_timeout)
-        eps = rollout(pool, vm_tasks, policy_fn, args, times)
-        with rundir.timed(times, "evaluate"):
-            score_episodes(pool, eps, args, args.vm_timeout)
-        failed = [(t, tries[i], job[i]) for i, t in zip(live, [w[0] for w in wave]) if i in errors]
-        failed += [(e.task, tries[e.vm], job[e.vm]) for e in eps if e is not None and e.end == "dropped"]
-        done += [replace(e, job=job[e.vm]) for e in eps if e is not None and e.end != "dropped"]
-        queue += [(t, n + 1, j) for t, n, j in failed if n < 1]
-        lost += sum(n >= 1 for _, n, _ in failed)
-        pb.update(len(wave) - sum(n < 1 for _, n, _ in failed))  # re-queued jobs are not finished yet
-    pb.close()
-    return done, lost
+def play_all(pool: VMPool, tasks: list[Task], policy_fn, args: Args, groups: list[int] | None = None,
+             iteration: int = 0, retries: int = 0, desc: str = "episodes") -> tuple[list[Episode], rollout.Rollout]:
+    """Play tasks[k] (repeats allowed; group groups[k]) on the pool's desktops, each stepping on its
+    own (rollout.run: a freed desktop takes the next task; one the environment failed is played
+    again elsewhere up to `retries` times). -> (one Episode per task, in order: finished, or
+    `dropped` with its error; the Rollout: times, batch sizes, environment failures)."""
+    groups = groups or [0] * len(tasks)
+    episodes = [partial(play, task=t, args=args, group=g, iteration=iteration, job=k)
+                for k, (t, g) in enumerate(zip(tasks, groups))]
+    out = rollout.run(pool, episodes, policy_fn, retries=retries, desc=desc)
+    eps = [r if not isinstance(r, rollout.Lost) else
+           r.partial or Episode(tasks[k], -1 if r.vm is None else r.vm, groups[k], iteration, end="dropped",
+                                error=r.error, job=k) for k, r in enumerate(out.results)]
+    return eps, out
 
+
+def run_jobs(pool: VMPool, jobs: list[Task], policy_fn, args: Args) -> tuple[list, int]:
+    """Play a list of tasks (repeats allowed), each lost to the environment played once more on
+    another desktop. -> (the finished episodes, in job order; how many were lost)."""
+    eps, _ = play_all(pool, jobs, policy_fn, args, retries=1)
+    done = [e for e in eps if e.end != "dropped"]
+    return done, len(eps) - len(done)
 
 # ------------------------------------------------------------------------------------------------
 # Task selection and evaluation
@@ -466,7 +426,7 @@ def run_shared_jobs(pool: VMPool, jobs: list, policy_fn, args: Args, first: int 
     save(episode), if given, runs on the rank that played it. -> (every rank's episodes, as
     dicts in job order, VMs numbered among all ranks'; episodes lost to VM failures, all ranks')."""
     mine = dist.shard_range(len(jobs))
-    eps, lost = run_jobs(pool, jobs[mine.start:mine.stop], policy_fn, args, {})
+    eps, lost = run_jobs(pool, jobs[mine.start:mine.stop], policy_fn, args)
     rows = []
     for e in eps:
         e = replace(e, job=mine.start + e.job)
@@ -670,14 +630,19 @@ UPDATE_KEYS = ("loss", "pg_loss", "kl", "clip_low", "clip_high", "clip_dual", "r
                "steps")
 
 
-def iteration_metrics(it, task_ids, fresh: list[dict], dropped: int, batch: list[dict], upd, times, args: Args) -> dict:
+def iteration_metrics(it, task_ids, fresh: list[dict], failures: list, batch: list[dict], upd, times: dict,
+                      batches: list[int], args: Args) -> dict:
     """One metrics.jsonl line: rewards, success, format, the update's numbers, the time split.
-    fresh: every rank's finished episodes (outcome()); batch: every rank's trained trajectories."""
+    fresh: every rank's finished episodes (outcome()); failures: every rank's environment failures
+    as (VM, error); batch: every rank's trained trajectories; batches: every policy call's size.
+    `dropped` episodes are the environment's failures (nothing is retried in training, so it equals
+    `env_failures`); `env_errors` says what failed where. times: rundir.gather_times' (time/* as
+    rollout.py's docstring says, vm_wait_share the share of the iteration the learner was idle)."""
     def mean(xs):
         return float(np.mean(xs)) if len(xs) else 0.0
-    vm_time = times["time/reset"] + times["time/env"] + times["time/evaluate"]
     return {
-        "iteration": it, "tasks": task_ids, "episodes": len(fresh), "dropped": dropped,
+        "iteration": it, "tasks": task_ids, "episodes": len(fresh), "dropped": len(failures),
+        "env_failures": len(failures), **({"env_errors": {str(vm): err for vm, err in failures}} if failures else {}),
         "reward_mean": mean([e["reward"] for e in fresh]),
         "reward_std": float(np.std([e["reward"] for e in fresh])) if fresh else 0.0,
         "score_mean": mean([e["score"] for e in fresh]),
@@ -689,7 +654,8 @@ def iteration_metrics(it, task_ids, fresh: list[dict], dropped: int, batch: list
         # trainer vs sampler log-probs of this iteration's sampled tokens (0 on the HF path; vLLM
         # numerics show here), over the micro-batches whose sequences all carry the sampler's numbers
         **({"actor/logp_gap": upd["logp_gap"]} if "logp_gap" in upd else {}),
-        **times, "vm_wait_share": vm_time / times["time/iteration"] if times["time/iteration"] else 0.0}
+        "rollout/batches": len(batches), "rollout/batch_mean": mean(batches),
+        **times}
 
 
 def outcome(e: Episode) -> dict:
@@ -721,13 +687,12 @@ def replay_and_store(tr: Trainer, fresh: list[Episode], task_ids: list[str]) -> 
     return batch, injections, stats
 
 
-def assign_tasks(tr: Trainer, pick) -> tuple:
-    """Reset every VM, split the live ones into groups, give each group the next task, run the
-    setups. -> (task id per group, task per VM (None: idle), group per VM, setup errors per VM)."""
-    live = reset_vms(tr.pool)
-    groups = plan_groups(live, tr.args.group_size)
+def assign_tasks(tr: Trainer, pick) -> tuple[list[str], list[Task], list[int]]:
+    """Split the desktops in service into groups and give each group the next task. -> (task id per
+    group, every rank's; this rank's jobs: one task per group member; the group of each job)."""
+    groups = plan_groups(rollout.in_service(tr.pool), tr.args.group_size)
     if not groups:
-        raise SystemExit("No VM answered after a reset; check that the desktops run (see --vms).")
+        raise SystemExit("No VM answered; check that the desktops run (see --vms).")
     # Under torchrun every rank draws the tasks of ALL groups (the same ids: the order is a function
     # of the seed) and plays its own, numbered after the earlier ranks' groups: a group never
     # straddles ranks.
@@ -735,12 +700,11 @@ def assign_tasks(tr: Trainer, pick) -> tuple:
     first = sum(counts[:dist.rank()])
     task_ids = pick(sum(counts))
     by_id = {t.id: t for t in tr.tasks}
-    vm_tasks, vm_group = [None] * tr.pool.size, {}
+    jobs, job_group = [], []
     for g, (vms, tid) in enumerate(zip(groups, task_ids[first:])):
-        for i in vms:
-            vm_tasks[i], vm_group[i] = by_id[tid], first + g
-    vm_tasks, errors = setup_vms(tr.pool, vm_tasks, tr.args.vm_timeout)
-    return task_ids, vm_tasks, vm_group, errors
+        jobs += [by_id[tid]] * len(vms)
+        job_group += [first + g] * len(vms)
+    return task_ids, jobs, job_group
 
 
 def update(tr: Trainer, batch: list[Episode], it: int) -> tuple:
@@ -768,19 +732,18 @@ def update(tr: Trainer, batch: list[Episode], it: int) -> tuple:
 
 def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
     """One ARPO iteration; pick(n) -> n task ids. Returns (metrics, this rank's episodes)."""
-    args, pool = tr.args, tr.pool
-    times = {f"time/{k}": 0.0 for k in ("reset", "generation", "env", "evaluate", "update")}
+    args, pool, times = tr.args, tr.pool, {}
     t0 = time.perf_counter()
     lr = rundir.set_lr(tr.optimizer, lr_at(it, args))
-    # -- reset, pick one task per group, setup
-    with rundir.timed(times, "reset"):
-        task_ids, vm_tasks, vm_group, setup_errors = assign_tasks(tr, pick)
-    # -- rollout + score
+    # -- one task per group; every group member is a job (dead remote VMs re-checked meanwhile)
+    with rundir.timed(times, "vm_wait"):
+        task_ids, jobs, job_group = assign_tasks(tr, pick)
+    # -- the rollout: each desktop resets, sets up, plays and scores its episode on its own
     with dist.unsharded(tr.policy.model):  # FSDP2: each rank decodes alone, with whole weights
-        eps = rollout(pool, vm_tasks, tr.policy_fn, args, times, vm_group, it)
-    with rundir.timed(times, "evaluate"):
-        score_episodes(pool, eps, args, args.vm_timeout)
-    fresh = [e for e in eps if e is not None and e.end != "dropped"]
+        eps, out = play_all(pool, jobs, tr.policy_fn, args, job_group, it, desc="rollout")
+    for k, v in out.times.items():
+        times[k] = times.get(k, 0.0) + v
+    fresh = [e for e in eps if e.end != "dropped"]
     # -- ALGO: replay into all-failed groups, THEN store this iteration's successes
     batch, injections, group_stats = replay_and_store(tr, fresh, task_ids)
     # -- ALGO: group advantages and the GRPO update
@@ -789,19 +752,17 @@ def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
     times["time/iteration"] = time.perf_counter() - t0
     # -- every rank's numbers into one line
     mine = {"fresh": [outcome(e) for e in fresh], "batch": batch_rows(batch, adv, pieces, tr.first),
-            "groups": group_stats, "injections": injections, "times": times,
-            "dropped": len([e for e in eps if e is not None and e.end == "dropped"]) + len(setup_errors),
-            "setup_errors": {str(tr.first + k): v for k, v in setup_errors.items()}}
+            "groups": group_stats, "injections": injections, "batches": out.batches, "settles": out.settles,
+            "failures": [(tr.first + f.vm if f.vm is not None else None, f.error) for f in out.failures]}
     parts = dist.gather(mine)
-    every = {k: [x for p in parts for x in p[k]] for k in ("fresh", "batch", "groups", "injections")}
-    m = iteration_metrics(it, task_ids, every["fresh"], sum(p["dropped"] for p in parts), every["batch"], upd,
-                          rundir.gather_times(times, ("reset", "env", "evaluate")), args)
+    every = {k: [x for p in parts for x in p[k]] for k in ("fresh", "batch", "groups", "injections", "batches",
+                                                           "failures", "settles")}
+    m = iteration_metrics(it, task_ids, every["fresh"], every["failures"], every["batch"], upd,
+                          rundir.gather_times(times), every["batches"], args)
     m.update({"actor/lr": lr, "groups": every["groups"], "replay_injections": every["injections"],
               "n_injections": len(every["injections"]), "replay_size": len(tr.replay) if tr.replay is not None else 0,
+              **rollout.settle_metrics(every["settles"]),
               "zero_std_groups": flat_groups([b["group"] for b in every["batch"]], [b["advantage"] for b in every["batch"]])})
-    errors = {k: v for p in parts for k, v in p["setup_errors"].items()}
-    if errors:
-        m["setup_errors"] = errors
     return m, eps
 
 
@@ -830,9 +791,10 @@ def summary_line(m: dict) -> str:
             f"replay +{m['n_injections']}{''.join(' ' + i['task'] for i in m['replay_injections'])} "
             f"({m['replay_size']} stored) | flat groups {m['zero_std_groups']}/{len(m['groups'])} | "
             f"kl {m['actor/kl']:.4f} clip {m['actor/clip_low']:.2f}/{m['actor/clip_high']:.2f}/"
-            f"{m['actor/clip_dual']:.2f} ({m['actor/steps']:.0f} steps) | {m['time/iteration']:.1f}s (reset "
-            f"{m['time/reset']:.1f} gen {m['time/generation']:.1f} env {m['time/env']:.1f} eval "
-            f"{m['time/evaluate']:.1f} upd {m['time/update']:.1f}; VM wait {100 * m['vm_wait_share']:.0f}%)")
+            f"{m['actor/clip_dual']:.2f} ({m['actor/steps']:.0f} steps) | {m['time/iteration']:.1f}s (gen "
+            f"{m['time/generation']:.1f} in {m['rollout/batches']} batches, upd {m['time/update']:.1f}, VM wait "
+            f"{100 * m['vm_wait_share']:.0f}%; per desktop: reset {m['time/reset']:.1f} env {m['time/env']:.1f} "
+            f"eval {m['time/evaluate']:.1f})" + (f" | env failures {m['env_failures']}" if m["env_failures"] else ""))
 
 
 # ------------------------------------------------------------------------------------------------

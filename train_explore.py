@@ -13,10 +13,11 @@ loss, KL, clip fractions, format rate, per-phase seconds); trajectories/it<i>/vm
 the model saw at each step; ckpt/ (the latest checkpoint); models/E<g> (each generation's model,
 E<g>_sft its SFT starting point); distill/gen<g>.jsonl + gen<g>/*.png (its distilled steps).
 
-Paper: ScreenExplorer (arXiv 2505.19095). One iteration, top to bottom (see DESIGN.md):
-    for step in range(--steps): screenshots of every live desktop (parallel) -> exploration prompts
-        -> ONE batched generate -> parse {"intent", "action"} -> actions on every desktop (parallel)
-        -> after-screenshots
+Paper: ScreenExplorer (arXiv 2505.19095). One iteration, top to bottom:
+    --steps steps on every live desktop, each on its own (rollout.py; `explore`, in the desktop's
+        thread): screenshot -> exploration prompt -> the policy's answer (generation batches the
+        desktops' waiting prompts) -> parse {"intent", "action"} -> the action, and the screen once
+        it settled (--settle)
     -> screen features (+ OCR text) -> the world model's guesses (curiosity) -> world model trained
     --wm-epochs on this buffer -> rewards (every component) -> advantages over the whole buffer (one
     group) -> GRPO update (after --update-actor-delay iterations) -> sync weights to the generator
@@ -42,9 +43,11 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
    One optimizer step per --mini-batch samples (the release: gradient accumulation 16 of batch 1).
    An lr warm-up and a linear or cosine decay per generation (--lr-warmup, --lr-schedule; off by
    default, the paper's constant lr) are for small models trained from scratch (actor_lr says why).
-4. A desktop that dies drops out of the rest of the iteration (its unfinished step is not in the
-   buffer: the environment failed, not the model) and a reset restarts it; the release threw the
-   whole iteration away when any environment failed.
+4. A desktop that fails (no answer, a 5xx, garbage; only a refused action, 4xx, is the model's)
+   drops out of the iteration without the step it failed in (`env_failures`) and a reset restarts
+   it; the release threw the whole iteration away. No lockstep (the release's): generation batches
+   the prompts that are waiting, so sampled tokens are not reproducible across runs. The screen
+   settles by the server's watch (--settle watch) or a fixed sleep (--settle 1, the release's).
 5. Distillation: the paper does not publish its SFT recipe; ours is --distill-epochs passes of
    token-mean NLL on the sampled answers, at --distill-lr, with LoRA merged into the weights after
    SFT, so the next generation's adapter (and its KL reference) start from the fine-tuned model.
@@ -75,6 +78,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 
 import numpy as np
 import torch
@@ -85,10 +89,12 @@ import dist
 import grpo
 import progress
 import rewards as R
+import rollout
 import rundir
 from actions import MAX_PIXELS, MIN_PIXELS, Action, Parsed, cursor_after, parse_action
 from chat import encode_chat, explore_messages
-from env import VMPool
+from env import VMError, VMPool
+from rollout import SETTLE_HELP, parse_settle, refused
 from model import cpu_weights, generate, load_policy, save_policy, sync_weights
 
 PROG = "train_explore.py"
@@ -114,7 +120,7 @@ class Args:
     steps: int = field(default=10, metadata={"help": "steps per episode (one episode per desktop per iteration)"})
     iterations: int = field(default=100, metadata={"help": "training iterations (per generation when --generations > 1 and --iterations-per-generation is 0)"})
     reset_every: int = field(default=1, metadata={"help": "iterations between desktop resets (0 = only at start); a reset restarts dead local desktops"})
-    settle: float = field(default=1.0, metadata={"help": "seconds to wait after the actions before the after-screenshots"})
+    settle: str = field(default="watch", metadata={"help": "after each action: 'watch' (the server waits until the screen stops changing, with a cap) or seconds of a fixed sleep (the release: 1)"})
     vm_timeout: float = field(default=30.0, metadata={"help": "seconds a VM call may take before that VM drops out"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (paper: 1.0)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling: keep the smallest token set with this much probability (1 = off)"})
@@ -180,6 +186,7 @@ def check_args(a: Args) -> None:
         (a.eval_episodes < 1 or a.ckpt_every < 1, "--eval-episodes and --ckpt-every must be at least 1"),
         (not 0 <= a.eval_same_hash < 64, "--eval-same-hash must be in 0..63 (bits of a 64-bit hash)"),
         (a.lora_rank < 0 or a.beta < 0, "--lora-rank and --beta must be >= 0"),
+        (parse_settle(a.settle) is None, SETTLE_HELP),
         (a.engine == "vllm" and a.beta > 0 and a.lora_rank == 0, "--engine vllm with full fine-tuning and --beta > 0 would hold three model copies; use LoRA or --beta 0"),
         *vllm_engine.flag_errors(a.engine, a.temperature),
     ], PROG)
@@ -211,13 +218,15 @@ def console_line(m: dict) -> str:
             f"txt {f('reward/text_immediate')}/{f('reward/text_sequence')}/{f('reward/text_world_model')} "
             f"intent {f('reward/intent_before')}/{f('reward/intent_after')}/{f('reward/intent_click')} | "
             f"wm {f('wm/loss', '{:.4f}')} | kl {f('actor/kl', '{:.4f}')} clip {f('actor/clip_low', '{:.2f}')}/{f('actor/clip_high', '{:.2f}')} | "
-            f"{m['time/iteration']:.1f}s (gen {m.get('time/generate', 0):.1f} "
-            f"vm {m.get('time/screenshot', 0) + m.get('time/act', 0):.1f} "
-            f"feat {m.get('time/features', 0):.1f} upd {m.get('time/update', 0):.1f})")
+            f"{m['time/iteration']:.1f}s (gen {m.get('time/generation', 0):.1f} feat {m.get('time/features', 0):.1f} "
+            f"upd {m.get('time/update', 0):.1f}, VM wait {100 * m.get('vm_wait_share', 0):.0f}%; per desktop: "
+            f"reset {m.get('time/reset', 0):.1f} env {m.get('time/env', 0):.1f})"
+            + (f" | env failures {m['env_failures']}" if m.get("env_failures") else ""))
 
 
 # -----------------------------------------------------------------------------------------------
-# Rollout: --steps lockstep steps on every live desktop. Shapes in the buffer: N = live VMs x steps.
+# Rollout: --steps steps on every desktop, each on its own (rollout.py). Shapes in the buffer:
+# N = desktops x steps (fewer where a desktop failed).
 
 
 @dataclass
@@ -226,22 +235,30 @@ class Step:
     vm: int
     t: int
     before: Image.Image  # the screenshot the model saw (screen pixels)
-    after: Image.Image  # the screen --settle seconds after the action
+    after: Image.Image  # the screen once it settled after the action (--settle)
     text: str  # the model's answer (or the random baseline's action string)
     parsed: object  # actions.Parsed, or None: a format failure, nothing was executed
     gen: object = None  # model.Generation (prompt + sampled ids), None for the random baseline
     error: str | None = None  # the VM rejected the action (4xx): counts as a format failure
 
 
+@dataclass
+class Look:
+    """What a chooser gets of one desktop at one step: the screen, and where the mouse is (DragTo
+    drags from there)."""
+    vm: int
+    t: int
+    image: Image.Image
+    cursor: tuple
+
+
 def policy_chooser(policy, a: Args):
-    """(images, pointers) -> [(text, Parsed | None, Generation)] with ONE batched generate for all
-    desktops. A pointer is where that desktop's mouse is: DragTo(x, y) drags from there."""
-    def choose(images, cursors):
-        gens = generate(policy, [explore_messages(im) for im in images], a.max_new_tokens, a.temperature,
-                          a.top_p)
+    """list[Look] -> [(text, Parsed | None, Generation)] with ONE batched generate for all of them."""
+    def choose(looks):
+        gens = generate(policy, [explore_messages(o.image) for o in looks], a.max_new_tokens, a.temperature, a.top_p)
         # Coordinates are in the resized image the model saw; parse_action maps them to the screen.
-        return [(g.text, parse_action(g.text, "explore", im.size, g.prompt.image_sizes[0], cursor=c), g)
-                for g, im, c in zip(gens, images, cursors)]
+        return [(g.text, parse_action(g.text, "explore", o.image.size, g.prompt.image_sizes[0], cursor=o.cursor), g)
+                for g, o in zip(gens, looks)]
     return choose
 
 
@@ -249,66 +266,60 @@ def random_chooser(rng: random.Random):
     """The eval baseline: uniformly random pointer actions anywhere on the screen."""
     kinds = ("click", "double_click", "right_click", "move", "scroll")
 
-    def choose(images, cursors=None):
+    def choose(looks):
         out = []
-        for im in images:
+        for o in looks:
             kind = rng.choice(kinds)
-            act = Action(kind, x=rng.randrange(im.width), y=rng.randrange(im.height),
+            act = Action(kind, x=rng.randrange(o.image.width), y=rng.randrange(o.image.height),
                          direction=rng.choice(("up", "down")) if kind == "scroll" else None)
             out.append((json.dumps(act.to_dict()), Parsed(act, ""), None))
         return out
     return choose
 
 
-def rollout(pool: VMPool, live: set, choose, a: Args, times: dict, watch=None) -> list[Step]:
-    """Steps in time order (t, then vm). A VM that fails a screenshot or dies mid-action leaves the
-    rest of this iteration (and `live`); a VM that only rejects an action stays in.
-    watch(vms), if given, is called after every step with the VMs still in (the eval's window check)."""
-    with rundir.timed(times, "screenshot"):
-        shots = pool.map("screenshot", ["png" if i in live else None for i in range(pool.size)])
-    current = {i: r.value for i, r in enumerate(shots) if i in live and r.ok and r.value is not None}
-    live.intersection_update(current)
-    # Each desktop's mouse, for DragTo: /reset leaves it at the centre (the eval resets before each
-    # episode, training every --reset-every iterations; between resets this is an approximation).
-    cursor = {i: (im.width // 2, im.height // 2) for i, im in current.items()}
-    buffer = []
-    for t in progress.track(range(a.steps), "rollout"):
-        vms = sorted(current)
-        if not vms:
-            break
-        with rundir.timed(times, "generate"):
-            # One call for all desktops: on a GPU a batch of 8 costs about what one prompt does.
-            choices = choose([current[i] for i in vms], [cursor[i] for i in vms])
-        actions = [None] * pool.size
-        for i, (_, parsed, _) in zip(vms, choices):
-            actions[i] = parsed.action if parsed else None  # a format failure executes nothing
-        with rundir.timed(times, "act"):
-            done = pool.act(actions)
-            if any(x is not None for x in actions):
-                time.sleep(a.settle)  # let the screen react (menus open, windows map)
-        with rundir.timed(times, "screenshot"):
-            after = pool.map("screenshot", ["png" if i in current else None for i in range(pool.size)])
-        for i, (text, parsed, gen) in zip(vms, choices):
-            error = None
-            if actions[i] is not None and not done[i].ok:
-                if not pool.alive[i]:  # unreachable: the environment failed, not the model
-                    print(f"vm {i} dropped out: {done[i].error}", flush=True)
-                    current.pop(i), live.discard(i)
-                    continue
-                error = done[i].error  # the VM refused the action (bad key name, ...)
-            if not after[i].ok or after[i].value is None:
-                print(f"vm {i} dropped out: {after[i].error}", flush=True)
-                current.pop(i), live.discard(i)
-                continue
-            # The step is kept even when malformed: its reward is 0, and below the buffer's mean
-            # that is a negative advantage, which is how GRPO teaches the format.
-            buffer.append(Step(i, t, current[i], after[i].value, text, None if error else parsed, gen, error))
-            current[i] = after[i].value  # the after-screen is the next step's before-screen
-            if error is None:
-                cursor[i] = cursor_after(parsed.action if parsed else None, cursor[i])
-        if watch is not None and current:
-            watch(sorted(current))
-    return buffer
+def explore(desk: rollout.Desktop, steps: int, settle, out: list, reset: bool, windows: dict | None = None):
+    """One desktop's episode (a generator rollout.run steps in the desktop's thread): the screen ->
+    the chooser's answer (`yield`) -> the action, the settled screen back -> a Step into `out` (the
+    iteration's buffer), --steps times. A malformed answer executes nothing (the screen is looked at
+    again); a refused action (4xx) is a format failure too; any other VM failure ends the episode
+    without the step it happened in: the environment failed, not the model. `windows`, a dict, gets
+    {X window id: title} of every app window that was not open at the start (the eval's count)."""
+    if reset:
+        desk.reset()
+    before = desk.screenshot()
+    start = {w["id"] for w in desk.windows()} if windows is not None else set()
+    # The mouse, for DragTo: /reset leaves it at the centre (training resets every --reset-every
+    # iterations, the eval before each episode; between resets this is an approximation).
+    cursor = (before.width // 2, before.height // 2)
+    for t in range(steps):
+        text, parsed, gen = yield Look(desk.vm, t, before, cursor)
+        error = None
+        try:
+            after = desk.act(parsed.action, settle) if parsed else desk.screenshot()
+        except VMError as e:
+            if not refused(e):
+                raise
+            error, after = str(e), desk.screenshot()  # the VM refused the action (bad key name, ...)
+        # The step is kept even when malformed: its reward is 0, and below the buffer's mean that is
+        # a negative advantage, which is how GRPO teaches the format.
+        out.append(Step(desk.vm, t, before, after, text, None if error else parsed, gen, error))
+        if error is None:
+            cursor = cursor_after(parsed.action if parsed else None, cursor)
+        if windows is not None:
+            windows.update({w["id"]: w["title"] for w in desk.windows() if w["id"] not in start | set(windows)})
+        before = after  # the after-screen is the next step's before-screen
+
+
+def play(pool: VMPool, vms: set, choose, a: Args, reset: bool) -> tuple[list[Step], rollout.Rollout]:
+    """--steps steps on each of `vms`, every desktop on its own, its episode pinned to it (it goes on
+    from its own screen); reset first if `reset`. -> (the steps in time order (t, then vm), the
+    Rollout: times, batch sizes, the desktops that failed)."""
+    buffer: list[Step] = []
+    episodes = [partial(explore, steps=a.steps, settle=parse_settle(a.settle), out=buffer, reset=reset) for _ in vms]
+    out = rollout.run(pool, episodes, choose, on=sorted(vms), desktops=sorted(vms), desc="rollout")
+    for f in out.failures:
+        print(f"vm {f.vm} dropped out: {f.error}", flush=True)
+    return sorted(buffer, key=lambda s: (s.t, s.vm)), out
 
 
 # -----------------------------------------------------------------------------------------------
@@ -604,38 +615,25 @@ def pairwise_diversity(feats: torch.Tensor) -> float:
     return float((1 - sim[iu[0], iu[1]]).mean())
 
 
-def open_windows(pool: VMPool, vms: list[int]) -> dict:
-    """{vm: {X window id: title}} of the application windows open now (GET /windows)."""
-    res = pool.windows()
-    return {i: {w["id"]: w["title"] for w in res[i].value} if res[i].ok else {} for i in vms}
-
-
-def episode_metrics(buffer: list[Step], windows: dict, a: Args) -> list[dict]:
-    """Per desktop trajectory: format rate, immediate visual change and sequence diversity per step
-    (rewards.py's image terms, 0 on format failures); over its screens [s_0, s'_1, ..., s'_T]:
-    distinct screens (perceptual hash, and feature clusters), the mean pairwise diversity of the
-    distinct ones; windows = windows (X ids) that appeared after some step and were not open at
-    the start. windows: {vm: {id: title}} of those."""
-    if not buffer:
-        return []
+def episode_metrics(steps: list[Step], windows: dict, a: Args) -> dict:
+    """One eval episode (its steps in order): format rate, immediate visual change and sequence
+    diversity per step (rewards.py's image terms, 0 on format failures); over its screens [s_0,
+    s'_1, ..., s'_T]: distinct screens (perceptual hash, and feature clusters), the mean pairwise
+    diversity of the distinct ones; windows = {X id: title} of the windows that appeared after some
+    step and were not open at the start."""
     flags = R.parse_reward_flags("none,image,immediate,sequence")
-    sb = R.screen_features([s.before for s in buffer])  # (N, D)
-    sa = R.screen_features([s.after for s in buffer])  # (N, D)
-    r = R.exploration_rewards(flags, [s.vm for s in buffer], [s.parsed is not None for s in buffer], sb, sa)
-    out = []
-    for vm in sorted({s.vm for s in buffer}):
-        rows = [k for k, s in enumerate(buffer) if s.vm == vm]
-        screens = torch.cat([sb[rows[:1]], sa[rows]])  # (T + 1, D): s_0, s'_1 .. s'_T
-        hashes = [dhash(im) for im in [buffer[rows[0]].before] + [buffer[k].after for k in rows]]
-        lead = hash_leaders(hashes, a.eval_same_hash)
-        win = windows.get(vm, {})
-        out.append({"vm": vm, "steps": len(rows), "format": float(r.format[rows].mean()),
-                    "immediate": float(r.image_immediate[rows].mean()), "sequence": float(r.image_sequence[rows].mean()),
-                    "distinct_screens": len(lead), "distinct_screens_feat": distinct_screens(screens, a.eval_same_screen),
-                    "diversity": pairwise_diversity(screens[lead]), "windows": len(win),
-                    "window_titles": [win[k] for k in sorted(win)],
-                    "hashes": [f"{h:016x}" for h in hashes], "actions": [eval_line(buffer[k]) for k in rows]})
-    return out
+    sb = R.screen_features([s.before for s in steps])  # (T, D)
+    sa = R.screen_features([s.after for s in steps])  # (T, D)
+    r = R.exploration_rewards(flags, [s.vm for s in steps], [s.parsed is not None for s in steps], sb, sa)
+    screens = torch.cat([sb[:1], sa])  # (T + 1, D): s_0, s'_1 .. s'_T
+    hashes = [dhash(im) for im in [steps[0].before] + [s.after for s in steps]]
+    lead = hash_leaders(hashes, a.eval_same_hash)
+    return {"vm": steps[0].vm, "steps": len(steps), "format": float(r.format.mean()),
+            "immediate": float(r.image_immediate.mean()), "sequence": float(r.image_sequence.mean()),
+            "distinct_screens": len(lead), "distinct_screens_feat": distinct_screens(screens, a.eval_same_screen),
+            "diversity": pairwise_diversity(screens[lead]), "windows": len(windows),
+            "window_titles": [windows[k] for k in sorted(windows)],
+            "hashes": [f"{h:016x}" for h in hashes], "actions": [eval_line(s) for s in steps]}
 
 
 def eval_line(s: Step) -> dict:
@@ -646,49 +644,49 @@ def eval_line(s: Step) -> dict:
             "error": s.error, "text": s.text, "screen": list(s.before.size)}
 
 
-def eval_episodes(pool: VMPool, vms: list[int], choose, a: Args) -> tuple[list[dict], list[Step]]:
-    """One episode of --steps on each of `vms` (just reset), with the open windows after every step.
-    -> (episode_metrics of each desktop's episode, the steps)."""
-    start = open_windows(pool, vms)  # open before the first action: not "opened" by the agent
-    seen = {i: {} for i in vms}  # vm -> {window id: its title when first seen}
-
-    def watch(now: list[int]):
-        for i, wins in open_windows(pool, now).items():
-            seen[i].update({k: t for k, t in wins.items() if k not in start[i] and k not in seen[i]})
-    buffer = rollout(pool, set(vms), choose, a, {}, watch=watch)
-    return episode_metrics(buffer, seen, a), buffer
+def eval_episode(desk: rollout.Desktop, a: Args):
+    """One eval episode (a generator for rollout.run): reset, --steps steps, the windows opened.
+    -> (its steps, {X window id: title} of the windows it opened)."""
+    steps, windows = [], {}
+    yield from explore(desk, a.steps, parse_settle(a.settle), steps, reset=True, windows=windows)
+    return steps, windows
 
 
-def run_eval(pool: VMPool, live: set, choosers: dict, a: Args, run: str, first: int = 0) -> dict:
-    """--eval-episodes episodes of --steps steps (one per desktop per round, reset before each
-    round) for each chooser (policy, random baseline); writes runs/<name>/eval.json (per episode its
-    metrics and every step's action), prints a table. With --eval-save each episode is also saved as
-    a trajectory (screenshots + one line per step), the policy's in runs/<name>/trajectories/it<round>/
-    vm<k>.jsonl and the baseline's under runs/<name>/random/: `python view.py runs/<name>` shows them.
-    Under torchrun each rank plays its share of the episodes on its desktops; rank 0 reports them all."""
+def run_eval(pool: VMPool, choosers: dict, a: Args, run: str, first: int = 0) -> dict:
+    """--eval-episodes episodes of --steps steps (each on a freshly reset desktop; a desktop that
+    finishes one starts the next) for each chooser (policy, random baseline); writes
+    runs/<name>/eval.json (per episode its metrics and every step's action), prints a table. An
+    episode the environment failed is played once more on another desktop (`lost` if that fails
+    too). With --eval-save each episode is also saved as a trajectory (screenshots + one line per
+    step): this rank's episode k in trajectories/it<k // desktops>/vm<first + k % desktops>.jsonl
+    (the policy's; the baseline's under runs/<name>/random/), so `python view.py runs/<name>` shows
+    them. Under torchrun each rank plays its share of the episodes on its desktops; rank 0 reports
+    them all."""
     want = len(dist.shard_range(a.eval_episodes))
-    rounds = math.ceil(want / pool.size)
     report = {"args": asdict(a), "same_screen_hash_bits": a.eval_same_hash, "same_screen_cosine": a.eval_same_screen}
     for name, choose in choosers.items():
+        out = rollout.run(pool, [partial(eval_episode, a=a)] * want, choose, retries=1,
+                          desktops=rollout.in_service(pool), desc=f"eval {name}")
         episodes = []
-        for k in progress.track(range(rounds), f"eval {name}"):
-            live.intersection_update({i for i, res in enumerate(pool.reset()) if res.ok})
-            done, buffer = eval_episodes(pool, sorted(live)[:want - len(episodes)], choose, a)
-            for e in done:
-                e["round"] = k  # its trajectory: trajectories/it<round>/vm<vm>.jsonl
-                if a.eval_save:
-                    steps = [s for s in buffer if s.vm == e["vm"]]
-                    rundir.save_trajectory(run if name == "policy" else os.path.join(run, name), k, first + e["vm"],
-                                           e["actions"], [s.before for s in steps])
-                e["vm"] += first
-            episodes += done
+        for k, result in enumerate(out.results):
+            if isinstance(result, rollout.Lost):
+                continue
+            steps, windows = result
+            e = episode_metrics(steps, windows, a)
+            e["round"], slot = divmod(k, pool.size)
+            if a.eval_save:
+                rundir.save_trajectory(run if name == "policy" else os.path.join(run, name), e["round"], first + slot,
+                                       e["actions"], [s.before for s in steps])
+            e["vm"] += first
+            episodes.append(e)
+        lost = int(dist.all_sum([want - len(episodes)])[0])
         episodes = [e for part in dist.gather(episodes) for e in part]  # every rank's, in rank order
         keys = ("format", "immediate", "sequence", "distinct_screens", "distinct_screens_feat", "diversity", "windows")
         summary = {k: float(np.mean([e[k] for e in episodes])) if episodes else None for k in keys}
         # Across episodes too: does the agent reach different screens in different episodes?
         summary["distinct_screens_all"] = len(hash_leaders([int(h, 16) for e in episodes for h in e["hashes"]],
                                                            a.eval_same_hash))
-        summary["episodes"] = len(episodes)
+        summary["episodes"], summary["lost"] = len(episodes), lost
         report[name] = {"summary": summary, "episodes": episodes}
     if not dist.is_main():
         return report
@@ -764,7 +762,7 @@ def setup(args: Args, run: str, ckpt, screen, first: int) -> tuple:
     return learner, start, distill_metrics
 
 
-def evaluate(pool: VMPool, live: set, args: Args, ckpt, first: int = 0) -> dict:
+def evaluate(pool: VMPool, args: Args, ckpt, first: int = 0) -> dict:
     """--eval-only: the policy (--model, or with --resume the run's checkpoint) next to random
     actions. Writes a run folder of its own (eval-<time>), or with --resume runs/<name>/eval_it<N>/
     (N = the checkpoint's next iteration; a second eval of the same checkpoint replaces the first)."""
@@ -787,7 +785,7 @@ def evaluate(pool: VMPool, live: set, args: Args, ckpt, first: int = 0) -> dict:
     choosers = {"policy": policy_chooser(policy, args)}
     if args.eval_random:
         choosers["random"] = random_chooser(random.Random(args.seed))
-    return run_eval(pool, live, choosers, args, run, first)
+    return run_eval(pool, choosers, args, run, first)
 
 
 def next_generation(L: Learner, run: str, it: int, ipg: int, args: Args) -> dict:
@@ -804,11 +802,6 @@ def next_generation(L: Learner, run: str, it: int, ipg: int, args: Args) -> dict
     L.optimizer = adamw(trainable(L.policy), args.lr)
     L.ref_fn = reference_fn(L.start_model, args)
     return metrics
-
-
-def reset(pool: VMPool) -> set:
-    """Fresh desktops (dead local ones are restarted); -> the VMs that answered."""
-    return {i for i, res in enumerate(pool.reset()) if res.ok}
 
 
 def trajectory_lines(buffer: list[Step], rows: list[int], r, adv) -> list[dict]:
@@ -833,7 +826,6 @@ def save_trajectories(run: str, it: int, buffer: list[Step], r, adv, first: int 
 # -----------------------------------------------------------------------------------------------
 # One iteration's learning, then the loop, top to bottom
 
-VM_PHASES = ("reset", "screenshot", "act")  # the seconds a rank waits on its desktops
 ACTOR_KEYS = ("actor/loss", "actor/kl", "actor/clip_low", "actor/clip_high", "actor/grad_norm", "actor/lr")
 
 
@@ -879,34 +871,46 @@ def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int,
     ipg = args.iterations_per_generation or args.iterations  # iterations per generation
     total = args.generations * ipg
     trackers = rundir.open_trackers(run, args)
+    reset_next = False
     for it in progress.track(range(start, total), "iterations"):
         t0, times = time.perf_counter(), {}
         if it // ipg + 1 != L.generation:  # a generation boundary (also right after resuming at one)
             with rundir.timed(times, "distill"):
                 distill_metrics = next_generation(L, run, it, ipg, args)
-        if it == start or (args.reset_every and it % args.reset_every == 0):
-            with rundir.timed(times, "reset"):
-                live = reset(pool)
+        # A reset iteration plays on every desktop in service (a dead one restarts in its thread),
+        # the others on those that did not fail since (their screens go on from the last iteration).
+        fresh = it == start or reset_next or (args.reset_every and it % args.reset_every == 0)
+        if fresh:
+            with rundir.timed(times, "vm_wait"):  # re-checks down remote VMs
+                live = set(rollout.in_service(pool))
         rundir.clear_trajectories(run, it)
-        # rollout: --steps lockstep steps on every live desktop, one batched generate per step
+        # rollout: --steps steps on every live desktop, each on its own, generation batched (rollout.py)
         with dist.unsharded(L.policy.model):  # FSDP2: each rank decodes alone, with whole weights
-            buffer = rollout(pool, live, policy_chooser(L.policy, args), args, times)
+            buffer, out = play(pool, live, policy_chooser(L.policy, args), args, reset=bool(fresh))
+        for k, v in out.times.items():
+            times[k] = times.get(k, 0.0) + v
+        live -= {f.vm for f in out.failures}  # out until the next reset
+        reset_next = not buffer
         if not buffer and dist.size() == 1:
             print(f"it {it}: no desktop answered; resetting them and going on.", flush=True)
-            live = reset(pool)
             continue
+        parts = dist.gather((len(out.failures), out.settles))  # every rank's
+        failures, settles = sum(n for n, _ in parts), [s for _, ss in parts for s in ss]
         r, adv, metrics = learn(L, buffer, it, args, times)
-        metrics = {"iteration": it, "generation": L.generation, **metrics, **distill_metrics}
+        metrics = {"iteration": it, "generation": L.generation, **metrics, "env_failures": failures,
+                   "rollout/batches": len(out.batches), "rollout/batch_mean": float(np.mean(out.batches or [0])),
+                   **rollout.settle_metrics(settles),
+                   **distill_metrics}
         distill_metrics = {}
         with rundir.timed(times, "save"):  # trajectories, checkpoint, then the metrics line: see rundir.py
             save_trajectories(run, it, buffer, r, adv, L.first)
             # Always at a generation's last iteration: the boundary (dataset, SFT) is redone from it.
             if (it + 1) % args.ckpt_every == 0 or (it + 1) % ipg == 0 or it + 1 == total:
-                line = {**metrics, **rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0}, VM_PHASES)}
+                line = {**metrics, **rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0})}
                 rundir.save(run, L.policy, L.optimizer, it + 1, args, line, start_model=L.start_model,
                             generation=L.generation, wm=L.wm.state_dict(), wm_opt=L.wm_opt.state_dict(),
                             wm_config=L.wm.config)
-        metrics.update(rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0}, VM_PHASES))
+        metrics.update(rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0}))
         rundir.end_iteration(run, trackers, metrics, console_line(metrics))
     finish_generation(run, L.generation, (L.generation - 1) * ipg, total - 1, L.policy, args)
     progress.close(trackers)
@@ -927,7 +931,7 @@ def main(argv=None) -> None:
     pool, live, screen, first = rundir.open_desktops(args.vms, args.token, args.vm_timeout)
     try:
         if args.eval_only:
-            evaluate(pool, live, args, ckpt, first)
+            evaluate(pool, args, ckpt, first)
             return
         run = args.resume or rundir.run_path(args.runs_dir, args.run_name)
         with rundir.new_run(run):  # a failed setup (bad --model, ...) leaves no folder behind

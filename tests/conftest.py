@@ -9,7 +9,8 @@ shared: a test that changes it should POST /reset first (`vm_call(vm_desktop, "P
 `start_vm_server(...)` starts an extra one (or one on an existing desktop's display with
 xvfb=False, display_of=that desktop) when a test needs its own (stop it with `.stop()`).
 Plain helpers the test files share (`from conftest import wait_for`): wait_for, free_port, and
-x_env / x11 / mouse, the sanctioned way from the host to a desktop's X display (below).
+x_env / x11 / mouse, the sanctioned way from the host to a desktop's X display (below),
+kill_x_server.
 """
 
 from __future__ import annotations
@@ -72,6 +73,21 @@ def proc_group(pgid: int) -> list[int]:
     """The live members of process group `pgid` (a vm_server and its Xvfb, session, apps)."""
     return [int(n) for n in filter(str.isdigit, os.listdir("/proc"))
             if (f := _stat(n))[2:3] == [str(pgid)] and f[0] != "Z"]
+
+
+def kill_x_server(pid: int) -> int:
+    """SIGKILL the Xvfb below the desktop server `pid` and wait until it is gone: the server lives
+    on and answers every request with 503 ("this desktop's X server died"). -> the Xvfb's pid."""
+    def cmdline(p):
+        try:
+            return open(f"/proc/{p}/cmdline", "rb").read()
+        except OSError:
+            return b""
+    xs = [p for p in proc_descendants(pid) if cmdline(p).startswith(b"Xvfb\0")]
+    assert len(xs) == 1, f"one X server expected below {pid}, found {xs}"
+    os.kill(xs[0], signal.SIGKILL)
+    wait_for(lambda: not proc_alive(xs[0]), "the X server to die")
+    return xs[0]
 
 
 @dataclass

@@ -1,10 +1,13 @@
-"""The import layers of DESIGN.md ("Layers (imports point down only)"), read off the source.
+"""The import layers (imports point down only), read off the source.
 
 Run: python -m pytest -q tests/test_layers.py      (~1 s; parses the files, imports nothing)
 
 Every top-level .py of the project is parsed with ast; every import of one of our own modules,
 at the top or inside a function, is an edge. Then: no cycle; nothing imports vm_server.py (it is
-the program a VM runs); the bottoms (actions.py, procs.py, chat.py) import nothing of ours; no
+the program a VM runs) or a trainer (train_*.py are the tops: they take plain values from each
+other's modules, never each other); rollout.py, the stepper both trainers play episodes with, sits
+below both and knows no model (no torch: generation is the caller's policy_fn); the bottoms
+(actions.py, procs.py, chat.py) import nothing of ours; no
 `from X import _name` across our files; no module `__getattr__`; no `sys.modules` assignment or
 setdefault.
 
@@ -83,6 +86,20 @@ def test_no_cycle():
 
 def test_nothing_imports_vm_server():
     assert [m for m in OURS if "vm_server" in GRAPH[m]] == []
+
+
+def test_trainers_are_the_tops():
+    trainers = [m for m in OURS if m.startswith("train_")]
+    assert trainers == ["train_arpo", "train_explore"]
+    assert [m for m in OURS if set(trainers) & set(GRAPH[m])] == []
+
+
+def test_rollout_is_below_both_trainers_and_knows_no_model():
+    assert all("rollout" in GRAPH[t] for t in ("train_arpo", "train_explore"))
+    assert set(GRAPH["rollout"]) <= {"env", "progress", "actions", "vm_tasks"}, GRAPH["rollout"]
+    names = [a.name for node in ast.walk(tree("rollout")) if isinstance(node, ast.Import) for a in node.names]
+    names += [node.module for node in ast.walk(tree("rollout")) if isinstance(node, ast.ImportFrom) and node.module]
+    assert names and not [n for n in names if n.split(".")[0] in ("torch", "transformers")], names
 
 
 def test_bottoms_import_nothing_of_ours():

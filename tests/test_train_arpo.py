@@ -4,6 +4,7 @@
 
 - smoke: `python train_arpo.py --vms 4 --group-size 2 --model tiny --iterations 2 --max-steps 3` end to
   end as a subprocess, then `--resume` for one more iteration, then `--eval-only` (both protocols);
+- a desktop that dies (killed) or whose X server dies (503) mid-episode: the environment's failure;
 - replay in a real iteration: a stored success of the forced task is injected into the tiny random
   policy's all-failed group and trained on; `--no-replay` leaves the group alone; a success is never
   injected into another group of the SAME iteration; the buffer survives a real `--resume`;
@@ -36,7 +37,7 @@ from env import VMPool, load_tasks  # noqa: E402
 from grpo import ReplayBuffer  # noqa: E402
 from model import load_policy  # noqa: E402
 from task_solutions import SOLUTIONS  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import free_port, kill_x_server  # noqa: E402
 
 SMALL = 64 * 28 * 28  # screenshots of ~64 visual tokens for the tiny model: fast on CPU
 TASKS = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
@@ -89,18 +90,13 @@ def uitars_text(a: dict, image_size, screen) -> str:
 
 
 def scripted(plans):
-    """policy_fn that follows, per episode, the action list plans(task_id, attempt) (attempt counts
-    this task's episodes so far), then says finished(). Episodes are told apart by their VM."""
-    attempts, current = {}, {}
-
+    """policy_fn that follows, per episode, the action list plans(task_id, job) (job: the episode's
+    index among those played together, Observation.job), then says finished(). Desktops step on
+    their own, so the order episodes start in is timing's; the job index is not."""
     def fn(observations):
         out = []
         for o in observations:
-            if o.step == 0:
-                n = attempts.get(o.task.id, 0)
-                attempts[o.task.id] = n + 1
-                current[o.vm] = plans(o.task.id, n)
-            acts = current[o.vm]
+            acts = plans(o.task.id, o.job)
             a = acts[o.step] if o.step < len(acts) else {"type": "done"}
             out.append(uitars_text(a, o.image_size, o.screen))
         return out
@@ -132,7 +128,8 @@ def test_rewards_and_protocols_by_hand():
     bad_fail = ep("fail", [None, {"type": "fail"}], [False, True])
     formatted = ep("format", [None], [False])
     eps = [timed_out, gave_up, bad_fail, formatted]
-    T.score_episodes(None, eps, args, 5)  # infeasible only: scored client side, no VM is asked
+    for e in eps:
+        T.score_episode(e, None, args)  # infeasible: scored client side, no evaluator score
     # timed out: hard 0 (last action wait), standard 1 (FAIL substituted); reward 0 - 0.5 = -0.5
     assert (timed_out.score, timed_out.score_standard, timed_out.reward) == (0.0, 1.0, -0.5)
     # call_user at the end, all answers parsed: 1 under both; reward 1 - 0 = 1
@@ -160,7 +157,7 @@ def test_rewards_and_protocols_by_hand():
     (True, [], None, None, 0.0, 0.0),                         # did nothing
 ])
 def test_outcome_scores_by_hand(infeasible, actions, end, checks, hard, standard):
-    # The pure rule score_episodes (and tests/test_tasks.py) use: (hard, standard).
+    # The pure rule score_episode (and tests/test_tasks.py) use: (hard, standard).
     acts = [None if a is None else {"type": a} for a in actions]
     assert T.outcome_scores(infeasible, acts, end, checks) == (hard, standard)
 
@@ -228,7 +225,7 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     task = TASKS["calc-open"]
     args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1)  # the solution, then finished()
     # A stored success of calc-open, from an "earlier iteration": the scripted solution on a desktop.
-    eps, _ = T.run_jobs(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args, {})
+    eps, _ = T.run_jobs(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args)
     assert eps[0].score == 1.0
     stored = T.to_record(eps[0])
     buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
@@ -282,8 +279,9 @@ def test_epochs_and_the_lr_schedule_in_a_real_iteration(pool, tmp_path):
     task = TASKS["calc-open"]
     policy = load_policy("tiny", seed=1, max_pixels=SMALL)  # its own: this test trains it
     args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1, epochs=3, mini_batch=1, lr=1e-3, lr_warmup=4)
-    # VM 0 solves, VM 1 says finished() at once: rewards 1 and 0, so both advantages are nonzero
-    fn = scripted(lambda tid, n: SOLUTIONS[tid] if n == 0 else [])
+    # job 0 (VM 0) solves, job 1 (VM 1) says finished() at once: rewards 1 and 0, so both advantages
+    # are nonzero
+    fn = scripted(lambda tid, job: SOLUTIONS[tid] if job == 0 else [])
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=args.lr)
     tr = T.Trainer(args, pool, policy, opt, None, fn, str(tmp_path), [task])
     m, _ = T.run_iteration(tr, 1, lambda n: [task.id] * n)
@@ -335,8 +333,8 @@ def test_a_success_is_not_replayed_into_a_group_of_the_same_iteration(pool, tiny
     get A's success (stored only after this iteration's injections); the next iteration it may."""
     task = TASKS["calc-open"]
     args = small_args(group_size=1, max_steps=len(SOLUTIONS["calc-open"]) + 1)
-    # attempt 0 (VM 0, iteration 1) solves; every later attempt says finished() at once and fails
-    fn = scripted(lambda tid, n: SOLUTIONS[tid] if n == 0 else [])
+    # iteration 1: job 0 (VM 0) solves, job 1 (VM 1) says finished() at once and fails
+    fn = scripted(lambda tid, job: SOLUTIONS[tid] if job == 0 else [])
     buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
     tr = T.Trainer(args, pool, tiny, opt, buffer, fn, str(tmp_path), [task])
@@ -345,6 +343,7 @@ def test_a_success_is_not_replayed_into_a_group_of_the_same_iteration(pool, tiny
     assert m["n_injections"] == 0 and not any(b["replayed"] for b in m["batch"])
     assert len(buffer) == 1  # A's success is stored, after the injections
     # Iteration 2: both groups fail; each now gets the success of iteration 1.
+    tr.policy_fn = scripted(lambda tid, job: [])
     m, _ = T.run_iteration(tr, 2, lambda n: [task.id] * n)
     assert m["n_injections"] == 2
     assert [(i["group"], i["from_iteration"], i["from_vm"]) for i in m["replay_injections"]] == [(0, 1, 0), (1, 1, 0)]
@@ -356,7 +355,7 @@ def test_replay_buffer_survives_a_real_resume(pool, tiny, tmp_path):
     all-failed group, and its own checkpoint holds the very same buffer."""
     task = TASKS["calc-open"]
     args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1, iterations=2)
-    eps, _ = T.run_jobs(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args, {})
+    eps, _ = T.run_jobs(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args)
     assert eps[0].score == 1.0
     buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
     buffer.add(task.id, T.to_record(eps[0]), eps[0].score)
@@ -384,9 +383,9 @@ def test_replay_buffer_survives_a_real_resume(pool, tiny, tmp_path):
 def test_select_tasks_keeps_exactly_the_solved_ones(pool, tmp_path):
     tasks = [TASKS["calc-open"], TASKS["clock-open"], TASKS["infeasible-email"]]
 
-    def plans(tid, attempt):
+    def plans(tid, job):  # the jobs: calc-open twice (0, 1), clock-open twice, infeasible-email twice
         if tid == "calc-open":  # solved on the second try only: "at least once" must keep it
-            return SOLUTIONS[tid] if attempt == 1 else []
+            return SOLUTIONS[tid] if job == 1 else []
         if tid == "clock-open":
             return []  # finished() at once: never solved
         return SOLUTIONS[tid]  # call_user(): the right answer to an infeasible task
@@ -451,6 +450,29 @@ def test_a_dead_vm_drops_out_of_its_group_and_the_run_goes_on(pool, tiny):
     # The next iteration's reset restarts the dead desktop: both VMs play again.
     m, eps = T.run_iteration(tr, 1, lambda n: [task.id] * n)
     assert (m["episodes"], m["dropped"]) == (2, 0) and all(e.score == 1.0 for e in eps)
+
+
+def test_a_desktop_whose_x_server_dies_is_the_environments_failure(pool, tiny):
+    """The desktop's server lives on and answers 503 to everything: the episode is dropped as the
+    environment's failure (env_failures), never charged to the model as a format failure."""
+    task = TASKS["calc-open"]
+    solve, killed = scripted(lambda tid, n: SOLUTIONS[tid]), []
+
+    def fn(observations):  # VM 1's X server dies while its first answer is being generated
+        if not killed and any(o.vm == 1 and o.step == 0 for o in observations):
+            killed.append(kill_x_server(pool.local[1].proc.pid))
+        return solve(observations)
+    args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1)
+    opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
+    tr = T.Trainer(args, pool, tiny, opt, None, fn, None, [task])
+    m, eps = T.run_iteration(tr, 0, lambda n: [task.id] * n)
+    assert killed and eps[1].end == "dropped" and "503" in eps[1].error and eps[1].format_ok == [True]
+    assert eps[0].end == "done" and eps[0].score == 1.0
+    assert (m["episodes"], m["dropped"], m["env_failures"]) == (1, 1, 1) and "503" in m["env_errors"]["1"]
+    assert m["format_rate"] == 1.0 and [b["vm"] for b in m["batch"]] == [0]
+    # The next iteration restarts it (its health check fails) in its own thread: both play again.
+    m, eps = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    assert (m["episodes"], m["env_failures"]) == (2, 0) and all(e.score == 1.0 for e in eps)
 
 
 # ------------------------------------------------------------------------------------------------

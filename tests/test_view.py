@@ -176,7 +176,7 @@ def test_explore_report_renders_every_step_image_action_and_curve(explore_run, t
     assert any(a != "none" for a in s["acts"]), "the fine-tuned tiny model should have acted at least once"
     c = curves(dom)
     for key in ("reward/total", "reward/format", "reward/image_immediate", "wm/loss", "actor/kl",
-                "actor/clip_low", "actor/clip_high", "time/iteration"):
+                "actor/clip_low", "actor/clip_high", "time/iteration", "time/vm_wait", "vm_wait_share"):
         assert c.get(key) == 2, (key, c.get(key))  # one point per logged iteration
 
     # Default view: the last iteration only; the hash picks an iteration and a desktop.

@@ -291,12 +291,12 @@ def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float
 
     per token: -min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A)
                + beta * (exp(ref - logps) - (ref - logps) - 1),        ratio = exp(logps - old_logps)
-    dual_clip = c > 1 (dual-clip PPO, arXiv 1912.09729; ARPO: 3.0; None = off, the DESIGN.md
-    contract): where A < 0 the policy-gradient part is min(that, -c * A), i.e. -max(min(ratio * A,
+    dual_clip = c > 1 (dual-clip PPO, arXiv 1912.09729; ARPO: 3.0; None = off, the default of
+    this function): where A < 0 the policy-gradient part is min(that, -c * A), i.e. -max(min(ratio * A,
     clip(ratio) * A), c * A), so a token whose ratio ran far above 1 on a bad action cannot make
     the loss (and its gradient) unbounded; those tokens get zero gradient, as in verl's
     compute_policy_loss. seq_weights (B,): each sequence's weight in the "seq-mean-token-mean" mean
-    (Sample.weight; None = 1 each, the DESIGN.md contract); "token-mean" ignores them.
+    (Sample.weight; None = 1 each); "token-mean" ignores them.
     Returns (loss, metrics); metrics are floats: kl (masked mean of the k3 term), clip_low /
     clip_high (share of target tokens whose clipped branch is the active one, so their gradient
     is zero: A < 0 with ratio < 1 - eps_low, resp. A > 0 with ratio > 1 + eps_high), clip_dual

@@ -72,6 +72,19 @@ def goto(path: str) -> list[dict]:
     return [key("ctrl", "l"), type_(path), key("enter")]
 
 
+# pcmanfm opens HOME in a window openbox centres on the 1280x720 screen (its frame spans x 320-960),
+# the items in name order along its first row: Desktop, Documents, Downloads, Pictures, notes.txt.
+FOLDER_ITEMS = {"Desktop": (528, 215), "Documents": (621, 215), "Downloads": (715, 215), "Pictures": (810, 215)}
+
+
+def open_item(name: str) -> list[dict]:
+    """File manager, just opened on HOME: double-click an item of its first row. The two-screen
+    path bench/learning.py --method arpo-multi trains (the desktop icon, then the folder in the
+    window it opened), so the test proves that path, not only a keyboard one."""
+    x, y = FOLDER_ITEMS[name]
+    return [{"type": "double_click", "x": x, "y": y}]
+
+
 # ---------------------------------------------------------------------------------------------
 # task id -> actions
 
@@ -82,6 +95,8 @@ SOLUTIONS: dict[str, list[dict]] = {
     "calc-open": launch("Calculator"),
     "clock-open": launch("Clock"),
     "files-open-documents": launch("File Manager") + goto("~/Documents"),
+    "files-open-downloads": launch("File Manager") + open_item("Downloads"),
+    "files-open-pictures": launch("File Manager") + open_item("Pictures"),
     "calc-close": [key("alt", "f4")],  # openbox's close-window binding
     "terminal-close": [type_("exit\n")],
 

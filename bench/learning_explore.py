@@ -27,9 +27,13 @@ the exploration reward's image terms (immediate change, sequence diversity) per 
 start, the trained policy and random actions, and the reward components the run logged (which terms
 drove it).
 
+Second metric, the windows the policy opened per episode (X window ids the eval saw appear, from
+the VM's GET /windows), tested the same way after > warm start and after > random actions.
+
 Last line: `learning_explore: before X after Y gain +Z p P parse Q seeds 2: pass` (or `: FAIL`):
 X, Y the means over seeds of distinct screens per episode, Z = Y - X, P the worst seed's p, Q the
-lowest parse rate (format-valid answers) of the after-evals. pass = every seed p < 0.05.
+lowest parse rate (format-valid answers) of the after-evals. pass = in every seed p < 0.05 for
+distinct screens, and for windows opened against both the warm start and random actions.
 """
 from __future__ import annotations
 
@@ -72,13 +76,44 @@ def warm_answers(n: int, size: tuple[int, int], rng: random.Random) -> list[str]
     stratified (x in each of n equal slices of [0, w) once, likewise y, paired at random), intents
     cycling. So the answers carry a flat prior over action types and the screen, nothing more."""
     w, h = size
-    kinds = [KINDS[k % len(KINDS)] for k in range(n)]
-    rng.shuffle(kinds)
     xs = [int((k + rng.random()) * w / n) for k in range(n)]
     ys = [int((k + rng.random()) * h / n) for k in range(n)]
     rng.shuffle(xs), rng.shuffle(ys)
-    return ['{"intent": "%s", "action": "%s(%d, %d)"}' % (INTENTS[k % len(INTENTS)], kinds[k], xs[k], ys[k])
-            for k in range(n)]
+    return answers_at(list(zip(xs, ys)), rng)
+
+
+def answers_at(points: list[tuple[int, int]], rng: random.Random) -> list[str]:
+    """One explore answer per point: the action types balanced (each len(points)/len(KINDS) times,
+    shuffled), intents cycling."""
+    n = len(points)
+    kinds = [KINDS[k % len(KINDS)] for k in range(n)]
+    rng.shuffle(kinds)
+    return ['{"intent": "%s", "action": "%s(%d, %d)"}' % (INTENTS[k % len(INTENTS)], kinds[k], x, y)
+            for k, (x, y) in enumerate(points)]
+
+
+def drawn_pixels(image, size: tuple[int, int], tolerance: int = 24) -> np.ndarray:
+    """(k, 2) array of the (x, y) pixels, in the image the model sees (`size`), where something is
+    drawn: colour farther than `tolerance` (sum over RGB) from the screen's most common colour (the
+    wallpaper, or a window that fills the screen). Every icon, label, window, menu, panel and its
+    text alike: a click drawn from these lands on what is there, each pixel equally likely, so a
+    thing gets clicks in proportion to its size on screen, not for what it is."""
+    im = np.asarray(image.convert("RGB").resize(size), dtype=np.int32)
+    flat = im.reshape(-1, 3)
+    colours, counts = np.unique(flat, axis=0, return_counts=True)
+    bg = colours[counts.argmax()]
+    ys, xs = np.nonzero(np.abs(im - bg).sum(axis=2) > tolerance)
+    return np.stack([xs, ys], axis=1)
+
+
+def drawn_answers(n: int, image, size: tuple[int, int], rng: random.Random) -> list[str]:
+    """n explore answers whose points are drawn uniformly from `drawn_pixels` of this screenshot
+    (uniform over the image when nothing is drawn), action types balanced as in answers_at."""
+    px = drawn_pixels(image, size)
+    if len(px) == 0:
+        return warm_answers(n, size, rng)
+    pick = [px[rng.randrange(len(px))] for _ in range(n)]
+    return answers_at([(int(x), int(y)) for x, y in pick], rng)
 
 
 def desktop_screens(n: int, seed: int) -> list:
@@ -95,9 +130,7 @@ def desktop_screens(n: int, seed: int) -> list:
             act = {"type": kind, "x": rng.randrange(w), "y": rng.randrange(h)}
             if kind == "scroll":
                 act["direction"] = rng.choice(("up", "down"))
-            pool.act([act])
-            time.sleep(1.0)
-            shots.append(pool.map("screenshot", ["png"])[0].value)
+            shots.append(pool.clients[0].act(act, settle="watch", screenshot="png").image)
     return shots
 
 
@@ -115,9 +148,15 @@ def build_warm_start(path: str, seed: int, screens: list, a) -> dict:
     nll = []
     n = len(KINDS) * a.warm_batch
     for step in range(a.warm_steps):
-        answers = warm_answers(n, size, rng)
-        samples = [grpo.step_sample(encs[k % len(encs)], policy.tokenizer(t, add_special_tokens=False).input_ids + [im_end])
-                   for k, t in enumerate(answers)]
+        if a.warm_points == "drawn":  # per screen, points on what it shows
+            per = [(k, t) for k in range(len(encs))
+                   for t in drawn_answers(n // len(encs) + 1, screens[k], size, rng)]
+            rng.shuffle(per)
+            pairs = per[:n]
+        else:
+            pairs = [(k % len(encs), t) for k, t in enumerate(warm_answers(n, size, rng))]
+        samples = [grpo.step_sample(encs[k], policy.tokenizer(t, add_special_tokens=False).input_ids + [im_end])
+                   for k, t in pairs]
         for g in opt.param_groups:  # linear decay to 10%: the last steps settle on the flat prior
             g["lr"] = a.warm_lr * (1 - 0.9 * step / max(1, a.warm_steps - 1))
         nll.append(grpo.distill_step(policy, opt, samples, micro_batch_size=len(samples))["nll"])
@@ -232,11 +271,15 @@ def run_seed(seed: int, a) -> dict:
     after = evaluate(os.path.join(rl, "models", "E1"), os.path.join(root, "after"), 1000 + seed, a, log, baseline=False)
     x = [e[HEADLINE] for e in before["policy"]["episodes"]]
     y = [e[HEADLINE] for e in after["policy"]["episodes"]]
+    # Windows opened per episode: the RL policy against the warm start and against random actions.
+    wx, wy = ([e["windows"] for e in ev["policy"]["episodes"]] for ev in (before, after))
+    wr = [e["windows"] for e in before["random"]["episodes"]]
     return {"seed": seed, "warm": info, "iterations": iterations, "train_seconds": t_train,
             "seconds": time.perf_counter() - t0, "load": os.getloadavg(),
             "random": before["random"]["summary"], "before": before["policy"]["summary"],
             "after": after["policy"]["summary"], "x": x, "y": y, "p": permutation_p(y, x, seed=seed),
-            "terms": reward_terms(rl), "run": rl}
+            "wx": wx, "wy": wy, "wr": wr, "p_windows": permutation_p(wy, wx, seed=seed),
+            "p_windows_random": permutation_p(wy, wr, seed=seed), "terms": reward_terms(rl), "run": rl}
 
 
 def curve_png(results: list[dict], path: str, smooth: int = 5) -> None:
@@ -293,11 +336,17 @@ def report(results: list[dict], a) -> int:
     print("\nPer seed: " + "; ".join(
         f"seed {r['seed']} {HEADLINE} {np.mean(r['x']):.3f} -> {np.mean(r['y']):.3f} p {r['p']:.4f}, "
         f"{r['iterations']} iterations, {r['seconds'] / 60:.1f} min (load {r['load'][0]:.1f})" for r in results))
+    print("Windows opened per episode: " + "; ".join(
+        f"seed {r['seed']} random {np.mean(r['wr']):.3f}, warm {np.mean(r['wx']):.3f} -> RL {np.mean(r['wy']):.3f} "
+        f"(p vs warm {r['p_windows']:.4f}, vs random {r['p_windows_random']:.4f})" for r in results))
     before = float(np.mean([np.mean(r["x"]) for r in results]))
     after = float(np.mean([np.mean(r["y"]) for r in results]))
     p = max(r["p"] for r in results)
     parse = min(r["after"]["format"] for r in results)
-    ok = all(r["p"] < 0.05 and r["seconds"] <= a.minutes * 60 for r in results) and len(results) == a.seeds
+    # pass: in every seed, distinct screens and windows opened both rose over the warm start, and
+    # windows opened is above random actions (each one-sided, p < 0.05), within the time budget.
+    ok = all(max(r["p"], r["p_windows"], r["p_windows_random"]) < 0.05 and r["seconds"] <= a.minutes * 60
+             for r in results) and len(results) == a.seeds
     with open(os.path.join(a.out, "learning_explore.json"), "w") as fh:
         json.dump({"headline": HEADLINE, "results": results, "pass": ok}, fh, indent=1)
     print(f"learning_explore: before {before:.2f} after {after:.2f} gain {after - before:+.2f} p {p:.4f} "
@@ -312,7 +361,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "learning", "explore"),
                    help="where the runs go: <out>/seed<k>/{warm,before,rl,after}, learning_explore.json/.png")
     p.add_argument("--vms", type=int, default=4, help="local desktops")
-    p.add_argument("--settle", type=float, default=2.0, help="seconds the screen gets to react after acting")
+    p.add_argument("--settle", default="watch",
+                   help="after each action: watch (the server waits until the screen settles) or seconds of a fixed sleep")
     p.add_argument("--iterations", type=int, default=0, help="RL iterations; 0 = what --minutes leaves")
     p.add_argument("--steps", type=int, default=3, help="steps per episode (training and eval)")
     p.add_argument("--eval-episodes", type=int, default=24, help="episodes per eval and policy")
@@ -327,6 +377,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-batch", type=int, default=4, help="answers per action type per warm-start step")
     p.add_argument("--warm-lr", type=float, default=3e-3, help="warm-start learning rate (decays linearly to 10%%)")
     p.add_argument("--warm-screens", type=int, default=6, help="real screenshots the warm-start prompts show")
+    p.add_argument("--warm-points", choices=["drawn", "uniform"], default="drawn",
+                   help="where the warm start's actions point: drawn = uniformly over the pixels where something "
+                        "is drawn on each screen (drawn_pixels); uniform = anywhere on the image")
     p.add_argument("--max-iterations", type=int, default=24,
                    help="cap of the planned iterations (the exploratory runs learned in ~10; more is time)")
     p.add_argument("--seconds-per-iteration", type=float, default=25.0,

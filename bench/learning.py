@@ -1,7 +1,9 @@
 """Benchmark: does it learn? A Qwen2.5-VL trained from scratch on real desktops, before vs after RL.
 
-    python bench/learning.py --method arpo                   # 2 seeds, 20 minutes each, on a 2-core CPU
+    python bench/learning.py --method arpo                   # 2 seeds, one step a task
     python bench/learning.py --method arpo --seeds 1 --minutes 8
+    python bench/learning.py --method arpo-multi             # 2 seeds, two steps on two screens a task
+    python bench/learning.py --method arpo-multi --seeds 2 --first-seed 10   # development seeds
     python bench/learning.py --method explore                # ScreenExplorer (bench/learning_explore.py)
     python bench/learning.py --warm-start-only runs/warm     # only the ARPO warm start (the quickstart)
 
@@ -29,8 +31,25 @@ No weights can be downloaded, so the policy is the tiny random Qwen2.5-VL of the
    metrics.jsonl, replayed members excluded). Parse rate: the share of answers that parsed, in
    both evals and in every quarter of training; "throughout" = the lowest of these.
 
+--method arpo-multi: the same five stages on tasks that take two actions on two screens, where
+the right second action depends on what the first did: files-open-documents, -downloads,
+-pictures ("Open my Downloads folder in the file manager."). The first action is the file
+manager's desktop icon for every task (the window it opens is the only one with folders); the
+second, a double-click on the task's folder in that window. Episodes of 2 steps with both
+screenshots in the prompt (--max-steps 2 --max-images 2), trained with ARPO's trajectory-level
+advantage (one reward per episode, on every answer of it), replay on. The warm start
+(warm_start_multi) knows no task: per prompt, the first answer is each of the 7 icons equally
+often, and the second, on the screen that icon opened, each thing that screen affords equally
+often (`affordances`: the file manager's 5 items; the desktop icons after any other app). No
+task selection: a random episode succeeds 1 time in 35, so 16 rollouts would drop most tasks;
+every task is trained and evaluated. The table adds per step, before -> after: how often the
+first action was right (a double-click on the file manager's icon) and how often the second was,
+among the episodes whose first was (the task's folder opened), so it shows that the second step
+was learned and not only the first.
+
 Last line, one verdict over all seeds (the worst seed: the smallest gain, the largest p, the lowest parse):
     learning_arpo: before 0.18 after 0.71 gain +0.53 p 0.0000 parse 0.99 seeds 2: pass
+    (learning_arpo_multi: ... for --method arpo-multi)
 Pass = in every seed: gain >= 0.25, p < 0.01, parse >= 0.85, wall time <= --minutes.
 Also written: <out>/learning_arpo.png (fresh success per iteration, every seed) and
 <out>/learning_arpo.json (every number of the table). `python view.py <out>/seed0/train` shows a run.

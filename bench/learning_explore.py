@@ -5,11 +5,14 @@
 
 Per seed, every number from real rollouts on real local desktops:
 1. Warm start, with NO knowledge of the desktop: the tiny random Qwen2.5-VL (its weights drawn from
-   the seed) fine-tuned on real desktop screenshots answered in the explore JSON format with
-   uniformly random actions: every action type of the random baseline (Click, DoubleClick,
-   RightClick, Move, ScrollUp, ScrollDown) equally often, x and y stratified uniform over the image
-   the model sees, a neutral intent. It learns the format and a flat prior over the screen, nothing
-   about where the icons are. Saved as an ordinary model folder (`--model <folder>` loads it).
+   the seed) fine-tuned on real desktop screenshots answered in the explore JSON format: every
+   action type of the random baseline (Click, DoubleClick, RightClick, Move, ScrollUp, ScrollDown)
+   equally often, a neutral intent, and each point drawn uniformly from the pixels where that
+   screen shows something (`drawn_pixels`: icons, labels, windows, menus, text alike), so a thing
+   gets clicks in proportion to its area, whatever it is, an icon no more than a label or a menu
+   entry of the same size. It learns the format and a flat prior over what is clickable, nothing
+   about which thing opens a window. (--warm-points uniform: points anywhere on the image.) Saved
+   as an ordinary model folder (`--model <folder>` loads it).
 2. Before: `train_explore.py --eval-only` of the warm start (T = 1, the training temperature), with
    its random-action baseline on the same desktops.
 3. RL: `train_explore.py --model <warm start>` as a subprocess, as a user runs it, with the paper's
@@ -68,7 +71,7 @@ HEADLINE = "distinct_screens"  # per episode; see the docstring for why this one
 
 
 # -----------------------------------------------------------------------------------------------
-# Warm start: the explore format with uniformly random actions
+# Warm start: the explore format with random actions on what is drawn
 
 
 def warm_answers(n: int, size: tuple[int, int], rng: random.Random) -> list[str]:
@@ -106,14 +109,20 @@ def drawn_pixels(image, size: tuple[int, int], tolerance: int = 24) -> np.ndarra
     return np.stack([xs, ys], axis=1)
 
 
-def drawn_answers(n: int, image, size: tuple[int, int], rng: random.Random) -> list[str]:
-    """n explore answers whose points are drawn uniformly from `drawn_pixels` of this screenshot
-    (uniform over the image when nothing is drawn), action types balanced as in answers_at."""
-    px = drawn_pixels(image, size)
+def drawn_point(px: np.ndarray, size: tuple[int, int], rng: random.Random) -> tuple[int, int]:
+    """One point drawn uniformly from `px` (drawn_pixels of a screen), or uniformly over the image
+    when nothing is drawn there."""
     if len(px) == 0:
-        return warm_answers(n, size, rng)
-    pick = [px[rng.randrange(len(px))] for _ in range(n)]
-    return answers_at([(int(x), int(y)) for x, y in pick], rng)
+        return rng.randrange(size[0]), rng.randrange(size[1])
+    x, y = px[rng.randrange(len(px))]
+    return int(x), int(y)
+
+
+def drawn_answers(n: int, image, size: tuple[int, int], rng: random.Random) -> list[str]:
+    """n explore answers whose points are drawn uniformly from `drawn_pixels` of this screenshot,
+    action types balanced as in answers_at."""
+    px = drawn_pixels(image, size)
+    return answers_at([drawn_point(px, size, rng) for _ in range(n)], rng)
 
 
 def desktop_screens(n: int, seed: int) -> list:
@@ -147,12 +156,11 @@ def build_warm_start(path: str, seed: int, screens: list, a) -> dict:
     opt = torch.optim.AdamW(policy.model.parameters(), lr=a.warm_lr, betas=(0.9, 0.95), weight_decay=0.0)
     nll = []
     n = len(KINDS) * a.warm_batch
+    drawn = [drawn_pixels(im, size) for im in screens]
     for step in range(a.warm_steps):
-        if a.warm_points == "drawn":  # per screen, points on what it shows
-            per = [(k, t) for k in range(len(encs))
-                   for t in drawn_answers(n // len(encs) + 1, screens[k], size, rng)]
-            rng.shuffle(per)
-            pairs = per[:n]
+        if a.warm_points == "drawn":  # each screen's points on what it shows; action types balanced over all
+            ks = [j % len(encs) for j in range(n)]
+            pairs = list(zip(ks, answers_at([drawn_point(drawn[k], size, rng) for k in ks], rng)))
         else:
             pairs = [(k % len(encs), t) for k, t in enumerate(warm_answers(n, size, rng))]
         samples = [grpo.step_sample(encs[k], policy.tokenizer(t, add_special_tokens=False).input_ids + [im_end])
@@ -356,7 +364,8 @@ def report(results: list[dict], a) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seeds", type=int, default=2, help="independent runs (warm start, evals, RL), seeds 0..N-1")
+    p.add_argument("--seeds", type=int, default=2, help="independent runs (warm start, evals, RL)")
+    p.add_argument("--first-seed", type=int, default=0, help="seeds --first-seed .. + --seeds - 1 (develop on others)")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-time budget per seed (sets --iterations when 0)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "learning", "explore"),
                    help="where the runs go: <out>/seed<k>/{warm,before,rl,after}, learning_explore.json/.png")
@@ -389,7 +398,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 # What bench/learning.py's namespace decides for both methods; everything else is this file's own.
-SHARED = ("seeds", "minutes", "out", "vms", "settle", "iterations")
+SHARED = ("seeds", "first_seed", "minutes", "out", "vms", "settle", "iterations")
 
 
 def main(args=None) -> int:
@@ -400,7 +409,7 @@ def main(args=None) -> int:
             setattr(a, k, getattr(args, k))
     os.makedirs(a.out, exist_ok=True)
     results = []
-    for seed in range(a.seeds):
+    for seed in range(a.first_seed, a.first_seed + a.seeds):
         try:
             results.append(run_seed(seed, a))
         except SystemExit as e:  # one seed's failure is a FAIL line at the end, not a traceback

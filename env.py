@@ -225,6 +225,9 @@ class VMPool:
         self._executor = ThreadPoolExecutor(max_workers=2 * len(self.urls), thread_name_prefix="vmpool")
         # One lock per VM for revive(): the rollout stepper drives each VM from a thread of its own.
         self._locks = [threading.Lock() for _ in self.urls]
+        # A /reset started when VM i's episode ended (reset_ahead), for its next episode to take:
+        # (the VM's generation then, the Future), or None.
+        self._ahead: list[Any] = [None] * len(self.urls)
 
     @property
     def size(self) -> int:
@@ -258,6 +261,20 @@ class VMPool:
             why = f"{self.urls[i]}: {type(e).__name__}: {e}"
             self._mark_down(i, gen, why)
             raise VMError(why) from None
+
+    def reset_ahead(self, i: int) -> None:
+        """Start VM i's POST /reset now, in the background, for the next episode on it, which begins
+        with one (rollout.Desktop.reset takes it, waiting only for what is left of it). A desktop
+        whose episode ended is then reset while the learner updates and the other desktops play,
+        instead of at the start of the next iteration, when the learner has nothing to do. Call it
+        only where the desktop's next use is a reset: nothing else may touch the desktop meanwhile."""
+        self._ahead[i] = (self._generation[i], self._executor.submit(self.call, i, "reset"))
+
+    def take_ahead(self, i: int):
+        """VM i's pending reset_ahead (a Future of its /reset answer), or None: none was started, or
+        the VM was restarted since (the new desktop is fresh anyway)."""
+        ahead, self._ahead[i] = self._ahead[i], None
+        return ahead[1] if ahead is not None and ahead[0] == self._generation[i] else None
 
     def revive(self, i: int) -> bool:
         """Make VM i fit for a new episode, from its own thread: True if it answers /health (a local

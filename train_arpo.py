@@ -361,6 +361,7 @@ def play(desk: rollout.Desktop, task: Task, args: Args, group: int = 0, iteratio
                 # No score is not a score of 0: training on it would punish the policy for a VM fault.
                 raise VMError("the VM's /evaluate answered without a score")
         score_episode(e, checks["score"] if checks else None, args)
+        desk.reset_ahead()  # the next episode here begins with a reset: it runs while the learner updates
     except VMError as err:
         e.end, e.error = "dropped", str(err)
         raise EnvFailure(str(err), partial=e) from None

@@ -277,13 +277,15 @@ def random_chooser(rng: random.Random):
     return choose
 
 
-def explore(desk: rollout.Desktop, steps: int, settle, out: list, reset: bool, windows: dict | None = None):
+def explore(desk: rollout.Desktop, steps: int, settle, out: list, reset: bool, windows: dict | None = None,
+            reset_after: bool = False):
     """One desktop's episode (a generator rollout.run steps in the desktop's thread): the screen ->
     the chooser's answer (`yield`) -> the action, the settled screen back -> a Step into `out` (the
     iteration's buffer), --steps times. A malformed answer executes nothing (the screen is looked at
     again); a refused action (4xx) is a format failure too; any other VM failure ends the episode
     without the step it happened in: the environment failed, not the model. `windows`, a dict, gets
-    {X window id: title} of every app window that was not open at the start (the eval's count)."""
+    {X window id: title} of every app window that was not open at the start (the eval's count).
+    `reset_after`: the desktop's next episode begins with a reset; start it now, in the background."""
     if reset:
         desk.reset()
     before = desk.screenshot()
@@ -308,14 +310,19 @@ def explore(desk: rollout.Desktop, steps: int, settle, out: list, reset: bool, w
         if windows is not None:
             windows.update({w["id"]: w["title"] for w in desk.windows() if w["id"] not in start | set(windows)})
         before = after  # the after-screen is the next step's before-screen
+    if reset_after:
+        desk.reset_ahead()
 
 
-def play(pool: VMPool, vms: set, choose, a: Args, reset: bool) -> tuple[list[Step], rollout.Rollout]:
+def play(pool: VMPool, vms: set, choose, a: Args, reset: bool,
+         reset_after: bool = False) -> tuple[list[Step], rollout.Rollout]:
     """--steps steps on each of `vms`, every desktop on its own, its episode pinned to it (it goes on
-    from its own screen); reset first if `reset`. -> (the steps in time order (t, then vm), the
-    Rollout: times, batch sizes, the desktops that failed)."""
+    from its own screen); reset first if `reset`; start the next iteration's reset when done if
+    `reset_after`. -> (the steps in time order (t, then vm), the Rollout: times, batch sizes, the
+    desktops that failed)."""
     buffer: list[Step] = []
-    episodes = [partial(explore, steps=a.steps, settle=parse_settle(a.settle), out=buffer, reset=reset) for _ in vms]
+    episodes = [partial(explore, steps=a.steps, settle=parse_settle(a.settle), out=buffer, reset=reset,
+                        reset_after=reset_after) for _ in vms]
     out = rollout.run(pool, episodes, choose, on=sorted(vms), desktops=sorted(vms), desc="rollout")
     for f in out.failures:
         print(f"vm {f.vm} dropped out: {f.error}", flush=True)
@@ -648,7 +655,7 @@ def eval_episode(desk: rollout.Desktop, a: Args):
     """One eval episode (a generator for rollout.run): reset, --steps steps, the windows opened.
     -> (its steps, {X window id: title} of the windows it opened)."""
     steps, windows = [], {}
-    yield from explore(desk, a.steps, parse_settle(a.settle), steps, reset=True, windows=windows)
+    yield from explore(desk, a.steps, parse_settle(a.settle), steps, reset=True, windows=windows, reset_after=True)
     return steps, windows
 
 
@@ -886,7 +893,9 @@ def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int,
         rundir.clear_trajectories(run, it)
         # rollout: --steps steps on every live desktop, each on its own, generation batched (rollout.py)
         with dist.unsharded(L.policy.model):  # FSDP2: each rank decodes alone, with whole weights
-            buffer, out = play(pool, live, policy_chooser(L.policy, args), args, reset=bool(fresh))
+            # the next iteration resets: its resets run during this one's update (reset_ahead)
+            ahead = bool(args.reset_every) and (it + 1) % args.reset_every == 0 and it + 1 < total
+            buffer, out = play(pool, live, policy_chooser(L.policy, args), args, reset=bool(fresh), reset_after=ahead)
         for k, v in out.times.items():
             times[k] = times.get(k, 0.0) + v
         live -= {f.vm for f in out.failures}  # out until the next reset

@@ -42,6 +42,8 @@ import train_explore as X
 from env import Task, VMPool
 from model import load_policy
 
+from conftest import wait_for
+
 HOLD = 30.0  # seconds a held /action waits at most for its release (a lockstep stepper would never release it)
 
 
@@ -273,6 +275,26 @@ def test_a_bug_in_an_episode_is_raised_not_blamed_on_the_environment(loopback):
 
 # ------------------------------------------------------------------------------------------------
 # Batching
+
+
+def test_a_reset_started_when_an_episode_ends_is_taken_by_the_next_one(loopback):
+    """reset_ahead: an episode that ends starts its desktop's next /reset in the background (it then
+    runs while the learner updates); the next episode's reset() takes that answer, no second /reset."""
+    pool, (vm,) = loopback("ok")
+
+    def first(desk):
+        desk.reset()
+        yield "look"
+        desk.reset_ahead()
+        return "first"
+    fn, _ = recorder()
+    assert rollout.run(pool, [first], fn).results == ["first"]
+    # nobody asks for it, yet the desktop is reset: the run is over, the "update" could run now
+    wait_for(lambda: vm.count("/reset") == 2, "the reset started ahead", timeout=10, every=0.01)
+    out = rollout.run(pool, [moves(1)], fn)
+    assert out.results == [0] and vm.count("/reset") == 2  # taken, not done again
+    out = rollout.run(pool, [moves(1)], fn)  # nothing pending now: a reset of its own
+    assert vm.count("/reset") == 3
 
 
 def test_generation_batches_every_waiting_observation_in_job_order(loopback):

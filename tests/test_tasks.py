@@ -6,7 +6,7 @@ For every task, on a real `vm_server.py --xvfb` desktop over real HTTP: /reset, 
 then (a) doing nothing must score 0.0 and (b) replaying its scripted solution
 (tests/task_solutions.py) must score 1.0, each action sent as a trainer sends it, with
 `?settle=watch` (the server answers once the desktop has settled; no fixed sleeps). Every episode
-is scored by train_arpo.outcome_scores, the rule training uses; infeasible tasks the way
+is scored by arpo_episode.outcome_scores, the rule training uses; infeasible tasks the way
 ARPO/OSWorld score them, client side: 1.0 iff the agent's last action is `fail` (no /evaluate
 call), so a solution ending in `fail` scores 1 and doing nothing or `done` scores 0.
 
@@ -32,7 +32,7 @@ from conftest import start_vm_server
 from actions import Action
 from env import Task, VMClient, load_tasks
 from task_solutions import SCREEN, SOLUTIONS
-from train_arpo import outcome_scores
+from arpo_episode import outcome_scores
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tasks")
 TASKS = load_tasks(TASKS_DIR)
@@ -41,7 +41,7 @@ DESKTOPS = 3  # 2 would do on 2 cores, but the desktops mostly wait on app start
 
 def episode_score(task: Task, actions: list[dict], vm: VMClient) -> float:
     """The score of an episode that played `actions`, by the rule train_arpo.py trains and evaluates
-    with (train_arpo.outcome_scores): an infeasible task scores 1 iff the last action is `fail`
+    with (arpo_episode.outcome_scores): an infeasible task scores 1 iff the last action is `fail`
     (decided client side, never sent to /evaluate); otherwise the evaluator's. These episodes end
     with done/fail or are stopped by the test, never by the step limit, so the standard protocol
     must agree with the hard one."""

@@ -116,7 +116,8 @@ class Args:
     tasks: str = arg("tasks/", "a task file or a folder of *.json task files")
     task_ids: str = arg("", "comma-separated task ids to use (default: every task)")
     group_size: int = arg(8, "rollouts per task = one GRPO group (ARPO: 8); tasks per iteration = desktops in "
-                      "service // this, at least 1 (fewer desktops than a group play it in turns)")
+                      "service // this, at least 1 (fewer desktops than a group play it in turns); 1 trains "
+                      "nothing (no baseline: every advantage is 0), a smoke test only")
     # policy
     model: str = arg("ByteDance-Seed/UI-TARS-1.5-7B",
                      "HF id or folder of a Qwen2.5-VL checkpoint; 'tiny' = random test model (CPU)")
@@ -182,8 +183,7 @@ def check_args(args: Args) -> None:
     """Errors a user can cause, each as one sentence."""
     import vllm_engine  # plain Python until an engine is built (vLLM itself is imported there)
     rundir.check([
-        (args.group_size < 2, "--group-size must be at least 2: a group of one has no baseline, its advantage is "
-                              "always 0 (ARPO uses 8)"),
+        (args.group_size < 1, "--group-size must be at least 1 (ARPO uses 8)"),
         (args.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
         (args.loss_agg not in ("seq-mean-token-mean", "token-mean"), "--loss-agg must be seq-mean-token-mean or token-mean"),
         (args.beta != 0 and args.lora_rank == 0, "--beta > 0 needs a reference policy: add --lora-rank 64 (the "

@@ -241,8 +241,6 @@ def test_flags():
     assert given == {"replay": False, "lr": 2e-6, "vms": "http://a:1,http://b:2"}
     with pytest.raises(SystemExit, match="--lora-rank"):
         T.check_args(T.Args(beta=0.04))
-    with pytest.raises(SystemExit, match="a group of one has no baseline"):
-        T.check_args(T.Args(group_size=1))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -102,6 +102,13 @@ def test_icon_clicks_follow_the_icon_layout():
             assert why.startswith(f"solution[{j}] ({a['type']}) points at") and f"nearest: {meant}" in why, why
 
 
+def test_readme_icon_table_is_desktop_icons():
+    """tasks/README.md lists the icon centres a solution clicks; they are desktop_icons'."""
+    text = open(os.path.join(TASKS_DIR, "README.md"), encoding="utf-8").read()
+    table = {k: (int(x), int(y)) for k, x, y in re.findall(r"^ *\| ([A-Z][\w ]+?) \| (\d+), (\d+) \|$", text, re.M)}
+    assert table == desktop_icons(P.SCREEN)
+
+
 def test_solution_problems_by_hand():
     base = dict(id="t", instruction="Do it.", setup=[], evaluator={"conj": "and", "checks": []})
     assert P.solution_problems(Task(**base)) == ["has no `solution`: add the actions that solve it "
@@ -116,6 +123,17 @@ def test_solution_problems_by_hand():
         "is infeasible, so its solution must end with `fail` (it ends with `done`)."]
     assert P.solution_problems(Task(**base, solution=[{"type": "key", "keys": ["a"]}, {"type": "fail"}])) == [
         "is feasible, so its solution must not end with `fail` (a `fail` scores 0 on it)."]
+
+
+def test_docs_hard_code_no_task_count():
+    """The READMEs say "every task in tasks/", never how many there are: a fork that adds one would
+    have to find and fix each number. (Other counts of tasks there are experiments' settings.)"""
+    count = re.compile(rf"\b{len(TASKS)}\s+(?:[\w-]+\s+)?tasks\b")
+    assert count.findall(f"{len(TASKS)} OSWorld-style tasks for the desktop; {len(TASKS)} tasks: 10 terminal") == [
+        f"{len(TASKS)} OSWorld-style tasks", f"{len(TASKS)} tasks"]
+    for doc in ("README.md", "tasks/README.md"):
+        text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+        assert not count.findall(text), f"{doc} counts the tasks: {count.findall(text)}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -225,7 +225,7 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
     """In process, on the session's real desktop: a scripted chooser that opens the terminal (a
     double-click on its icon) and a still one that only moves the mouse, through run_eval."""
     from actions import Action, Parsed
-    from task_solutions import ICONS
+    from desktop import desktop_icons
 
     def chooser(first: Action):
         def choose(looks):
@@ -235,7 +235,7 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
             return [(json.dumps(act.to_dict()), Parsed(act, ""), None) for _ in looks]
         return choose
     calls, pointers = [], []
-    x, y = ICONS["Terminal"]
+    x, y = desktop_icons()["Terminal"]
     choosers = {"opener": chooser(Action("double_click", x=x, y=y)), "still": chooser(Action("move", x=600, y=300))}
     pool = VMPool([vm_desktop.url], token=vm_desktop.secret, timeout=30)
     try:

@@ -39,7 +39,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -555,6 +555,11 @@ class TaskError(ValueError):
 
 @dataclass
 class Task:
+    """One task file (tasks/README.md has the format). `solution` is its scripted solution, Action
+    dicts in screen pixels, replayed by `python tasks/prove.py` and tests/test_tasks.py to prove the
+    task solvable. The trainers never show it to a model: a prompt is built from `instruction` and
+    the screenshots alone (chat.uitars_messages takes the instruction string), and a trajectory file
+    records the task's id and instruction only (tests/test_tasks.py checks both)."""
     id: str
     instruction: str
     setup: list[dict]
@@ -562,12 +567,16 @@ class Task:
     max_steps: int = 15
     infeasible: bool = False
     apps: tuple[str, ...] = ()
+    solution: list[dict] = field(default_factory=list)
 
 
 # A task file is checked against the server's own schema of steps and checks (vm_tasks.STEP_FIELDS,
 # CHECK_FIELDS), so a typo fails when the tasks load, not in the middle of a run.
+# `notes` is free text for the people who read the file (why the solution does what it does); nothing
+# loads it.
 _TASK = {"id": (str, True), "instruction": (str, True), "apps": (list, False), "setup": (list, False),
-         "evaluator": (dict, True), "max_steps": (int, False), "infeasible": (bool, False)}
+         "evaluator": (dict, True), "max_steps": (int, False), "infeasible": (bool, False),
+         "solution": (list, False), "notes": (str, False)}
 
 
 def _check_fields(item: dict, fields_: dict, where: str, fail) -> None:
@@ -627,8 +636,19 @@ def _task_from_dict(d: Any, where: str) -> Task:
         fail("evaluator.checks", "must hold 1 to 64 checks (only an infeasible task may have none)")
     for j, check in enumerate(ev["checks"]):
         _check_entry(check, CHECK_FIELDS, f"evaluator.checks[{j}]", fail)
+    solution = []
+    for j, a in enumerate(d.get("solution", [])):  # the server's own action schema (actions.py)
+        try:
+            solution.append(Action.from_dict(a).to_dict())
+        except ValueError as e:
+            fail(f"solution[{j}]", f"is not a valid action ({str(e).rstrip('.')})")
+        # `done` and `fail` end an episode: whatever came after them could never be played
+        if a["type"] in ("done", "fail") and j < len(d["solution"]) - 1:
+            fail(f"solution[{j}]", f"ends the episode ('{a['type']}') before the last action")
+    if len(solution) > d.get("max_steps", 15):
+        fail("solution", f"has {len(solution)} actions, more than max_steps ({d.get('max_steps', 15)}) allows")
     return Task(d["id"], d["instruction"], setup, {"conj": ev.get("conj", "and"), "checks": ev["checks"]},
-                d.get("max_steps", 15), infeasible, tuple(d.get("apps", [])))
+                d.get("max_steps", 15), infeasible, tuple(d.get("apps", [])), solution)
 
 
 def load_tasks(path: str | os.PathLike) -> list[Task]:

@@ -416,9 +416,10 @@ def real_transitions(vm_desktop):
     import time
 
     from env import VMClient
-    from task_solutions import ICONS
+    from desktop import desktop_icons
     vm = VMClient(vm_desktop.url, vm_desktop.token, timeout=60)
-    (tx, ty), (cx, cy) = ICONS["Terminal"], ICONS["Calculator"]
+    icons = desktop_icons()
+    (tx, ty), (cx, cy) = icons["Terminal"], icons["Calculator"]
     plan = [({"type": "click", "x": 700, "y": 400}, 0.3),           # empty desktop: nothing happens
             ({"type": "right_click", "x": 700, "y": 400}, 0.5),     # the desktop's context menu
             ({"type": "key", "keys": ["escape"]}, 0.3),             # ... closed again

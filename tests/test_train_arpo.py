@@ -40,11 +40,11 @@ import train_arpo as T  # noqa: E402
 from env import VMPool, load_tasks  # noqa: E402
 from grpo import ReplayBuffer  # noqa: E402
 from model import load_policy  # noqa: E402
-from task_solutions import SOLUTIONS  # noqa: E402
 from conftest import free_port, kill_x_server  # noqa: E402
 
 SMALL = 64 * 28 * 28  # screenshots of ~64 visual tokens for the tiny model: fast on CPU
 TASKS = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
+SOLUTIONS = {i: t.solution for i, t in TASKS.items()}  # each task file's scripted solution
 
 
 def small_args(**kw) -> T.Args:

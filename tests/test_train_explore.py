@@ -228,7 +228,7 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
     """In process, on the session's real desktop: a scripted chooser that opens the terminal (a
     double-click on its icon) and a still one that only moves the mouse, through run_eval."""
     from actions import Action, Parsed
-    from task_solutions import ICONS
+    from desktop import desktop_icons
 
     def chooser(first: Action):
         def choose(looks):
@@ -238,7 +238,7 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
             return [(json.dumps(act.to_dict()), Parsed(act, ""), None) for _ in looks]
         return choose
     calls, pointers = [], []
-    x, y = ICONS["Terminal"]
+    x, y = desktop_icons()["Terminal"]
     choosers = {"opener": chooser(Action("double_click", x=x, y=y)), "still": chooser(Action("move", x=600, y=300))}
     pool = VMPool([vm_desktop.url], token=vm_desktop.secret, timeout=30)
     try:
@@ -273,8 +273,8 @@ def test_the_windows_term_reads_the_window_lists_the_rollout_recorded(vm_desktop
     step (only when a term reads it), and score() hands it to rewards.py's windows term. A
     double-click on the terminal icon, then a mouse move, on the session's real desktop."""
     from actions import Action, Parsed
-    from task_solutions import ICONS
-    x, y = ICONS["Terminal"]
+    from desktop import desktop_icons
+    x, y = desktop_icons()["Terminal"]
     acts = [Action("double_click", x=x, y=y), Action("move", x=700, y=400)]
 
     def choose(looks):

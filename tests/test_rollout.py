@@ -38,7 +38,7 @@ from PIL import Image
 
 import rollout
 import train_arpo as A
-import train_explore as X
+import explore_episode as X
 from env import Task, VMPool
 from model import load_policy
 
@@ -339,8 +339,7 @@ def test_arpo_a_500_drops_the_episode_and_a_400_is_a_format_failure(loopback):
 
 def test_explore_a_500_drops_the_step_and_a_400_is_a_format_failure(loopback):
     pool, (failing, refusing) = loopback("fail", "refuse")
-    args = X.Args(steps=3, settle="0")
-    buffer, out = X.play(pool, {0, 1}, X.random_chooser(random.Random(0)), args, reset=True)
+    buffer, out = X.play(pool, {0, 1}, X.random_chooser(random.Random(0)), 3, "0", reset=True)
     # desktop 0's first action failed: no step of it (not even as a format failure), one failure
     assert [(f.vm, "500" in f.error) for f in out.failures] == [(0, True)]
     assert [(s.vm, s.t) for s in buffer] == [(1, 0), (1, 1), (1, 2)]

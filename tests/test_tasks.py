@@ -7,7 +7,7 @@ For every task, on a real `vm_server.py --xvfb` desktop over real HTTP, tasks/pr
 (what `python tasks/prove.py tasks/<id>.json` runs): /reset, the task's /setup, then doing nothing
 must score 0.0 (infeasible tasks: ending with `done` too) and replaying the `solution` of its file,
 each action sent as a trainer sends it with `?settle=watch`, must score 1.0. Every episode prove
-scored is scored again here by train_arpo.outcome_scores, the rule training uses, under both
+scored is scored again here by arpo_episode.outcome_scores, the rule training uses, under both
 protocols (hard and standard): they must agree with prove's.
 
 Speed: the selected tasks are spread over up to DESKTOPS desktops (the session's shared one from
@@ -31,7 +31,7 @@ import pytest
 from conftest import start_vm_server
 from desktop import desktop_icons
 from env import Task, VMClient, VMPool, load_tasks
-from train_arpo import outcome_scores
+from arpo_episode import outcome_scores
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS_DIR = os.path.join(ROOT, "tasks")
@@ -181,9 +181,10 @@ def test_prove_command(vm_desktop, tmp_path):
 
 
 def test_the_solution_reaches_no_prompt_and_no_trajectory(vm_desktop, tmp_path):
-    """A task whose solution holds a marker, played by train_arpo's own episode loop on a real
+    """A task whose solution holds a marker, played by ARPO's own episode loop (arpo_episode.py) on a real
     desktop with a stand-in policy that records what a model would be shown: the marker is in no
     prompt (Observation.messages) and in no file of the trajectories the trainer writes."""
+    import arpo_episode as E
     import train_arpo as T
     marker = "SOLUTION-ONLY-7f3a9c"
     (tmp_path / "t.json").write_text(json.dumps({
@@ -201,12 +202,12 @@ def test_the_solution_reaches_no_prompt_and_no_trajectory(vm_desktop, tmp_path):
 
     args = T.Args(vms="1", group_size=1, model="tiny", max_steps=2, max_pixels=64 * 28 * 28, vm_timeout=30.0)
     with VMPool([vm_desktop.url], token=vm_desktop.secret, timeout=30) as pool:
-        eps, lost = T.run_jobs(pool, [task], policy, args)
+        eps, lost = E.run_jobs(pool, [task], policy, args)
         pool.reset()  # leave the shared desktop as we found it
     assert lost == 0 and len(seen) == 2 and eps[0].end == "done"
     assert all("Write a note." in m and marker not in m for m in seen)
     run = tmp_path / "run"
-    T.save_episodes(str(run), 0, eps)
+    E.save_episodes(str(run), 0, eps)
     files = [p for p in run.rglob("*") if p.is_file()]
     assert any(p.suffix == ".jsonl" for p in files)
     assert [p for p in files if marker.encode() in p.read_bytes()] == []

@@ -73,8 +73,10 @@ def to_record(ep: Episode, vm_offset: int = 0) -> dict:
         img.save(buf, format="PNG", compress_level=1)
         return buf.getvalue()
     d = {f.name: getattr(ep, f.name) for f in fields(Episode)}
-    # the VM by its number among all ranks' (`vm_offset`: this rank's first VM's)
-    return {**d, "vm": vm_offset + ep.vm, "task": asdict(ep.task), "screenshots": [png(s) for s in ep.screenshots]}
+    # the VM by its number among all ranks' (`vm_offset`: this rank's first VM's); the task without
+    # its scripted solution, which is the test suite's and never part of what the policy learns from
+    task = {**asdict(ep.task), "solution": []}
+    return {**d, "vm": vm_offset + ep.vm, "task": task, "screenshots": [png(s) for s in ep.screenshots]}
 
 
 def from_record(d: dict) -> Episode:

@@ -211,6 +211,9 @@ def test_the_solution_reaches_no_prompt_and_no_trajectory(vm_desktop, tmp_path):
     files = [p for p in run.rglob("*") if p.is_file()]
     assert any(p.suffix == ".jsonl" for p in files)
     assert [p for p in files if marker.encode() in p.read_bytes()] == []
+    # nor in what the replay buffer (and so every checkpoint) keeps of a success
+    record = E.to_record(eps[0])
+    assert marker not in json.dumps(record, default=str) and E.from_record(record).task.id == "secret"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -225,6 +225,9 @@ class VMPool:
         self._executor = ThreadPoolExecutor(max_workers=2 * len(self.urls), thread_name_prefix="vmpool")
         # One lock per VM for revive(): the rollout stepper drives each VM from a thread of its own.
         self._locks = [threading.Lock() for _ in self.urls]
+        # A /reset started when VM i's episode ended (reset_ahead), for its next episode to take:
+        # (the VM's generation then, the Future), or None.
+        self._ahead: list[Any] = [None] * len(self.urls)
 
     @property
     def size(self) -> int:
@@ -258,6 +261,20 @@ class VMPool:
             why = f"{self.urls[i]}: {type(e).__name__}: {e}"
             self._mark_down(i, gen, why)
             raise VMError(why) from None
+
+    def reset_ahead(self, i: int) -> None:
+        """Start VM i's POST /reset now, in the background, for the next episode on it, which begins
+        with one (rollout.Desktop.reset takes it, waiting only for what is left of it). A desktop
+        whose episode ended is then reset while the learner updates and the other desktops play,
+        instead of at the start of the next iteration, when the learner has nothing to do. Call it
+        only where the desktop's next use is a reset: nothing else may touch the desktop meanwhile."""
+        self._ahead[i] = (self._generation[i], self._executor.submit(self.call, i, "reset"))
+
+    def take_ahead(self, i: int):
+        """VM i's pending reset_ahead (a Future of its /reset answer), or None: none was started, or
+        the VM was restarted since (the new desktop is fresh anyway)."""
+        ahead, self._ahead[i] = self._ahead[i], None
+        return ahead[1] if ahead is not None and ahead[0] == self._generation[i] else None
 
     def revive(self, i: int) -> bool:
         """Make VM i fit for a new episode, from its own thread: True if it answers /health (a local
@@ -538,6 +555,11 @@ class TaskError(ValueError):
 
 @dataclass
 class Task:
+    """One task file (tasks/README.md has the format). `solution` is its scripted solution, Action
+    dicts in screen pixels, replayed by `python tasks/prove.py` and tests/test_tasks.py to prove the
+    task solvable. The trainers never show it to a model: a prompt is built from `instruction` and
+    the screenshots alone (chat.uitars_messages takes the instruction string), and a trajectory file
+    records the task's id and instruction only (tests/test_tasks.py checks both)."""
     id: str
     instruction: str
     setup: list[dict]
@@ -545,12 +567,16 @@ class Task:
     max_steps: int = 15
     infeasible: bool = False
     apps: tuple[str, ...] = ()
+    solution: list[dict] = field(default_factory=list)
 
 
 # A task file is checked against the server's own schema of steps and checks (vm_tasks.STEP_FIELDS,
 # CHECK_FIELDS), so a typo fails when the tasks load, not in the middle of a run.
+# `notes` is free text for the people who read the file (why the solution does what it does); nothing
+# loads it.
 _TASK = {"id": (str, True), "instruction": (str, True), "apps": (list, False), "setup": (list, False),
-         "evaluator": (dict, True), "max_steps": (int, False), "infeasible": (bool, False)}
+         "evaluator": (dict, True), "max_steps": (int, False), "infeasible": (bool, False),
+         "solution": (list, False), "notes": (str, False)}
 
 
 def _check_fields(item: dict, fields_: dict, where: str, fail) -> None:
@@ -610,8 +636,19 @@ def _task_from_dict(d: Any, where: str) -> Task:
         fail("evaluator.checks", "must hold 1 to 64 checks (only an infeasible task may have none)")
     for j, check in enumerate(ev["checks"]):
         _check_entry(check, CHECK_FIELDS, f"evaluator.checks[{j}]", fail)
+    solution = []
+    for j, a in enumerate(d.get("solution", [])):  # the server's own action schema (actions.py)
+        try:
+            solution.append(Action.from_dict(a).to_dict())
+        except ValueError as e:
+            fail(f"solution[{j}]", f"is not a valid action ({str(e).rstrip('.')})")
+        # `done` and `fail` end an episode: whatever came after them could never be played
+        if a["type"] in ("done", "fail") and j < len(d["solution"]) - 1:
+            fail(f"solution[{j}]", f"ends the episode ('{a['type']}') before the last action")
+    if len(solution) > d.get("max_steps", 15):
+        fail("solution", f"has {len(solution)} actions, more than max_steps ({d.get('max_steps', 15)}) allows")
     return Task(d["id"], d["instruction"], setup, {"conj": ev.get("conj", "and"), "checks": ev["checks"]},
-                d.get("max_steps", 15), infeasible, tuple(d.get("apps", [])))
+                d.get("max_steps", 15), infeasible, tuple(d.get("apps", [])), solution)
 
 
 def load_tasks(path: str | os.PathLike) -> list[Task]:

@@ -51,13 +51,20 @@ import dist
 # Advantages
 
 
-def group_advantages(rewards, group_ids=None, eps: float = 1e-6) -> torch.Tensor:
-    """(r - mean_g) / (std_g + eps) within each group; returns (N,) float32.
+def group_advantages(rewards, group_ids=None, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """The advantage both trainers use: each reward against its group's. Returns (N,) float32.
 
+        scale=True  (GRPO):     A = (r - mean_g) / (std_g + eps)
+        scale=False (Dr. GRPO): A =  r - mean_g
+
+    Dr. GRPO (arXiv 2503.20783) drops the division by the group's std: it weighs a group whose
+    rewards barely differ (a question too easy or too hard) as much as one that splits, a bias
+    towards those groups; without it, advantages keep the rewards' scale. Both trainers take the
+    choice as --scale-rewards / --no-scale-rewards (TRL's name for it).
     group_ids: one id per reward (int or str; a list, tensor or numpy array), or None for one group
     (ScreenExplorer normalises every step of the rollout buffer together). torch.std is the
     unbiased one (divides by n - 1). A group of one, or one where every reward is equal, gets
-    advantage 0: it carries no signal.
+    advantage 0 either way: it carries no signal (train_arpo.py calls such groups flat).
     """
     r = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)  # (N,)
     ids = [0] * len(r) if group_ids is None else list(group_ids)
@@ -77,7 +84,9 @@ def group_advantages(rewards, group_ids=None, eps: float = 1e-6) -> torch.Tensor
         # (r - mean) / (0 + 1e-6) would then blow a rounding error up into a large advantage.
         if len(idx) < 2 or bool((g == g[0]).all()):
             continue
-        adv[idx] = (g - g.mean()) / (g.std() + eps)  # ALGO: GRPO group-relative advantage, (G,)
+        adv[idx] = g - g.mean()  # ALGO: group-relative advantage (Dr. GRPO stops here), (G,)
+        if scale:
+            adv[idx] = adv[idx] / (g.std() + eps)  # ALGO: GRPO divides by the group's std, (G,)
     return adv
 
 
@@ -402,13 +411,16 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
                   ref_fn: Callable[[dict], torch.Tensor] | None = None, max_grad_norm: float = 1.0,
                   agg: str = "seq-mean-token-mean", mini_batch_size: int | None = None,
                   epochs: int = 1, on_micro_batch: Callable[[int], None] | None = None, temperature: float = 1.0,
-                  dual_clip: float | None = None, shuffle: random.Random | None = None) -> dict:
+                  dual_clip: float | None = None, shuffle: random.Random | None = None,
+                  optimizer_steps: int | None = None) -> dict:
     """One GRPO update on a rollout; returns metrics averaged over its optimizer steps.
 
     samples carry .advantage already (assign_advantages). By default the whole rollout is one
     optimizer step, accumulated over micro-batches of `micro_batch_size` (memory knob only: the
     loss is scaled so the gradient equals the full-batch one). `mini_batch_size` splits the rollout
     into several steps and `epochs` repeats them; old log-probs are fixed before the first step.
+    `optimizer_steps` (with mini_batch_size None) cuts the batch into that many steps instead
+    (ARPO: 2, whatever the batch size).
     `shuffle` (a seeded random.Random) shuffles the samples before they are cut into mini-batches
     (ScreenExplorer's release shuffles; verl reorders by length), so one step is not one time slice
     or one group; None keeps their order. `temperature`: the sampling temperature, at which every
@@ -425,6 +437,8 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
     n_global = int(dist.all_sum([len(samples)])[0])  # under torchrun: every rank's samples together
     if n_global == 0:
         return {}
+    if mini_batch_size is None and optimizer_steps:
+        mini_batch_size = math.ceil(n_global / optimizer_steps)
     if beta != 0.0 and ref_fn is None and not hasattr(model, "disable_adapter"):
         raise ValueError("beta > 0 needs a reference policy: pass ref_fn, or train with LoRA (--lora-rank) "
                          "so the adapter can be switched off.")

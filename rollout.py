@@ -143,7 +143,26 @@ class Desktop:
             self.times[phase] += time.monotonic() - t0
 
     def reset(self) -> dict:
+        """POST /reset; if the desktop's last episode started one when it ended (reset_ahead), that
+        one's answer, after waiting for what is left of it (one that failed is done again, now)."""
+        ahead = self.pool.take_ahead(self.vm)
+        if ahead is not None:
+            t0 = time.monotonic()
+            self.deadline = t0 + self.pool.timeout + GRACE
+            try:
+                return ahead.result()
+            except VMError:
+                pass
+            finally:
+                self.deadline = None
+                self.times["reset"] += time.monotonic() - t0
         return self._call("reset", "reset")
+
+    def reset_ahead(self) -> None:
+        """Reset this desktop in the background now, for its next episode (which must begin with
+        reset()): at the end of an episode, so the reset overlaps the learner's update and the other
+        desktops' episodes (VMPool.reset_ahead)."""
+        self.pool.reset_ahead(self.vm)
 
     def setup(self, steps: list[dict]) -> dict:
         return self._call("reset", "setup", steps)

@@ -48,7 +48,9 @@ work would otherwise keep every step waiting.
 
 Without DAMAGE (an X server without the extension, or a python-xlib without Xlib.ext.damage) the
 screen is compared as a full screenshot at every look instead (FALLBACK_LOOK apart: ~8 ms a grab
-at 1280x720).
+at 1280x720). The X server's own CPU is then left out of rule 2: serving our grab costs it 3-6 ms
+per look, more than BUSY_CPU, so counting it would keep every step waiting until CAP; whatever it
+draws shows in the next grab anyway.
 
 Nothing in the papers does this: OSWorld-based trainers sleep a fixed time, and desktop-automation
 tools that poll screenshot hashes pay at least their polling interval (0.5-1 s) per step.
@@ -91,6 +93,7 @@ BUSY_CPU = 0.002     # s of CPU the desktop may use between two looks and still 
 #                      file chooser ticks at 60 Hz for ~0.1 ms); a starting app or a redraw uses a
 #                      whole CPU (10-20 ms per look).
 FALLBACK_LOOK = 0.05  # s between looks when screenshots stand in for DAMAGE
+X_SERVERS = ("Xvfb", "Xorg", "X", "Xephyr", "Xwayland")  # their CPU is our grab's in the fallback
 
 
 # -------------------------------------------------------------------------------------------------
@@ -112,10 +115,11 @@ def _pids() -> set[int]:
 class Programs:
     """The desktop's processes, as `look()` sees them between two looks: CPU used, a thread running
     or runnable, a newcomer asleep on a timer. `root`: the server's pid (its descendants are the
-    desktop); `newcomers`: also watch our user's processes started since `arm()` (your own VM)."""
+    desktop); `newcomers`: also watch our user's processes started since `arm()` (your own VM);
+    `ignore`: names (/proc/PID/comm) of processes not watched."""
 
-    def __init__(self, root: int, newcomers: bool):
-        self.root, self.newcomers, self.uid = root, newcomers, os.getuid()
+    def __init__(self, root: int, newcomers: bool, ignore: tuple[str, ...] = ()):
+        self.root, self.newcomers, self.uid, self.ignore = root, newcomers, os.getuid(), ignore
         self.before: set[int] = set()
         self.cpu: dict[int, int] | None = None   # tid -> ns on a CPU at the last look; None: not armed
 
@@ -134,6 +138,8 @@ class Programs:
                         pids.append(p)
                 except OSError:
                     pass
+        if self.ignore:
+            pids = [p for p in pids if _read(f"/proc/{p}/comm").strip() not in self.ignore]
         return pids
 
     def look(self) -> tuple[float, bool, bool]:
@@ -251,7 +257,8 @@ class Watcher:
 
     def __init__(self, display: str, root: int, newcomers: bool = False, damage: bool = True):
         self.screen = Screen(display, damage)
-        self.programs = Programs(root, newcomers)
+        # The fallback's grabs keep the X server busy: see the module docstring.
+        self.programs = Programs(root, newcomers, ignore=() if self.screen.watching else X_SERVERS)
         self.look = LOOK if self.screen.watching else FALLBACK_LOOK
 
     def arm(self) -> None:

@@ -26,7 +26,7 @@ seconds from the moment the action is sent:
              any signal that still ended in a change bigger than a caret (the largest over the runs)
 Medians over the runs; the last line is the headline (the median step, watched vs fixed 2.0).
 
-Part 2, the solutions check: every scripted solution of the task suite (tests/task_solutions.py)
+Part 2, the solutions check: every scripted solution of the task suite (each task file's `solution`)
 on `--desktops` desktops; at every step the watched screen is compared with a screenshot taken
 2 s after the step was answered. Screens count as equal when they differ only in caret-sized
 regions (at most CARET wide, CARET_H tall) or in the taskbar clock (CLOCK). Prints each step that
@@ -58,7 +58,6 @@ from conftest import in_x_namespace, proc_descendants, start_vm_server  # noqa: 
 from desktop import desktop_icons  # noqa: E402
 from env import VMClient, load_tasks  # noqa: E402
 from settle import BUSY_CPU, LOOK, QUIET, Programs  # noqa: E402
-from task_solutions import SOLUTIONS  # noqa: E402
 
 CARET, CARET_H = 4, 40   # px: a differing region this narrow (and at most this tall) is a caret
 CLOCK = 160, 34          # px from the bottom-right corner: tint2's clock and date
@@ -269,7 +268,7 @@ def solutions(clients: list[VMClient], later: float) -> None:
                 return
             c.reset()
             c.setup(task.setup)
-            for k, a in enumerate(SOLUTIONS[task.id]):
+            for k, a in enumerate(task.solution):
                 r = c.act(a, settle="watch", screenshot="png")
                 time.sleep(later)
                 diff = differences(r.image, grab(c))

@@ -220,6 +220,20 @@ def test_load_tasks_good(tmp_path):
     assert load_tasks(tmp_path / "a.json")[0].id == "calc-open"
 
 
+def test_load_tasks_reads_the_solution(tmp_path):
+    # The scripted solution is checked as the server checks actions and kept as Action dicts;
+    # the notes are for people and go nowhere.
+    solution = [{"type": "double_click", "x": 74, "y": 246, "text": None}, {"type": "wait", "amount": 1},
+                {"type": "key", "keys": ["alt", "f4"]}, {"type": "done"}]
+    (tmp_path / "a.json").write_text(json.dumps({**GOOD, "solution": solution, "notes": "The calculator icon."}))
+    [task] = load_tasks(tmp_path)
+    assert task.solution == [{"type": "double_click", "x": 74, "y": 246}, {"type": "wait", "amount": 1},
+                             {"type": "key", "keys": ["alt", "f4"]}, {"type": "done"}]
+    assert task == Task("calc-open", "Open the calculator.", GOOD["setup"], GOOD["evaluator"], max_steps=10,
+                        apps=("galculator",), solution=task.solution)
+    assert "notes" not in vars(task)
+
+
 def _with(**changes):
     d = json.loads(json.dumps(GOOD))
     for k, v in changes.items():
@@ -252,6 +266,13 @@ def _with(**changes):
      "'evaluator.checks[0].exit_code'"),
     (_with(apps="galculator"), "'apps'"),
     (_with(infeasible="yes"), "'infeasible'"),
+    (_with(solution="double-click the icon"), "'solution'"),
+    (_with(solution=[{"type": "teleport"}]), "'solution[0]'"),   # the server's action schema (actions.py)
+    (_with(solution=[{"type": "click", "x": 5}]), "'solution[0]'"),
+    (_with(solution=[{"type": "key", "keys": []}]), "'solution[0]'"),
+    (_with(solution=[{"type": "done"}, {"type": "key", "keys": ["a"]}]), "'solution[0]'"),  # nothing after an end
+    (_with(solution=[{"type": "wait"}] * 11), "'solution'"),  # more actions than max_steps (10)
+    (_with(notes=["why"]), "'notes'"),
 ])
 def test_load_tasks_names_file_and_field(tmp_path, task, field):
     f = tmp_path / "broken.json"

@@ -4,12 +4,19 @@ Run: python -m pytest -q tests/test_layers.py      (~1 s; parses the files, impo
 
 Every top-level .py of the project is parsed with ast; every import of one of our own modules,
 at the top or inside a function, is an edge. Then: no cycle; nothing imports vm_server.py (it is
-the program a VM runs) or a trainer (train_*.py are the tops: they take plain values from each
-other's modules, never each other); rollout.py, the stepper both trainers play episodes with, sits
-below both and knows no model (no torch: generation is the caller's policy_fn); the bottoms
-(actions.py, procs.py, chat.py) import nothing of ours; no
-`from X import _name` across our files; no module `__getattr__`; no `sys.modules` assignment or
-setdefault.
+the program a VM runs) or a trainer (train_*.py are the tops: nothing imports them, and they take
+plain values, never each other's Args); each trainer's own files sit right below it and apart
+from the other's:
+
+    train_arpo.py     -> arpo_eval.py (evaluation, task selection) -> arpo_episode.py (one episode)
+    train_explore.py  -> explore_eval.py (exploration eval) -> explore_episode.py (one episode)
+                      -> explore_distill.py (the distillation data)
+    both              -> rollout.py, rundir.py, grpo.py, model.py, ... (rewards.py: ScreenExplorer's)
+
+rollout.py, the stepper both trainers play episodes with, sits below both and knows no model (no
+torch: generation is the caller's policy_fn); the bottoms (actions.py, procs.py, chat.py) import
+nothing of ours; no `from X import _name` across our files; no module `__getattr__`; no
+`sys.modules` assignment or setdefault.
 
 The graph itself: `python -c "import sys; sys.path[:0] = ['tests', '.']; import test_layers as L;
 [print(m, '->', ', '.join(d)) for m, d in L.GRAPH.items()]"`.
@@ -92,6 +99,20 @@ def test_trainers_are_the_tops():
     trainers = [m for m in OURS if m.startswith("train_")]
     assert trainers == ["train_arpo", "train_explore"]
     assert [m for m in OURS if set(trainers) & set(GRAPH[m])] == []
+
+
+OWN = {"train_arpo": ["arpo_episode", "arpo_eval"],
+       "train_explore": ["explore_distill", "explore_episode", "explore_eval"]}
+
+
+def test_each_trainers_own_files_are_below_it_and_apart_from_the_other():
+    assert sorted(m for ms in OWN.values() for m in ms) == sorted(m for m in OURS if m.startswith(("arpo_", "explore_")))
+    for trainer, mine in OWN.items():
+        theirs = [m for t, ms in OWN.items() if t != trainer for m in [t, *ms]]
+        assert set(mine) <= set(GRAPH[trainer]), (trainer, GRAPH[trainer])
+        for mod in mine:
+            assert not set(GRAPH[mod]) & set(theirs), (mod, GRAPH[mod])  # nothing of the other trainer's
+            assert set(GRAPH[mod]) <= set(mine) | set(OURS) - set(theirs) - {trainer}
 
 
 def test_rollout_is_below_both_trainers_and_knows_no_model():

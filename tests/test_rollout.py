@@ -38,9 +38,11 @@ from PIL import Image
 
 import rollout
 import train_arpo as A
-import train_explore as X
+import explore_episode as X
 from env import Task, VMPool
 from model import load_policy
+
+from conftest import wait_for
 
 HOLD = 30.0  # seconds a held /action waits at most for its release (a lockstep stepper would never release it)
 
@@ -275,6 +277,26 @@ def test_a_bug_in_an_episode_is_raised_not_blamed_on_the_environment(loopback):
 # Batching
 
 
+def test_a_reset_started_when_an_episode_ends_is_taken_by_the_next_one(loopback):
+    """reset_ahead: an episode that ends starts its desktop's next /reset in the background (it then
+    runs while the learner updates); the next episode's reset() takes that answer, no second /reset."""
+    pool, (vm,) = loopback("ok")
+
+    def first(desk):
+        desk.reset()
+        yield "look"
+        desk.reset_ahead()
+        return "first"
+    fn, _ = recorder()
+    assert rollout.run(pool, [first], fn).results == ["first"]
+    # nobody asks for it, yet the desktop is reset: the run is over, the "update" could run now
+    wait_for(lambda: vm.count("/reset") == 2, "the reset started ahead", timeout=10, every=0.01)
+    out = rollout.run(pool, [moves(1)], fn)
+    assert out.results == [0] and vm.count("/reset") == 2  # taken, not done again
+    out = rollout.run(pool, [moves(1)], fn)  # nothing pending now: a reset of its own
+    assert vm.count("/reset") == 3
+
+
 def test_generation_batches_every_waiting_observation_in_job_order(loopback):
     pool, _ = loopback("ok", "ok", "ok", "ok")
     fn, batches = recorder()
@@ -317,8 +339,7 @@ def test_arpo_a_500_drops_the_episode_and_a_400_is_a_format_failure(loopback):
 
 def test_explore_a_500_drops_the_step_and_a_400_is_a_format_failure(loopback):
     pool, (failing, refusing) = loopback("fail", "refuse")
-    args = X.Args(steps=3, settle="0")
-    buffer, out = X.play(pool, {0, 1}, X.random_chooser(random.Random(0)), args, reset=True)
+    buffer, out = X.play(pool, {0, 1}, X.random_chooser(random.Random(0)), 3, "0", reset=True)
     # desktop 0's first action failed: no step of it (not even as a format failure), one failure
     assert [(f.vm, "500" in f.error) for f in out.failures] == [(0, True)]
     assert [(s.vm, s.t) for s in buffer] == [(1, 0), (1, 1), (1, 2)]

@@ -298,6 +298,26 @@ def test_chart_and_series_by_hand():
     assert view.numeric_series(m) == {"a": [(3, 1.0)], "d/e": [(3, 2.0)]}
 
 
+def test_reward_charts_follow_what_the_run_logged_and_old_keys_are_read(tmp_path):
+    # The "reward components" chart holds every reward/<term> of the metrics, in the order logged
+    # (a term added to rewards.TERMS shows up with no edit here); total and format have their own.
+    m = [{"iteration": 0, "reward/total": 1.0, "reward/format": 1.0, "reward/image_immediate": 0.5,
+          "reward/windows": 2.0, "wm/loss": 0.1}]
+    heads = dict(view.headline("explore", view.numeric_series(m)))
+    assert heads["reward components"] == ["reward/image_immediate", "reward/windows"]
+    assert heads["total reward"] == ["reward/total"] and heads["format reward"] == ["reward/format"]
+    html = view.charts_html("explore", m)
+    assert 'data-key="reward/windows"' in html and "every other metric (0)" in html
+    # an ARPO run written before the groups with no learning signal were called flat_groups
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "args.json").write_text(json.dumps({"group_size": 2}))
+    (run / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "zero_std_groups": 1, "success_rate": 0.5}) + "\n")
+    loaded = view.load_run(str(run))
+    assert loaded["metrics"][0]["flat_groups"] == 1 and "zero_std_groups" not in loaded["metrics"][0]
+    assert 'data-key="flat_groups"' in view.charts_html("arpo", loaded["metrics"])
+
+
 def test_cli_one_sentence_errors(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "view.py"), str(tmp_path / "nope")], capture_output=True, text=True)
     assert p.returncode == 1 and p.stderr.strip().endswith("pass a run folder such as runs/<name>.")

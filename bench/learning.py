@@ -152,6 +152,7 @@ def warm_start(out: str, seed: int, task_ids: list[str], epochs: int, lr: float,
     """SFT the tiny model on (task prompt, real desktop screenshot) -> left_double on an icon, each
     prompt with each icon once per epoch, in a seeded order. Saved to `out` (save_policy)."""
     import torch
+    import transformers
 
     from chat import encode_chat, uitars_messages
     from actions import smart_resize
@@ -193,6 +194,7 @@ def warm_start(out: str, seed: int, task_ids: list[str], epochs: int, lr: float,
             batch = [samples[k] for k in order[i:i + len(points)]]
             m = distill_step(policy, opt, batch, micro_batch_size=len(points))
             nll.append(m["nll"] * m["tokens"] / len(batch))  # per answer, not per token
+    transformers.utils.logging.disable_progress_bar()  # the save's shard bar would land in the table
     save_policy(policy, out)
     return {"seconds": time.perf_counter() - t0, "nll_first": nll[0], "nll_last": sum(nll[-4:]) / len(nll[-4:]),
             "pairs": len(pairs), "epochs": epochs, "image": [w, h]}
@@ -268,6 +270,7 @@ def warm_start_multi(out: str, seed: int, task_ids: list[str], epochs: int, lr: 
     Every prompt gets the same uniform prior on every screen; the learning rate
     decays linearly to 10%, so the last steps settle on that prior. Saved to `out` (save_policy)."""
     import torch
+    import transformers
 
     from actions import smart_resize
     from chat import encode_chat, uitars_messages
@@ -311,6 +314,7 @@ def warm_start_multi(out: str, seed: int, task_ids: list[str], epochs: int, lr: 
             part = [sample(*k) for k in order[i:i + batch]]
             nll.append(distill_step(policy, opt, part, micro_batch_size=batch)["nll"])
             step += 1
+    transformers.utils.logging.disable_progress_bar()  # the save's shard bar would land in the table
     save_policy(policy, out)
     return {"seconds": time.perf_counter() - t0, "samples": len(per_epoch[0]), "epochs": epochs, "image": [w, h],
             "steps": steps, "nll_first": nll[0], "nll_last": sum(nll[-5:]) / len(nll[-5:])}

@@ -4,27 +4,34 @@ One Xvfb display per server, with a real session on it: openbox (window manager)
 and pcmanfm (desktop icons pinned to a fixed grid), and a HOME of its own, copied from a fresh
 template before every episode. N servers are N independent desktops on one machine, standing in
 for N VMs. Top to bottom: the icon layout (`desktop_icons`, `DESKTOP_APPS`), the HOME template
-(`template_files`), `start_xvfb`, `start_session`, `restore_home`, `local_desktop`, which puts
-them together, and `sandbox`, which runs all of it inside bubblewrap.
+(`template_files`), `start_xvfb` and its cookie, `start_session` (up and settled, read off X
+properties), `restore_home`, `reset_desktop` (POST /reset: a fresh desktop again), `local_desktop`,
+which puts them together, and `sandbox`, which runs all of it inside bubblewrap.
 
-The sandbox: `vm_server.py --xvfb` re-runs itself under `bwrap` before it starts anything, so the
-server, Xvfb, the session and every app (the agent's terminal included) see the host's files
-read-only (the users' homes, /root and /home, empty), a private /tmp and /dev, their own PID, IPC
-and UTS namespaces, and run as an unprivileged user without capabilities; the desktop's HOME (and
-its XDG_RUNTIME_DIR) is the one writable place, and everything dies with the server. The network is shared, so the HTTP port
-stays on the host's loopback. `--no-sandbox` runs without it. Xt's per-user resource files
-(`~/XTerm`, `~/XCalc`, `~/.Xdefaults-<host>`) are switched off in the desktop's environment:
-they are code (a translations resource types into the shell).
+The sandbox: `vm_server.py --xvfb` binds its port, then re-runs itself under `bwrap` before it
+starts anything, handing in the listening socket and the token (a pipe), so the server, Xvfb, the
+session and every app (the agent's terminal included) see only the host's system folders
+(read-only) and what the server runs from, a private /tmp and /dev, their own PID, IPC, UTS and
+network namespaces (a loopback of their own: no route to the host's services, another desktop or
+out; the socket handed in stays on the host's loopback), and run as an unprivileged user without
+capabilities (the host's `nobody` when started by root). The desktop's HOME (and its
+XDG_RUNTIME_DIR) is the one writable place, and everything dies with the server. The display
+admits only clients with its cookie (`Xauthority` beside HOME, read-only inside), the apps' environment is built from a short
+list (no credentials of the caller's), and Xt's per-user resource files (`~/XTerm`, `~/XCalc`,
+`~/.Xdefaults-<host>`) are switched off: they are code (a translations resource types into the
+shell). `--no-sandbox` runs without bubblewrap.
 
 vm_server.py imports this file lazily, only when `--xvfb` is given, so a VM serving its own display
 runs without it. The programs and windows on a desktop, and the process-tree cleanup (`spawn`,
 `list_windows`, `kill_tree`, `reap`), are in procs.py, because a real VM's /reset and the server's
 exit need them too.
-Tested through `python -m pytest -q tests/test_vm_server.py tests/test_sandbox.py` (real Xvfb desktops).
+Tested through `python -m pytest -q tests/test_vm_server.py tests/test_sandbox.py tests/test_containment.py`
+(real Xvfb desktops; the last types an agent's attacks into a desktop's terminal).
 
 Where this departs from the papers' environment (OSWorld: one Ubuntu VM per episode, restored
-from a snapshot): a local Xvfb desktop per server, reset by restarting its session and copying its
-HOME back from the template, instead of restoring a VM. The icon layout is pinned (not pcmanfm's
+from a snapshot): a local Xvfb desktop per server, reset by restarting its session, syncing its
+HOME back to the template and its root window's properties back to the fresh X server's, instead
+of restoring a VM. The icon layout is pinned (not pcmanfm's
 auto-layout, which sorts by file time), so every desktop looks the same. A VM is its own sandbox;
 a local desktop gets bubblewrap instead, because an exploring agent types anything into its
 terminal, and without one that terminal is a shell on the trainer's machine.
@@ -33,18 +40,23 @@ terminal, and without one that terminal is a shell on the trainer's machine.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 from PIL import ImageGrab
 
-from procs import Desktop, descendants, list_windows, prctl, spawn
+from procs import Desktop, descendants, kill_tree, prctl, spawn
+from settle import watcher
 
 # -------------------------------------------------------------------------------------------------
 # The icons and the HOME template
@@ -126,13 +138,14 @@ def template_files() -> dict[str, str]:
 # Processes: the X server and the session on it
 
 
-def start_xvfb(screen: tuple[int, int]) -> tuple[subprocess.Popen, str]:
-    """Xvfb on a free display. -displayfd makes Xvfb choose the number and write it to us when it
-    is ready, which stays race free when many servers start at once (probing locks would not)."""
+def start_xvfb(screen: tuple[int, int], auth: str) -> tuple[subprocess.Popen, str]:
+    """Xvfb on a free display, admitting only clients that show the cookie in the Xauthority file
+    `auth`. -displayfd makes Xvfb choose the number and write it to us when it is ready, which
+    stays race free when many servers start at once (probing locks would not)."""
     r, w = os.pipe()
     proc = subprocess.Popen(
         ["Xvfb", "-displayfd", str(w), "-screen", "0", f"{screen[0]}x{screen[1]}x24", "-nolisten",
-         "tcp", "-noreset"], pass_fds=(w,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+         "tcp", "-noreset", "-auth", auth], pass_fds=(w,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         # PR_SET_PDEATHSIG (1): the kernel SIGTERMs Xvfb when our main thread ends, so even a
         # `kill -9` of the server leaves no orphan display (its clients then die with it).
@@ -149,27 +162,149 @@ def start_xvfb(screen: tuple[int, int]) -> tuple[subprocess.Popen, str]:
     return proc, ":" + num.decode().strip()
 
 
-def _wait(cond, what: str, timeout: float = 30.0) -> None:
+def write_xauthority(path: str) -> None:
+    """A fresh random MIT-MAGIC-COOKIE-1 in an Xauthority file, libXau's format: per entry a 16-bit
+    family, then address, display number, auth name and data, each a 16-bit length and bytes (all
+    big-endian). Two entries with the same cookie: FamilyLocal with this host's name (what
+    python-xlib, i.e. pyautogui, looks up) and FamilyWild (what libxcb clients also accept); an
+    empty display number matches any display, so the file is written before Xvfb picks one."""
+    cookie = os.urandom(16)
+
+    def field(b: bytes) -> bytes:
+        return struct.pack(">H", len(b)) + b
+    data = b"".join(struct.pack(">H", family) + field(address) + field(b"") + field(b"MIT-MAGIC-COOKIE-1")
+                    + field(cookie) for family, address in ((256, socket.gethostname().encode()), (0xFFFF, b"")))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _wait(cond, what: str, timeout: float = 30.0, every: float = 0.005) -> None:
     deadline = time.time() + timeout
     while not cond():
         if time.time() > deadline:
             raise RuntimeError(f"{what} did not come up within {timeout:.0f} s")
-        time.sleep(0.1)
+        time.sleep(every)
+
+
+_displays: dict = {}
+_fresh_root: dict[str, dict] = {}  # display -> its root window's properties before the first session
+
+
+def _x(name: str):
+    """A python-xlib connection to the desktop's display, for the session's checks (kept)."""
+    if name not in _displays:
+        from Xlib import display
+        _displays[name] = display.Display(name)
+    return _displays[name]
+
+
+def _atom(x, name: str) -> int:
+    return x.intern_atom(name)
+
+
+def root_properties(name: str) -> dict:
+    """The root window's properties: atom -> (type, format, value)."""
+    from Xlib import X
+    x = _x(name)
+    root = x.screen().root
+    out = {}
+    for atom in root.list_properties():
+        p = root.get_full_property(atom, X.AnyPropertyType)
+        if p is not None:
+            out[atom] = (p.property_type, p.format, p.value)
+    return out
+
+
+def restore_root(name: str, fresh: dict) -> None:
+    """Make the root window's properties what they were on the fresh X server: the session's own
+    (a window manager reads _NET_CURRENT_DESKTOP and keeps the workspace an agent switched to) and
+    whatever an agent set (`xrdb` writes RESOURCE_MANAGER, which every Xt app reads) go."""
+    from Xlib import X
+    x = _x(name)
+    root = x.screen().root
+    now = root_properties(name)
+    for atom, (kind, fmt, value) in now.items():
+        if atom not in fresh:
+            root.delete_property(atom)
+    for atom, (kind, fmt, value) in fresh.items():
+        if now.get(atom) != (kind, fmt, value):
+            root.change_property(atom, kind, fmt, value, X.PropModeReplace)
+    x.sync()
+
+
+def _wm_gone(x) -> bool:
+    """The X server has let the last window manager go (ICCCM: it owned the WM_S0 selection). A
+    window manager that starts before then finds the screen taken and manages nothing."""
+    from Xlib import X
+    return x.get_selection_owner(_atom(x, "WM_S0")) == X.NONE
+
+
+def _wm_ready(x) -> bool:
+    """A window manager manages the screen: EWMH's check window names itself (set once the window
+    manager has taken the screen's redirect), and the workspaces and work area are published. (tint2
+    reads _NET_NUMBER_OF_DESKTOPS once at its start and, without it, sleeps a whole second.)"""
+    from Xlib import X, error
+    root = x.screen().root
+    if any(root.get_full_property(_atom(x, n), X.AnyPropertyType) is None
+           for n in ("_NET_NUMBER_OF_DESKTOPS", "_NET_WORKAREA")):
+        return False
+    check = _atom(x, "_NET_SUPPORTING_WM_CHECK")
+    p = root.get_full_property(check, X.AnyPropertyType)
+    if p is None or not len(p.value):
+        return False
+    try:
+        q = x.create_resource_object("window", p.value[0]).get_full_property(check, X.AnyPropertyType)
+    except error.XError:  # a check window that is gone
+        return False
+    return q is not None and len(q.value) > 0 and q.value[0] == p.value[0]
+
+
+def _sticky(x) -> set[str]:
+    """The names of the managed windows on every workspace (the taskbar, the desktop icons)."""
+    from Xlib import X, error
+    root = x.screen().root
+    clients = root.get_full_property(_atom(x, "_NET_CLIENT_LIST"), X.AnyPropertyType)
+    names = set()
+    for wid in (clients.value if clients is not None else []):
+        try:
+            w = x.create_resource_object("window", wid)
+            desktop = w.get_full_property(_atom(x, "_NET_WM_DESKTOP"), X.AnyPropertyType)
+            if desktop is not None and len(desktop.value) and desktop.value[0] == 0xFFFFFFFF:
+                names.add(w.get_wm_name() or "")
+        except error.XError:  # closed meanwhile
+            continue
+    return names
 
 
 def start_session(desk: Desktop) -> None:
-    """Window manager, then taskbar and desktop icons; returns once the icons are drawn."""
-    spawn(desk, ["openbox"])
-    _wait(lambda: subprocess.run(["wmctrl", "-m"], env=desk.env, capture_output=True).returncode == 0, "openbox")
-    spawn(desk, ["tint2"])
+    """Window manager, then taskbar and desktop icons; returns once the desktop has settled (every
+    icon drawn, nothing busy: settle.py). openbox and tint2 keep their caches (and tint2 its copy
+    of the default config) in the desktop's run folder, not in HOME, so HOME is the template and
+    nothing else."""
+    x = _x(desk.display)
+    run = os.path.join(desk.env.get("XDG_RUNTIME_DIR") or desk.tmp, "session")
+    own = replace(desk, env={**desk.env, "XDG_CONFIG_HOME": os.path.join(run, "config"),
+                             "XDG_CACHE_HOME": os.path.join(run, "cache")})
+    if desk.display not in _fresh_root:  # the first start: the X server as it came up
+        _fresh_root[desk.display] = root_properties(desk.display)
+    watch = watcher(desk)
+    watch.arm()
+    started = time.monotonic()
+    _wait(lambda: _wm_gone(x), "the last window manager's exit")
+    spawn(own, ["openbox"])
+    _wait(lambda: _wm_ready(x), "openbox")
+    spawn(own, ["tint2"])
     spawn(desk, ["pcmanfm", "--desktop"])
-    x, y = desktop_icons(desk.screen)["Terminal"]
+    px, py = desktop_icons(desk.screen)["Terminal"]
 
     def drawn():  # both sticky windows are up and the first icon's pixel is no longer background
-        titles = [t for _, ws, t in list_windows(desk) if ws == -1]
-        px = ImageGrab.grab(bbox=(x, y, x + 1, y + 1)).getpixel((0, 0))
-        return {"pcmanfm", "tint2"} <= set(titles) and "#%02x%02x%02x" % px[:3] != BG_COLOUR
+        if not {"pcmanfm", "tint2"} <= _sticky(x):
+            return False
+        pixel = ImageGrab.grab(bbox=(px, py, px + 1, py + 1), xdisplay=desk.display).getpixel((0, 0))
+        return "#%02x%02x%02x" % pixel[:3] != BG_COLOUR
     _wait(drawn, "the desktop icons")
+    watch.settle(started, first_change=0.0)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -177,38 +312,106 @@ def start_session(desk: Desktop) -> None:
 
 
 def remove_tree(path: str) -> None:
-    """rmtree that also removes what a task or the agent made read-only (chmod 000 folders)."""
-    def force(func, p, _exc):
+    """rmtree that also removes what a task or the agent made unreadable (chmod 000 folders): every
+    folder of the tree is opened up first, top-down, so the walk can enter it (root could anyway;
+    the user of a sandbox started by anyone else could not). Symlinks are never followed, and the
+    folder holding `path` is never touched (for a desktop's folder that is /tmp). Runs when no
+    process of the desktop is left to swap a folder for a link meanwhile (reset kills them first)."""
+    def open_up(p: str) -> None:
         with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(p), 0o755)
             if os.path.isdir(p) and not os.path.islink(p):
                 os.chmod(p, 0o755)
-            func(p)
-    shutil.rmtree(path, onerror=force)
+    open_up(path)
+    for top, dirs, _ in os.walk(path):
+        for d in dirs:
+            open_up(os.path.join(top, d))
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def restore_home(desk: Desktop) -> None:
-    """Empty HOME and copy the template into it. HOME itself stays: in the sandbox it is a mount
-    point (the one writable place), which cannot be removed."""
+    """Make HOME the template again, touching only what differs: every entry of the template with
+    its content, mode, mtime and symlink target, and nothing else. HOME itself stays (in the
+    sandbox it is a mount point, the one writable place, which cannot be removed)."""
     os.makedirs(desk.home, exist_ok=True)
     os.chmod(desk.home, 0o755)  # the agent may have locked itself out (chmod 000 ~)
-    for name in os.listdir(desk.home):
-        p = os.path.join(desk.home, name)
-        if os.path.isdir(p) and not os.path.islink(p):
-            remove_tree(p)
-        else:
-            os.unlink(p)
-    shutil.copytree(os.path.join(desk.tmp, "template"), desk.home, symlinks=True, dirs_exist_ok=True)
+    _sync(os.path.join(desk.tmp, "template"), desk.home)
+
+
+def _same(a: os.DirEntry, b: os.DirEntry) -> bool:
+    """Is HOME's entry `b` the template's `a` (a folder of the same kind counts: its insides are
+    synced on their own)? Contents are compared only when the sizes and mtimes agree."""
+    sa, sb = a.stat(follow_symlinks=False), b.stat(follow_symlinks=False)
+    if a.is_symlink() or b.is_symlink():
+        return a.is_symlink() and b.is_symlink() and os.readlink(a.path) == os.readlink(b.path)
+    if a.is_dir() or b.is_dir():
+        return a.is_dir() and b.is_dir()
+    if (sa.st_mode, sa.st_size, sa.st_mtime_ns) != (sb.st_mode, sb.st_size, sb.st_mtime_ns) or sb.st_nlink != 1:
+        return False  # (a second hard link would let an edit elsewhere change this file)
+    with open(a.path, "rb") as fa, open(b.path, "rb") as fb:
+        return fa.read() == fb.read()
+
+
+def _sync(src: str, dst: str) -> None:
+    """Make folder `dst` equal to the template folder `src` (see restore_home)."""
+    os.chmod(dst, 0o700)  # readable and writable while we work in it; its own mode comes last
+    want = {e.name: e for e in os.scandir(src)}
+    for e in os.scandir(dst):
+        if e.name not in want or not _same(want[e.name], e):
+            if e.is_dir(follow_symlinks=False):
+                remove_tree(e.path)
+            else:
+                os.unlink(e.path)
+    for name, e in want.items():
+        path = os.path.join(dst, name)
+        if e.is_symlink():
+            if not os.path.lexists(path):
+                os.symlink(os.readlink(e.path), path)
+        elif e.is_dir():
+            if not os.path.lexists(path):
+                os.mkdir(path)
+            _sync(e.path, path)
+        elif not os.path.lexists(path):
+            shutil.copy2(e.path, path)
+    shutil.copystat(src, dst)  # mode and mtime last: the changes above moved the mtime
+
+
+def reset_desktop(desk: Desktop) -> dict[str, float]:
+    """POST /reset of an --xvfb desktop: stop every program but Xvfb (the session too: a file
+    manager window, its clipboard and the icons' selection live in the desktop's process), make
+    HOME the template and the root window's properties what the fresh X server had, start the
+    session again. -> seconds per phase. A reset desktop looks exactly like a fresh one
+    (tests/test_vm_server.py checks the pixels and HOME's bytes)."""
+    t = [time.monotonic()]
+    kill_tree(keep={desk.xvfb.pid})
+    t.append(time.monotonic())
+    restore_home(desk)
+    t.append(time.monotonic())
+    _wait(lambda: _wm_gone(_x(desk.display)), "the last window manager's exit")  # its last requests are done
+    restore_root(desk.display, _fresh_root[desk.display])
+    t.append(time.monotonic())
+    start_session(desk)
+    t.append(time.monotonic())
+    return {k: round(b - a, 3) for k, a, b in zip(("kill", "home", "root", "session"), t, t[1:])}
 
 
 def make_tmp() -> str:
     """The desktop's folder: template/ (a fresh HOME), home/ (the HOME in use), run/
-    (XDG_RUNTIME_DIR). Made on the host, before the sandbox, which gets home/ and run/ writable."""
+    (XDG_RUNTIME_DIR), Xauthority (the display's cookie). Made on the host, before the sandbox,
+    which gets home/ and run/ writable and the rest read-only: the agent can read its display's
+    cookie but not change the one the server's own X clients (wmctrl, xdotool) read."""
     tmp = tempfile.mkdtemp(prefix="vm_server-")
     for rel, text in template_files().items():
         os.makedirs(os.path.dirname(os.path.join(tmp, "template", rel)), exist_ok=True)
         with open(os.path.join(tmp, "template", rel), "w") as f:
             f.write(text)
+    # Whatever our umask: the sandbox's user (not us, when we are root) reads the template and
+    # passes through the folder, but may not list it.
+    for top, dirs, files in os.walk(os.path.join(tmp, "template")):
+        os.chmod(top, 0o755)
+        for name in files:
+            os.chmod(os.path.join(top, name), 0o644)
+    os.chmod(tmp, 0o711)
+    write_xauthority(os.path.join(tmp, "Xauthority"))
     os.makedirs(os.path.join(tmp, "run"), mode=0o700)
     os.makedirs(os.path.join(tmp, "home"))
     return tmp
@@ -221,12 +424,15 @@ def local_desktop(screen: tuple[int, int], allow: frozenset, tmp: str | None = N
     if missing:
         sys.exit(f"vm_server: {', '.join(missing)} not installed; install the desktop with `bash setup.sh`.")
     tmp = tmp or make_tmp()
-    xvfb, display = start_xvfb(screen)
+    auth = os.path.join(tmp, "Xauthority")  # the display's cookie (make_tmp wrote it): only this desktop's clients get in
+    xvfb, display = start_xvfb(screen, auth)
     home = os.path.join(tmp, "home")
-    # Our own HOME and XDG dirs, and no session bus: parallel desktops must never share files,
-    # settings, or single-instance apps (a second mousepad would open in the first one's window).
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "DBUS_", "GTK_"))}
-    env.update(DISPLAY=display, HOME=home, XDG_CONFIG_HOME=f"{home}/.config",
+    # The apps' environment is built, not inherited: whatever else the server's caller had in its
+    # environment (API keys, cloud credentials, the token) must not reach a terminal the agent can
+    # `env` in. Our own HOME and XDG dirs, and no session bus: parallel desktops must never share
+    # files, settings, or single-instance apps (a second mousepad would open in the first one's window).
+    env = {k: v for k, v in os.environ.items() if k in ENV_KEEP and k != "HOME"}
+    env.update(DISPLAY=display, XAUTHORITY=auth, HOME=home, XDG_CONFIG_HOME=f"{home}/.config",
                XDG_DATA_HOME=f"{home}/.local/share", XDG_CACHE_HOME=f"{home}/.cache",
                XDG_RUNTIME_DIR=os.path.join(tmp, "run"), GSETTINGS_BACKEND="keyfile",
                NO_AT_BRIDGE="1", GTK_OVERLAY_SCROLLING="0", LANG="C.UTF-8", LC_ALL="C.UTF-8")
@@ -235,7 +441,7 @@ def local_desktop(screen: tuple[int, int], allow: frozenset, tmp: str | None = N
     # $HOME/.Xdefaults-<host>, visible files a task or an earlier episode could have written.
     # /dev/null/... can never exist; /dev/null reads as empty.
     env.update(XUSERFILESEARCHPATH=f"{os.devnull}/%N", XAPPLRESDIR=os.devnull, XENVIRONMENT=os.devnull)
-    os.environ["DISPLAY"] = display  # for pyautogui and ImageGrab in this process
+    os.environ.update(DISPLAY=display, XAUTHORITY=auth)  # for pyautogui and ImageGrab in this process
     desk = Desktop(screen, home, env, allow, xvfb, tmp, display)
     restore_home(desk)
     start_session(desk)
@@ -245,92 +451,173 @@ def local_desktop(screen: tuple[int, int], allow: frozenset, tmp: str | None = N
 # -------------------------------------------------------------------------------------------------
 # The sandbox: the desktop and its server inside bubblewrap
 
-SANDBOX_LINE = ("vm_server: sandbox: bubblewrap (host filesystem read-only, /root and /home hidden, private /tmp "
-                "and /dev, only this desktop's HOME writable, own PID namespace, an unprivileged user without "
-                "capabilities)")
+SANDBOX_LINE = ("vm_server: sandbox: bubblewrap (only the host's system folders, read-only; this desktop's HOME "
+                "the one writable place; private /tmp, /dev, PID, IPC and network namespaces, no route out; an "
+                "unprivileged user without capabilities, nobody when started as root)")
+# The part of the host's tree the desktop's apps need: programs, libraries, fonts, icons, /etc and
+# /var (font caches, the MIME database). The rest (/root, /home, /srv, /mnt, /opt, /run and its
+# sockets, data and project folders) is not there at all; what the server runs from is added.
+SYSTEM = ("/usr", "/etc", "/var", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+NOBODY = 65534  # the host user the desktop runs as when root starts the server
+# What of the caller's environment the sandbox and the desktop's apps get: no credentials, keys
+# or tokens a caller happened to export (the agent's terminal can print its environment).
+ENV_KEEP = frozenset({"PATH", "HOME", "SHELL", "TERM", "TZ", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE",
+                      "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "PYTHONDONTWRITEBYTECODE",
+                      "PYTHONUNBUFFERED"})
 
 
-HIDDEN = ("/root", "/home")  # the users' homes (keys, tokens, shell history): empty and read-only inside
-
-
-def bwrap_argv(bwrap: str, tmp: str, command: list[str]) -> list[str]:
+def bwrap_argv(bwrap: str, tmp: str, command: list[str], nested: bool = True) -> list[str]:
     """The bubblewrap command line that runs `command` confined to the desktop folder `tmp`.
 
-    Inside, everything runs as an unprivileged user of a user namespace of its own (`nobody`
-    when the server runs as root, else the same uid) with no capabilities: root inside could
-    otherwise write the host's sysctls and hostname, and xterm refuses to start as a root without
-    CAP_CHOWN. The network namespace is shared on purpose: the server's HTTP port must stay
-    reachable on loopback (and the host reaches the X display through its abstract socket, as the
-    tests do). The rest of the host stays readable, read-only, except the users' homes (HIDDEN)."""
-    home, run = os.path.join(tmp, "home"), os.path.join(tmp, "run")
-    uid, gid = (65534, 65534) if os.getuid() == 0 else (os.getuid(), os.getgid())
-    hidden = [d for d in HIDDEN if os.path.isdir(d)]
-    cmd = [bwrap, "--ro-bind", "/", "/",      # the host, read-only
-           "--dev", "/dev",                   # null, zero, random, tty, a private pts and shm; no disks
-           "--proc", "/proc",                 # the processes of our own PID namespace only
-           # bwrap covers these itself where it sees them writable; some kernels (gVisor) hide that
-           "--ro-bind-try", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
-           "--tmpfs", "/tmp"]                 # a private /tmp, gone with the sandbox
-    for d in hidden:
-        cmd += ["--tmpfs", d]
-    # What we run from stays visible if it lives under one of those (a checkout, a venv, pyenv).
-    needed = sorted(p for p in {os.path.dirname(os.path.abspath(__file__)), *sys.path, sys.prefix, sys.base_prefix}
-                    if os.path.isdir(p) and any(p.startswith(d + "/") for d in ["/tmp", *hidden]))
-    for i, path in enumerate(needed):
-        if not any(path.startswith(outer + "/") for outer in needed[:i]):  # a folder once, not its subfolders
-            cmd += ["--ro-bind", path, path]
-    cmd += ["--ro-bind", tmp, tmp,            # the template, read-only: a reset always restores a clean HOME
-            "--bind", home, home,             # the one writable place that outlives the sandbox
-            "--bind", run, run]               # XDG_RUNTIME_DIR
-    for d in hidden:                          # after the binds, which may need mount points in them
-        cmd += ["--remount-ro", d]
-    # --disable-userns (bubblewrap >= 0.8): no nested user namespace, whose root could mount things
-    nested = ["--disable-userns"] if "--disable-userns" in _bwrap_help(bwrap) else []
-    cmd += ["--unshare-user", *nested, "--uid", str(uid), "--gid", str(gid),
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-            "--die-with-parent",              # bwrap, and with it everything inside, dies with the launcher
-            "--cap-drop", "ALL",
-            "--chdir", home, "--setenv", "TMPDIR", "/tmp", "--setenv", "VM_SERVER_SANDBOX", tmp,
-            "--", *command]
+    Files: the host's SYSTEM folders read-only, what the server runs from (the Python prefix and
+    search path, and the project's top-level .py files, but not its tasks/ or runs/), a private
+    /tmp and /var/tmp, and the desktop folder, whose HOME and run/ (XDG_RUNTIME_DIR) are the only
+    writable places. The folder holding every desktop's folder is an empty tmpfs: no desktop sees
+    another's HOME or X cookie.
+    Network: a namespace of its own, with only a loopback of its own. No route to the host's
+    loopback services, to another desktop's server or X display (an X server's abstract socket
+    lives in its network namespace), or out. The server still serves on the host's loopback: the
+    launcher binds the port outside and hands the socket in, and a socket keeps the namespace it
+    was made in (no proxy, no extra hop).
+    User: started by root, root's bubblewrap makes the sandbox and `setpriv` runs everything in it
+    as the host's user nobody, without groups or capabilities, so file permissions keep root's
+    files (/etc/shadow) from it as from any unprivileged user. (bwrap's own --uid would map nobody
+    inside to root outside.) `nested` adds an unprivileged bwrap inside whose --disable-userns
+    keeps the agent from making user namespaces of its own. Started by another user, one
+    unprivileged bwrap runs everything as that same user."""
+    home, run, parent = os.path.join(tmp, "home"), os.path.join(tmp, "run"), os.path.dirname(tmp)
+    cmd = [bwrap]
+    for p in SYSTEM:
+        if os.path.islink(p):  # merged /usr: /bin -> usr/bin
+            cmd += ["--symlink", os.readlink(p), p]
+        elif os.path.isdir(p):
+            cmd += ["--ro-bind", p, p]
+    cmd += ["--ro-bind", "/sys", "/sys",
+            "--dev", "/dev",     # null, zero, random, tty, a private pts and shm; no disks
+            "--proc", "/proc"]   # the processes of our own PID namespace only
+    empty = ["/tmp"] + (["/var/tmp"] if os.path.isdir("/var/tmp") and not os.path.islink("/var/tmp") else [])
+    for d in empty:  # private, gone with the sandbox
+        cmd += ["--perms", "1777", "--tmpfs", d]
+    made = set(empty)
+
+    def visible(path: str) -> bool:  # already there: inside a SYSTEM folder, not under a fresh tmpfs
+        return any(path == d or path.startswith(d + "/") for d in SYSTEM) and \
+            not any(path == d or path.startswith(d + "/") for d in made)
+
+    def mount_point(path: str) -> list[str]:  # the folders above `path`, made traversable (bwrap's own are 0700)
+        out, above = [], []
+        while (path := os.path.dirname(path)) != "/":
+            above.append(path)
+        for d in reversed(above):
+            if d not in made and not visible(d):
+                out += ["--perms", "0755", "--dir", d]
+                made.add(d)
+        return out
+    if parent not in made:  # the other desktops' folders beside ours
+        cmd += mount_point(parent) + ["--tmpfs", parent]
+        made.add(parent)
+    here = os.path.dirname(os.path.abspath(__file__))
+    runs_from = sorted(p for p in {sys.prefix, sys.base_prefix, *sys.path} if os.path.isabs(p) and os.path.isdir(p)
+                       and not (here == p or here.startswith(p + "/")))  # never the project folder itself
+    files = sorted(os.path.join(here, f) for f in os.listdir(here) if f.endswith(".py"))
+    bound: list[str] = []
+    for path in runs_from + files:
+        if not visible(path) and not any(path == b or path.startswith(b + "/") for b in bound):
+            cmd += mount_point(path) + ["--ro-bind", path, path]
+            bound.append(path)
+    cmd += mount_point(tmp) + ["--ro-bind", tmp, tmp,  # the template, read-only: a reset always restores a clean HOME
+                               "--bind", home, home,   # the one writable place that outlives the sandbox
+                               "--bind", run, run,     # XDG_RUNTIME_DIR, and the display's cookie
+                               "--remount-ro", "/"]    # bwrap's root, where the mount points were made
+    cmd += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            # No --new-session: the server stays in the launcher's process group, so signalling the
+            # group freezes or stops the whole desktop. Nothing the agent can reach holds the
+            # launcher's terminal (the apps get /dev/null and sessions of their own; the server's
+            # descriptors are out of reach, it is not dumpable).
+            "--die-with-parent",   # bwrap, and with it everything inside, dies with the launcher
+            "--chdir", home, "--setenv", "TMPDIR", "/tmp", "--setenv", "VM_SERVER_SANDBOX", tmp]
+    # bwrap covers these itself where it sees them writable; some kernels (gVisor) hide that
+    sysctl = ["--ro-bind-try", "/proc/sys", "/proc/sys", "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger"]
+    # --disable-userns (bubblewrap >= 0.8): no user namespace of the agent's, whose root could mount things
+    no_userns = ["--disable-userns"] if "--disable-userns" in _bwrap_help(bwrap) else []
+    if os.getuid() == 0:
+        inner = [bwrap, "--dev-bind", "/", "/", *sysctl, "--unshare-user", *no_userns, "--uid", str(NOBODY),
+                 "--gid", str(NOBODY), "--cap-drop", "ALL", "--chdir", home, "--"] if nested and no_userns else []
+        cmd += ([] if inner else sysctl) + [
+            "--", "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--", *inner, *command]
+    else:
+        cmd += [*sysctl, "--unshare-user", *no_userns, "--uid", str(os.getuid()), "--gid", str(os.getgid()),
+                "--cap-drop", "ALL", "--", *command]
     return cmd
 
 
+@functools.lru_cache(maxsize=None)
 def _bwrap_help(bwrap: str) -> str:
     return subprocess.run([bwrap, "--help"], capture_output=True, text=True).stdout
 
 
-def sandbox(argv: list[str]) -> int:
-    """`vm_server.py --xvfb` outside the sandbox: make the desktop's folder, run this same server
-    with the same arguments inside bubblewrap, wait for it, then remove the folder. SIGTERM, SIGHUP
-    and Ctrl-C end the sandbox (bwrap's --die-with-parent and the PID namespace take every process
-    in it); a kill -9 of this launcher does too (only the folder is then left)."""
+def sandbox(argv: list[str], sock: socket.socket, token: str | None) -> int:
+    """`vm_server.py --xvfb` outside the sandbox: make the desktop's folder, run the server with
+    `argv` inside bubblewrap, wait for it, then remove the folder. The server gets the listening
+    socket `sock` (bound here, on the host's network) and the token through a pipe, so the token
+    is in no argv or environment a process of the desktop could read. SIGTERM, SIGHUP and Ctrl-C
+    end the sandbox (bwrap's --die-with-parent and the PID namespace take every process in it); a
+    kill -9 of this launcher does too (only the folder is then left)."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         sys.exit("vm_server: --xvfb runs each desktop inside a bubblewrap sandbox and `bwrap` is not installed; "
                  "install it (`apt-get install bubblewrap`, part of `bash setup.sh`), or pass --no-sandbox to "
                  "run the desktop unconfined.")
-    tmp = make_tmp()
-    probe = subprocess.run(bwrap_argv(bwrap, tmp, ["true"]), capture_output=True, text=True)
-    if probe.returncode != 0:
-        remove_tree(tmp)
-        why = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
-        sys.exit(f"vm_server: bubblewrap cannot make a sandbox on this machine ({why}); pass --no-sandbox to "
-                 f"run the desktop unconfined.")
-    print(SANDBOX_LINE, file=sys.stderr, flush=True)
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vm_server.py")
-    proc = subprocess.Popen(bwrap_argv(bwrap, tmp, [sys.executable, script, *argv]), stdin=subprocess.DEVNULL)
+    root = os.getuid() == 0
+    if root and shutil.which("setpriv") is None:
+        sys.exit("vm_server: started as root, the sandbox runs the desktop as the user nobody through `setpriv`, "
+                 "which is not installed; install util-linux, or pass --no-sandbox to run the desktop unconfined.")
+    tmp, fds = make_tmp(), []
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        return 130
+        if root:  # the sandbox's user writes HOME and XDG_RUNTIME_DIR, and reads the cookie
+            for d in ("home", "run", "Xauthority"):
+                os.chown(os.path.join(tmp, d), NOBODY, NOBODY)
+        # Without the inner user namespace where the machine forbids unprivileged ones (then the
+        # agent cannot make one either).
+        for nested in ((True, False) if root else (False,)):
+            probe = subprocess.run(bwrap_argv(bwrap, tmp, ["true"], nested), capture_output=True, text=True)
+            if probe.returncode == 0:
+                break
+        else:
+            why = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+            sys.exit(f"vm_server: bubblewrap cannot make a sandbox on this machine ({why}); pass --no-sandbox to "
+                     f"run the desktop unconfined.")
+        print(SANDBOX_LINE, file=sys.stderr, flush=True)
+        extra, fds = ["--listen-fd", str(sock.fileno())], [sock.fileno()]
+        if token:  # a pipe holds it until the server reads it (it is far below a pipe's buffer)
+            r, w = os.pipe()
+            os.write(w, token.encode())
+            os.close(w)
+            extra, fds = extra + ["--token-fd", str(r)], fds + [r]
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vm_server.py")
+        proc = subprocess.Popen(bwrap_argv(bwrap, tmp, [sys.executable, script, *argv, *extra], nested),
+                                stdin=subprocess.DEVNULL, pass_fds=fds,
+                                env={k: v for k, v in os.environ.items() if k in ENV_KEEP})
+        for fd in fds[1:]:
+            os.close(fd)
+        sock.close()  # the server inside holds it now
+        fds = []
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            inside = descendants(proc.pid)
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
+            deadline = time.time() + 5  # the PID namespace's processes die a moment after bwrap
+            while any(map(_alive, inside)) and time.time() < deadline:
+                time.sleep(0.05)
     finally:
-        inside = descendants(proc.pid)
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait()
-        deadline = time.time() + 5  # the PID namespace's processes die a moment after bwrap
-        while any(map(_alive, inside)) and time.time() < deadline:
-            time.sleep(0.05)
+        for fd in fds[1:]:
+            os.close(fd)
         remove_tree(tmp)
 
 

@@ -8,6 +8,7 @@
     rank, world = dist.init()          # reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK
     dist.all_sum([loss, tokens])       # the same floats summed over ranks ([loss, tokens] itself at world 1)
     dist.gather(obj)                   # [obj of rank 0, obj of rank 1, ...] on every rank
+    dist.cat(rewards)                  # every rank's tensor in rank order, and this rank's slice of it
     dist.sync_grads(params)            # data parallel: every rank's gradients summed, on every rank
     dist.fsdp(model)                   # FSDP2 (fully_shard) over the decoder layers and vision blocks
 
@@ -75,6 +76,14 @@ def gather(obj) -> list:
     out = [None] * size()
     td.all_gather_object(out, obj)
     return out
+
+
+def cat(t: torch.Tensor) -> tuple[torch.Tensor, slice]:
+    """Every rank's `t` (N_r, ...) concatenated in rank order, on every rank, and the slice of it
+    that is this rank's own (one process: `t` itself, and all of it)."""
+    parts = gather(t.cpu())
+    start = sum(len(p) for p in parts[:rank()])
+    return torch.cat(parts), slice(start, start + len(t))  # (N_all, ...)
 
 
 def broadcast(obj):

@@ -1,8 +1,9 @@
 """env.py: the trainer's side of the desktops.
 
 What is here, top to bottom:
-  1. `VMClient` (one desktop over HTTP) and `VMPool` (N desktops in lockstep, thread fan-out with a
-     deadline, so one dead or frozen VM never stalls or kills a run).
+  1. `VMClient` (one desktop over HTTP) and `VMPool` (N desktops: one call on all of them at once,
+     a thread fan-out with a deadline, so one dead or frozen VM never stalls or kills a run; or one
+     VM at a time from its own thread, `call` and `revive`, as rollout.py steps them).
   2. `launch_local_vms`: N local Xvfb desktops (`vm_server.py --xvfb`) as subprocesses.
   3. `Task` + `load_tasks`: ARPO's task files (tasks/*.json).
 
@@ -27,16 +28,18 @@ import atexit
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -45,6 +48,7 @@ import requests
 from PIL import Image
 
 from actions import Action
+from vm_rules import vm_token
 from vm_tasks import CHECK_FIELDS, STEP_FIELDS
 
 # ------------------------------------------------------------------------------------------------
@@ -105,9 +109,7 @@ class VMClient:
         for attempt in range(2):
             r = self._call("GET", "/screenshot" + query, retries=2, timeout=timeout)
             try:
-                img = Image.open(BytesIO(r.content))
-                img.load()  # decode now, so a truncated body fails here and is fetched again
-                return img if img.mode == "RGB" else img.convert("RGB")
+                return _decode(r.content)  # a truncated body fails here and is fetched again
             except Exception as e:  # noqa: BLE001 -- PIL raises several types for a bad image
                 err = VMError(f"{self.url}/screenshot returned an image that does not decode ({e}).")
         raise err
@@ -116,9 +118,29 @@ class VMClient:
         """The desktop's application windows, [{"id": X window id, "title": str}], oldest first."""
         return self._call("GET", "/windows", retries=2, timeout=timeout).json()["windows"]
 
-    def act(self, action: Action | dict, timeout: float | None = None) -> dict:
+    def act(self, action: Action | dict, settle: str | float | None = None, screenshot: str | bool = False,
+            timeout: float | None = None, quality: int = 90) -> dict | ActResult:
+        """Run one action. `settle`: None answers as soon as it ran; "watch" once the desktop has
+        settled (the server watches it: vm_server.py, settle.py); a number sleeps that many seconds
+        there (0-10, the papers' fixed settle). `screenshot` "png"/"jpeg": answer with the settled
+        screen in the same round trip -> ActResult(image, settle); else -> {"ok": True, "settle":
+        {...}}. The settle dict: seconds waited, until ("quiet", "nochange", "cap", "fixed",
+        "none"), first_change (seconds from the action's start, or None)."""
         body = action.to_dict() if isinstance(action, Action) else action
-        return self._call("POST", "/action", body, timeout=timeout).json()
+        if isinstance(settle, str) and settle != "watch":
+            raise ValueError(f"settle must be None, 'watch' or seconds, got {settle!r}.")
+        screenshot = "png" if screenshot is True else screenshot
+        query = {"settle": settle if settle in (None, "watch") else f"{float(settle):.3f}",
+                 "screenshot": screenshot or None, "quality": quality if screenshot in ("jpeg", "jpg") else None}
+        query = "&".join(f"{k}={v}" for k, v in query.items() if v is not None)
+        r = self._call("POST", "/action" + ("?" + query if query else ""), body, timeout=timeout)
+        if not screenshot:
+            return r.json()
+        info = json.loads(r.headers.get("X-Settle", "{}"))
+        try:
+            return ActResult(_decode(r.content), info)
+        except Exception:  # noqa: BLE001 -- a body cut short; the action must not run twice, the screen can be read again
+            return ActResult(self.screenshot(screenshot, quality, timeout=timeout), info)
 
     def reset(self, timeout: float | None = None) -> dict:
         return self._call("POST", "/reset", {}, retries=1, timeout=timeout).json()
@@ -133,6 +155,19 @@ class VMClient:
 
 
 @dataclass
+class ActResult:
+    """What VMClient.act(..., screenshot=...) answers: the settled screen and how it settled."""
+    image: Image.Image   # RGB
+    settle: dict         # {"seconds", "until", "first_change"}, the server's X-Settle header
+
+
+def _decode(data: bytes) -> Image.Image:
+    img = Image.open(BytesIO(data))
+    img.load()  # decode now, so a truncated body fails here
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+@dataclass
 class VMResult:
     ok: bool
     value: Any = None
@@ -143,14 +178,18 @@ _CALLS = ("health", "screenshot", "windows", "act", "reset", "setup", "evaluate"
 
 
 class VMPool:
-    """N desktops driven in lockstep. `vms`: an int (launch that many local Xvfb desktops), or URLs
-    of running vm_server.py instances (a list or one comma-separated string) -- what `--vms` takes.
+    """N desktops. `vms`: an int (launch that many local Xvfb desktops), or URLs of running
+    vm_server.py instances (a list or one comma-separated string) -- what `--vms` takes.
 
-    Every call fans out in threads and returns one VMResult per VM, in order, within `timeout`
-    seconds, whatever the VMs do: a VM that errors gives ok=False with the error; one that does not
-    answer in time is marked down (`alive[i]` False) and skipped (an immediate error) until
-    `reset()`, which restarts dead local desktops and re-checks remote ones. The pool is driven from
-    one thread (the trainer); the threads inside are its own."""
+    `map` (and screenshots, act, reset, ...) fans one call out to every VM in threads and returns
+    one VMResult per VM, in order, within `timeout` seconds, whatever the VMs do: a VM that errors
+    gives ok=False with the error; one that does not answer in time is marked down (`alive[i]`
+    False) and skipped (an immediate error) until `reset()`, which restarts dead local desktops and
+    re-checks remote ones. Those are driven from one thread (the trainer's). The trainers' rollouts
+    drive each VM from a thread of its own instead (rollout.py): `call(i, ...)` one request,
+    `revive(i)` a health check and, for a local desktop, a restart of that one alone. `token` is the
+    secret each VM's own token is derived from (vm_rules.vm_token; `python vm_server.py --token-for
+    URL` prints a remote VM's); local desktops without one get random tokens."""
 
     def __init__(self, vms: int | str | list[str], token: str | None = None, timeout: float = 30,
                  screen: tuple[int, int] = (1280, 720)):
@@ -160,17 +199,21 @@ class VMPool:
             vms = [u.strip() for u in vms.split(",") if u.strip()]
         self.timeout, self.screen = timeout, tuple(screen)
         self.local: list[LocalVM] | None = None
+        # Every VM has a token of its own: a local desktop a random one (or, given a secret, the
+        # one derived from it), a remote VM the one derived from the secret and its URL (see
+        # vm_rules.vm_token), so a token read inside one VM opens no other.
+        self._secret = token
         if isinstance(vms, int):
             if vms < 1:
                 raise ValueError(f"--vms must be at least 1, got {vms}.")
-            token = token or _new_token()  # local desktops always get a token: other users share loopback
             self.local = launch_local_vms(vms, screen=self.screen, token=token)
-            vms = [vm.url for vm in self.local]
+            vms, tokens = [vm.url for vm in self.local], [vm.token for vm in self.local]
+        else:
+            tokens = [vm_token(token, u) if token else None for u in vms]
         if not vms:
             raise ValueError("no VMs given: pass a number of local desktops or a list of URLs.")
-        self.token = token
         self.urls = list(vms)
-        self.clients = [VMClient(u, token, timeout) for u in self.urls]
+        self.clients = [VMClient(u, t, timeout) for u, t in zip(self.urls, tokens)]
         self.alive = [True] * len(self.urls)
         self.why_down: list[str | None] = [None] * len(self.urls)
         # The call still running on each VM. A VM whose last call outlived its deadline gets no new
@@ -180,6 +223,11 @@ class VMPool:
         self._generation = [0] * len(self.urls)  # bumped on restart: late results of the old VM are ignored
         # 2 workers per VM: after a restart the old VM's stuck thread may still hold one.
         self._executor = ThreadPoolExecutor(max_workers=2 * len(self.urls), thread_name_prefix="vmpool")
+        # One lock per VM for revive(): the rollout stepper drives each VM from a thread of its own.
+        self._locks = [threading.Lock() for _ in self.urls]
+        # A /reset started when VM i's episode ended (reset_ahead), for its next episode to take:
+        # (the VM's generation then, the Future), or None.
+        self._ahead: list[Any] = [None] * len(self.urls)
 
     @property
     def size(self) -> int:
@@ -188,6 +236,83 @@ class VMPool:
     def _mark_down(self, i: int, gen: int, why: str) -> None:
         if self._generation[i] == gen:
             self.alive[i], self.why_down[i] = False, why
+
+    def mark_down(self, i: int, why: str) -> None:
+        """VM i is out until revive(i) or reset() (the rollout stepper's watchdog gave up on it)."""
+        self._mark_down(i, self._generation[i], why)
+
+    # -- One VM at a time, from that VM's own thread (rollout.py): call, revive
+
+    def call(self, i: int, fn_name: str, *args, **kwargs):
+        """VMClient.<fn_name>(*args, **kwargs) on VM i -> its answer; raises VMError. An answer that
+        never came (unreachable, silent: status None) or any other client-side failure marks the VM
+        down, as map() does; an HTTP error status leaves it up (the request, or the VM's own
+        program, failed: revive() tells which). Calls on different VMs may run in parallel."""
+        if fn_name not in _CALLS:
+            raise ValueError(f"VMPool.call: unknown call {fn_name!r}; one of {list(_CALLS)}.")
+        gen, client = self._generation[i], self.clients[i]
+        try:
+            return getattr(client, fn_name)(*args, **kwargs)
+        except VMError as e:
+            if e.status is None:
+                self._mark_down(i, gen, str(e))
+            raise
+        except Exception as e:  # noqa: BLE001 -- a garbled answer: the VM's fault, in its own words
+            why = f"{self.urls[i]}: {type(e).__name__}: {e}"
+            self._mark_down(i, gen, why)
+            raise VMError(why) from None
+
+    def reset_ahead(self, i: int) -> None:
+        """Start VM i's POST /reset now, in the background, for the next episode on it, which begins
+        with one (rollout.Desktop.reset takes it, waiting only for what is left of it). A desktop
+        whose episode ended is then reset while the learner updates and the other desktops play,
+        instead of at the start of the next iteration, when the learner has nothing to do. Call it
+        only where the desktop's next use is a reset: nothing else may touch the desktop meanwhile."""
+        self._ahead[i] = (self._generation[i], self._executor.submit(self.call, i, "reset"))
+
+    def take_ahead(self, i: int):
+        """VM i's pending reset_ahead (a Future of its /reset answer), or None: none was started, or
+        the VM was restarted since (the new desktop is fresh anyway)."""
+        ahead, self._ahead[i] = self._ahead[i], None
+        return ahead[1] if ahead is not None and ahead[0] == self._generation[i] else None
+
+    def revive(self, i: int) -> bool:
+        """Make VM i fit for a new episode, from its own thread: True if it answers /health (a local
+        desktop also needs its process running and not to have been marked down), else a local
+        desktop is restarted (only this one; the others go on) and a remote one stays down.
+        Thread-safe: one revive per VM at a time."""
+        with self._locks[i]:
+            local = self.local[i] if self.local is not None else None
+            if self.alive[i] and (local is None or local.proc.poll() is None):
+                try:
+                    self.clients[i].health(timeout=min(10.0, self.timeout))
+                    return True
+                except VMError as e:
+                    self._mark_down(i, self._generation[i], str(e))
+            elif local is None:  # a remote VM that was down: back if it answers now
+                try:
+                    self.clients[i].health(timeout=min(10.0, self.timeout))
+                    self.alive[i], self.why_down[i] = True, None
+                    return True
+                except VMError as e:
+                    self.why_down[i] = str(e)
+            if local is None:
+                return False
+            stop_vms([local])
+            try:
+                (vm,) = launch_local_vms(1, screen=self.screen, token=self._secret)
+            except Exception as e:  # noqa: BLE001 -- the slot stays down, the run goes on without it
+                self._mark_down(i, self._generation[i], f"restart failed: {e}")
+                return False
+            self._install(i, vm)
+            return True
+
+    def _install(self, i: int, vm: LocalVM) -> None:
+        """A freshly started local desktop takes slot i; late results of the old one are ignored."""
+        self._generation[i] += 1
+        self.local[i], self.urls[i] = vm, vm.url
+        self.clients[i] = VMClient(vm.url, vm.token, self.timeout)
+        self._inflight[i], self.alive[i], self.why_down[i] = None, True, None
 
     def _run(self, i: int, gen: int, fn_name: str, args: tuple, timeout: float) -> VMResult:
         try:
@@ -261,16 +386,13 @@ class VMPool:
         if self.local is not None and bad:
             stop_vms([self.local[i] for i in bad])
             try:
-                fresh = launch_local_vms(len(bad), screen=self.screen, token=self.token)
+                fresh = launch_local_vms(len(bad), screen=self.screen, token=self._secret)
             except Exception as e:  # noqa: BLE001 -- reset never raises: the slots stay down
                 for i in bad:
                     self._mark_down(i, self._generation[i], f"restart failed: {e}")
                 fresh = []
             for i, vm in zip(bad, fresh):
-                self._generation[i] += 1
-                self.local[i], self.urls[i] = vm, vm.url
-                self.clients[i] = VMClient(vm.url, self.token, self.timeout)
-                self._inflight[i], self.alive[i], self.why_down[i] = None, True, None
+                self._install(i, vm)
         return self.map("reset", timeout=timeout)
 
     def close(self) -> None:
@@ -295,7 +417,7 @@ class LocalVM:
     url: str
     proc: subprocess.Popen
     log: str           # the server's stdout + stderr (deleted when it is stopped)
-    token: str | None = None
+    token: str | None = None  # its own bearer token (held here, by the trainer, only)
 
     def stop(self, keep_log: bool = False) -> None:
         stop_vms([self], keep_log)
@@ -352,24 +474,6 @@ def _remove_orphan_tmp(vm: LocalVM) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _new_token() -> str:
-    import secrets
-    return secrets.token_urlsafe(16)
-
-
-def _free_ports(n: int) -> list[int]:
-    # Hold all n sockets open until we have them, so the n ports are distinct. Another process may
-    # still take one before the server binds it; launch_local_vms retries such a VM once.
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _log_tail(path: str, n: int = 600) -> str:
     try:
         return Path(path).read_text(errors="replace")[-n:].strip()
@@ -380,44 +484,52 @@ def _log_tail(path: str, n: int = 600) -> str:
 def launch_local_vms(n: int, screen: tuple[int, int] = (1280, 720), token: str | None = None,
                      timeout: float = 90) -> list[LocalVM]:
     """Start n local desktops (`vm_server.py --xvfb`, each with its own display, HOME and port)
-    and wait until all answer /health. They start in parallel: 8 take about as long as one."""
+    and wait until all answer /health. They start in parallel: 8 take about as long as one.
+
+    Each gets a token of its own (`LocalVM.token`): a random one, or with `token` (a secret) the
+    one vm_rules.vm_token derives from it and the desktop's URL, as for remote VMs. We bind each
+    port here and hand the socket over (--listen-fd), so no other process can take the port
+    before the server starts, and the token travels through a pipe (--token-fd): it is in no argv
+    and no environment, where `ps` or a process on the desktop could read it."""
     if shutil.which("Xvfb") is None:
         raise VMError("Xvfb is not installed, so no local desktop can start; run `bash setup.sh`.")
     server = Path(__file__).resolve().with_name("vm_server.py")
 
-    def start(port: int) -> LocalVM:
-        log = tempfile.NamedTemporaryFile(prefix=f"vm_server-{port}-", suffix=".log", delete=False)
-        cmd = [sys.executable, str(server), "--xvfb", "--host", "127.0.0.1", "--port", str(port),
+    def start() -> LocalVM:
+        sock = socket.create_server(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        tok = vm_token(token, url) if token else secrets.token_urlsafe(16)
+        r, w = os.pipe()
+        os.write(w, tok.encode())  # far below a pipe's buffer: the server reads it when it starts
+        os.close(w)
+        log = tempfile.NamedTemporaryFile(prefix=f"vm_server-{url.rsplit(':', 1)[1]}-", suffix=".log", delete=False)
+        cmd = [sys.executable, str(server), "--xvfb", "--listen-fd", str(sock.fileno()), "--token-fd", str(r),
                "--screen", f"{screen[0]}x{screen[1]}"]
-        # The token travels in the environment, not argv, so `ps` does not show it. VM_SERVER_PARENT:
-        # the server exits when we do, even when we are SIGKILLed and atexit never runs.
-        env = dict(os.environ, VM_TOKEN=token or "", VM_SERVER_PARENT=str(os.getpid()))
-        # start_new_session: the server leads its own process group, so stop() reaches its Xvfb,
-        # window manager and apps too, and a Ctrl-C in our terminal does not hit them first.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
-        log.close()
-        vm = LocalVM(f"http://127.0.0.1:{port}", proc, log.name, token)
+        # VM_SERVER_PARENT: the server exits when we do, even when we are SIGKILLed and atexit never runs.
+        env = {k: v for k, v in os.environ.items() if k != "VM_TOKEN"} | {"VM_SERVER_PARENT": str(os.getpid())}
+        try:
+            # start_new_session: the server leads its own process group, so stop() reaches its Xvfb,
+            # window manager and apps too, and a Ctrl-C in our terminal does not hit them first.
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True, pass_fds=(sock.fileno(), r))
+        finally:
+            os.close(r)
+            sock.close()  # the server holds the socket now
+            log.close()
+        vm = LocalVM(url, proc, log.name, tok)
         _LAUNCHED.append(vm)
         return vm
 
-    vms = [start(p) for p in _free_ports(n)]
-    retried: set[int] = set()
-    pending = set(range(n))
-    deadline = time.monotonic() + timeout
-    probe = [VMClient(vm.url, token, timeout=2) for vm in vms]
+    vms: list[LocalVM] = []
     try:
+        vms = [start() for _ in range(n)]
+        pending, deadline = set(range(n)), time.monotonic() + timeout
+        probe = [VMClient(vm.url, vm.token, timeout=2) for vm in vms]
         while pending:
             for i in sorted(pending):
                 if vms[i].proc.poll() is not None:
-                    if i in retried:  # it died twice: not a port race, a real problem
-                        raise VMError(f"local desktop {vms[i].url} exited with code {vms[i].proc.returncode}: "
-                                      f"{_log_tail(vms[i].log)} (full log: {vms[i].log}).")
-                    retried.add(i)  # most likely its port was taken meanwhile: once more on a new port
-                    stop_vms([vms[i]], keep_log=True)
-                    vms[i] = start(_free_ports(1)[0])
-                    probe[i] = VMClient(vms[i].url, token, timeout=2)
-                    continue
+                    raise VMError(f"local desktop {vms[i].url} exited with code {vms[i].proc.returncode}: "
+                                  f"{_log_tail(vms[i].log)} (full log: {vms[i].log}).")
                 try:
                     probe[i].health()
                     pending.discard(i)
@@ -443,6 +555,11 @@ class TaskError(ValueError):
 
 @dataclass
 class Task:
+    """One task file (tasks/README.md has the format). `solution` is its scripted solution, Action
+    dicts in screen pixels, replayed by `python tasks/prove.py` and tests/test_tasks.py to prove the
+    task solvable. The trainers never show it to a model: a prompt is built from `instruction` and
+    the screenshots alone (chat.uitars_messages takes the instruction string), and a trajectory file
+    records the task's id and instruction only (tests/test_tasks.py checks both)."""
     id: str
     instruction: str
     setup: list[dict]
@@ -450,12 +567,16 @@ class Task:
     max_steps: int = 15
     infeasible: bool = False
     apps: tuple[str, ...] = ()
+    solution: list[dict] = field(default_factory=list)
 
 
 # A task file is checked against the server's own schema of steps and checks (vm_tasks.STEP_FIELDS,
 # CHECK_FIELDS), so a typo fails when the tasks load, not in the middle of a run.
+# `notes` is free text for the people who read the file (why the solution does what it does); nothing
+# loads it.
 _TASK = {"id": (str, True), "instruction": (str, True), "apps": (list, False), "setup": (list, False),
-         "evaluator": (dict, True), "max_steps": (int, False), "infeasible": (bool, False)}
+         "evaluator": (dict, True), "max_steps": (int, False), "infeasible": (bool, False),
+         "solution": (list, False), "notes": (str, False)}
 
 
 def _check_fields(item: dict, fields_: dict, where: str, fail) -> None:
@@ -515,8 +636,19 @@ def _task_from_dict(d: Any, where: str) -> Task:
         fail("evaluator.checks", "must hold 1 to 64 checks (only an infeasible task may have none)")
     for j, check in enumerate(ev["checks"]):
         _check_entry(check, CHECK_FIELDS, f"evaluator.checks[{j}]", fail)
+    solution = []
+    for j, a in enumerate(d.get("solution", [])):  # the server's own action schema (actions.py)
+        try:
+            solution.append(Action.from_dict(a).to_dict())
+        except ValueError as e:
+            fail(f"solution[{j}]", f"is not a valid action ({str(e).rstrip('.')})")
+        # `done` and `fail` end an episode: whatever came after them could never be played
+        if a["type"] in ("done", "fail") and j < len(d["solution"]) - 1:
+            fail(f"solution[{j}]", f"ends the episode ('{a['type']}') before the last action")
+    if len(solution) > d.get("max_steps", 15):
+        fail("solution", f"has {len(solution)} actions, more than max_steps ({d.get('max_steps', 15)}) allows")
     return Task(d["id"], d["instruction"], setup, {"conj": ev.get("conj", "and"), "checks": ev["checks"]},
-                d.get("max_steps", 15), infeasible, tuple(d.get("apps", [])))
+                d.get("max_steps", 15), infeasible, tuple(d.get("apps", [])), solution)
 
 
 def load_tasks(path: str | os.PathLike) -> list[Task]:

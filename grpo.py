@@ -52,13 +52,20 @@ import qwen_vl  # the image tensors and forward inputs of the model family
 # Advantages
 
 
-def group_advantages(rewards, group_ids=None, eps: float = 1e-6) -> torch.Tensor:
-    """(r - mean_g) / (std_g + eps) within each group; returns (N,) float32.
+def group_advantages(rewards, group_ids=None, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """The advantage both trainers use: each reward against its group's. Returns (N,) float32.
 
+        scale=True  (GRPO):     A = (r - mean_g) / (std_g + eps)
+        scale=False (Dr. GRPO): A =  r - mean_g
+
+    Dr. GRPO (arXiv 2503.20783) drops the division by the group's std: it weighs a group whose
+    rewards barely differ (a question too easy or too hard) as much as one that splits, a bias
+    towards those groups; without it, advantages keep the rewards' scale. Both trainers take the
+    choice as --scale-rewards / --no-scale-rewards (TRL's name for it).
     group_ids: one id per reward (int or str; a list, tensor or numpy array), or None for one group
     (ScreenExplorer normalises every step of the rollout buffer together). torch.std is the
     unbiased one (divides by n - 1). A group of one, or one where every reward is equal, gets
-    advantage 0: it carries no signal.
+    advantage 0 either way: it carries no signal (train_arpo.py calls such groups flat).
     """
     r = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)  # (N,)
     ids = [0] * len(r) if group_ids is None else list(group_ids)
@@ -78,7 +85,9 @@ def group_advantages(rewards, group_ids=None, eps: float = 1e-6) -> torch.Tensor
         # (r - mean) / (0 + 1e-6) would then blow a rounding error up into a large advantage.
         if len(idx) < 2 or bool((g == g[0]).all()):
             continue
-        adv[idx] = (g - g.mean()) / (g.std() + eps)  # ALGO: GRPO group-relative advantage, (G,)
+        adv[idx] = g - g.mean()  # ALGO: group-relative advantage (Dr. GRPO stops here), (G,)
+        if scale:
+            adv[idx] = adv[idx] / (g.std() + eps)  # ALGO: GRPO divides by the group's std, (G,)
     return adv
 
 
@@ -284,12 +293,12 @@ def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float
 
     per token: -min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A)
                + beta * (exp(ref - logps) - (ref - logps) - 1),        ratio = exp(logps - old_logps)
-    dual_clip = c > 1 (dual-clip PPO, arXiv 1912.09729; ARPO: 3.0; None = off, the DESIGN.md
-    contract): where A < 0 the policy-gradient part is min(that, -c * A), i.e. -max(min(ratio * A,
+    dual_clip = c > 1 (dual-clip PPO, arXiv 1912.09729; ARPO: 3.0; None = off, the default of
+    this function): where A < 0 the policy-gradient part is min(that, -c * A), i.e. -max(min(ratio * A,
     clip(ratio) * A), c * A), so a token whose ratio ran far above 1 on a bad action cannot make
     the loss (and its gradient) unbounded; those tokens get zero gradient, as in verl's
     compute_policy_loss. seq_weights (B,): each sequence's weight in the "seq-mean-token-mean" mean
-    (Sample.weight; None = 1 each, the DESIGN.md contract); "token-mean" ignores them.
+    (Sample.weight; None = 1 each); "token-mean" ignores them.
     Returns (loss, metrics); metrics are floats: kl (masked mean of the k3 term), clip_low /
     clip_high (share of target tokens whose clipped branch is the active one, so their gradient
     is zero: A < 0 with ratio < 1 - eps_low, resp. A > 0 with ratio > 1 + eps_high), clip_dual
@@ -395,13 +404,16 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
                   ref_fn: Callable[[dict], torch.Tensor] | None = None, max_grad_norm: float = 1.0,
                   agg: str = "seq-mean-token-mean", mini_batch_size: int | None = None,
                   epochs: int = 1, on_micro_batch: Callable[[int], None] | None = None, temperature: float = 1.0,
-                  dual_clip: float | None = None, shuffle: random.Random | None = None) -> dict:
+                  dual_clip: float | None = None, shuffle: random.Random | None = None,
+                  optimizer_steps: int | None = None) -> dict:
     """One GRPO update on a rollout; returns metrics averaged over its optimizer steps.
 
     samples carry .advantage already (assign_advantages). By default the whole rollout is one
     optimizer step, accumulated over micro-batches of `micro_batch_size` (memory knob only: the
     loss is scaled so the gradient equals the full-batch one). `mini_batch_size` splits the rollout
     into several steps and `epochs` repeats them; old log-probs are fixed before the first step.
+    `optimizer_steps` (with mini_batch_size None) cuts the batch into that many steps instead
+    (ARPO: 2, whatever the batch size).
     `shuffle` (a seeded random.Random) shuffles the samples before they are cut into mini-batches
     (ScreenExplorer's release shuffles; verl reorders by length), so one step is not one time slice
     or one group; None keeps their order. `temperature`: the sampling temperature, at which every
@@ -418,6 +430,8 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
     n_global = int(dist.all_sum([len(samples)])[0])  # under torchrun: every rank's samples together
     if n_global == 0:
         return {}
+    if mini_batch_size is None and optimizer_steps:
+        mini_batch_size = math.ceil(n_global / optimizer_steps)
     if beta != 0.0 and ref_fn is None and not hasattr(model, "disable_adapter"):
         raise ValueError("beta > 0 needs a reference policy: pass ref_fn, or train with LoRA (--lora-rank) "
                          "so the adapter can be switched off.")

@@ -347,7 +347,10 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
         output_scores=True, return_dict_in_generate=True, use_cache=True)
     was_training = policy.model.training
     policy.model.eval()
-    out = policy.model.generate(**batch, generation_config=config)
+    # synced_gpus off: under torchrun transformers would make every decoding step a collective for an
+    # FSDP model, but each rank generates alone (dist.unsharded) and as often as its own desktops
+    # ask (rollout.py), so the ranks' generate calls do not pair up.
+    out = policy.model.generate(**batch, generation_config=config, synced_gpus=False)
     policy.model.train(was_training)
     T = batch["input_ids"].shape[1]
     new = out.sequences[:, T:]                                     # (B, N_new)

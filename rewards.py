@@ -10,9 +10,14 @@ Per step t of a trajectory (before-screen s_t, after-screen s'_t, intent i), eve
                       + cos(e_t, i) + cos(e'_t, i)                        intent_before, intent_after
                       + cos(E(OCR text under the click), i) )             intent_click
 
-format_t is 0/1: a malformed answer executes nothing and earns exactly 0. Each component can be
-switched off from one string (`parse_reward_flags("all,no_world_model")`), so the paper's ablations
-are one flag away. This follows the authors' release (niuzaisheng/ScreenExplorer), not its bugs.
+format_t is 0/1: a malformed answer executes nothing and earns exactly 0. Each term is one
+function of the same record of the buffer's steps (`Steps`) and one line of the table `TERMS`
+(name -> function, on in the paper's reward or not, the switches that turn it off); the flags,
+metrics, trajectory lines, console line and view.py read that table. Terms can be switched off from
+one string (`parse_reward_flags("all,no_world_model")`), so the paper's ablations are one flag away;
+`all` is the paper's reward, and a term that is off by default joins it by name ("all,windows":
++ the number of windows a step opened, our example of a term that reads more than pixels). This
+follows the authors' release (niuzaisheng/ScreenExplorer), not its bugs.
 
 Where we depart from the paper / release, and why:
 1. Screen features. The paper encodes screenshots with a pretrained image tokenizer (Cosmos CI16x16
@@ -48,13 +53,12 @@ Where we depart from the paper / release, and why:
 
 One iteration, as train_explore.py uses it:
     flags = parse_reward_flags(args.rewards)                      # once
-    tools = load_text_tools() if needs_text(flags) else None      # None + one message if missing
+    tools = load_text_tools() if "text" in reads(flags) else None  # None + one message if missing
     flags = effective_flags(flags, tools)
     wm = WorldModel(text_dim=tools.dim if flags["text"] else 0); opt = AdamW(wm.parameters(), 1e-3, betas=(0.9, 0.95))
-    f = step_features(before_imgs, after_imgs, intents, actions, tools if needs_text(flags) else None)
-    pred_s, pred_e, wm_metrics = update_and_predict(wm, opt, f, actions, valid)  # if flags["world_model"]
-    r = exploration_rewards(flags, traj_ids, valid, f.screen_before, f.screen_after, pred_s,
-                            f.text_before, f.text_after, pred_e, f.intent, f.click_text, f.click_hit)
+    f = step_features(before_imgs, after_imgs, intents, actions, tools if "text" in reads(flags) else None)
+    pred_s, pred_e, wm_metrics = update_and_predict(wm, opt, f, actions, valid)  # if "world_model" in reads(flags)
+    r = reward(record(f, traj_ids, valid, screen_pred=pred_s, text_pred=pred_e, actions=actions), flags)
     r.total -> GRPO advantages (one group);  summarize_rewards(r) -> metrics.jsonl
 """
 
@@ -67,8 +71,9 @@ import shutil
 import subprocess
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -86,46 +91,6 @@ def _say_once(msg):
     if msg not in _said:
         _said.add(msg)
         log.warning(msg)
-
-
-# ---------------------------------------------------------------------------------------------
-# Flags: which components are on. Two axes, as in the release: a modality (image, text) times a
-# kind (immediate, sequence, world_model), plus the two intent-alignment terms.
-
-REWARD_FLAGS = ("image", "text", "immediate", "sequence", "world_model", "intent", "intent_click")
-
-
-def parse_reward_flags(spec: str = "all") -> dict[str, bool]:
-    """'all' | 'none' | comma list of names and no_<name>, applied left to right on top of 'all'.
-
-    'all,no_world_model' -> everything but curiosity; 'no_intent,no_sequence'; 'none,image,immediate'
-    -> only the visual immediate term (image AND immediate must both be on for it to count).
-    """
-    flags = dict.fromkeys(REWARD_FLAGS, True)
-    for word in (w.strip().lower() for w in (spec or "all").split(",")):
-        name, value = (word[3:], False) if word.startswith("no_") else (word, True)
-        if word in ("", "all"):
-            flags = dict.fromkeys(REWARD_FLAGS, True)
-        elif word == "none":
-            flags = dict.fromkeys(REWARD_FLAGS, False)
-        elif name in flags:
-            flags[name] = value
-        else:
-            raise ValueError(f"Unknown reward component '{word}' in '{spec}'; use all, none, or "
-                             f"names from {', '.join(REWARD_FLAGS)} (each optionally prefixed no_).")
-    return flags
-
-
-def needs_text(flags: dict[str, bool]) -> bool:
-    """Whether any enabled term needs OCR + the text embedder."""
-    return flags["text"] or flags["intent"] or flags["intent_click"]
-
-
-def effective_flags(flags: dict[str, bool], tools) -> dict[str, bool]:
-    """The flags actually usable: without text tools (tools is None) the text and intent terms are off."""
-    if tools is not None or not needs_text(flags):
-        return dict(flags)
-    return {**flags, "text": False, "intent": False, "intent_click": False}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,7 +300,49 @@ def step_features(before: list[Image.Image], after: list[Image.Image], intents: 
 
 
 # ---------------------------------------------------------------------------------------------
-# The rewards.
+# The record every reward term reads: N steps of a rollout buffer.
+
+@dataclass
+class Steps:
+    """What one buffer of N steps recorded, as every reward term gets it. A term reads the fields it
+    needs; a field no term that is on needs may be None (the trainer computes the costly ones, OCR
+    text, world-model guesses, window lists, only when a term that is on reads them: Term.reads)."""
+    traj: list  # (N,) the trajectory (desktop) of each step; one trajectory's steps in time order
+    valid: torch.Tensor  # (N,) float 0/1, the format reward: the answer parsed and its action ran
+    screen_before: torch.Tensor  # (N, D) s_t
+    screen_after: torch.Tensor  # (N, D) s'_t
+    screen_pred: torch.Tensor | None = None  # (N, D) the world model's guess of s'_t
+    text_before: torch.Tensor | None = None  # (N, E) e_t
+    text_after: torch.Tensor | None = None  # (N, E) e'_t
+    text_pred: torch.Tensor | None = None  # (N, E) the world model's guess of e'_t
+    intent: torch.Tensor | None = None  # (N, E) i
+    click_text: torch.Tensor | None = None  # (N, E) E(OCR text under the click); 0 where no hit
+    click_hit: torch.Tensor | None = None  # (N,) bool
+    actions: list | None = None  # (N,) the actions that ran (Action or its dict; None: malformed)
+    windows_before: list | None = None  # (N,) X window ids open before the step (GET /windows)
+    windows_after: list | None = None  # (N,) X window ids open after it
+
+    def __post_init__(self):
+        self.valid = torch.as_tensor(self.valid, dtype=torch.float32).reshape(len(self.traj))  # (N,)
+
+    def trajectories(self) -> list[list[int]]:
+        """The rows of each trajectory's valid steps, in time order (a malformed step changed
+        nothing, so it is left out of the sequences)."""
+        rows: dict = {}
+        for k, t in enumerate(self.traj):
+            if self.valid[k] > 0:
+                rows.setdefault(t, []).append(k)
+        return list(rows.values())
+
+
+def record(f: StepFeatures, traj: list, valid, **more) -> Steps:
+    """A Steps record from step_features' output; `more`: predictions, actions, window lists."""
+    return Steps(traj, valid, f.screen_before, f.screen_after, text_before=f.text_before, text_after=f.text_after,
+                 intent=f.intent, click_text=f.click_text, click_hit=f.click_hit, **more)
+
+
+# ---------------------------------------------------------------------------------------------
+# The reward terms: each one function of the record -> (N,), and one line of TERMS below.
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Row-wise cosine similarity of (N, D) and (N, D) -> (N,)."""
@@ -359,88 +366,209 @@ def sequence_similarity(start: torch.Tensor, afters: torch.Tensor) -> torch.Tens
     return torch.stack([s[:t, t:].mean() for t in range(1, len(afters) + 1)])  # (T,)
 
 
-@dataclass
-class Rewards:
-    """Per-step total and every component, all (N,) float32. Switched-off terms are exactly 0;
-    so is every component of a malformed step (it executed nothing)."""
-    total: torch.Tensor
-    format: torch.Tensor
-    image_immediate: torch.Tensor
-    image_sequence: torch.Tensor
-    image_world_model: torch.Tensor
-    text_immediate: torch.Tensor
-    text_sequence: torch.Tensor
-    text_world_model: torch.Tensor
-    intent_before: torch.Tensor
-    intent_after: torch.Tensor
-    intent_click: torch.Tensor
-
-
-COMPONENTS = tuple(f.name for f in fields(Rewards))[2:]  # everything summed into total
-
-
 def _require(x, what, flag):
     if x is None:
         raise ValueError(f"The '{flag}' reward is on but {what} was not given; pass it, or switch the "
                          f"term off with no_{flag} (effective_flags does this when text tools are missing).")
-    return x.float().cpu()
+    return x.float().cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _sequence(s: Steps, before, after) -> torch.Tensor:
+    out = torch.zeros(len(s.traj))  # (N,)
+    for rows in s.trajectories():
+        out[rows] = 1 - sequence_similarity(before[rows[0]], after[rows])  # (T,)
+    return out
+
+
+def image_immediate(s: Steps) -> torch.Tensor:
+    return 1 - cosine(s.screen_before, s.screen_after)  # ALGO: the screen changed
+
+
+def image_sequence(s: Steps) -> torch.Tensor:
+    return _sequence(s, s.screen_before, s.screen_after)  # ALGO: the trajectory keeps reaching new screens
+
+
+def image_world_model(s: Steps) -> torch.Tensor:
+    pred = _require(s.screen_pred, "the world model's image prediction", "world_model")
+    return 1 - cosine(s.screen_after, pred)  # ALGO: curiosity, the world model was wrong
+
+
+def text_immediate(s: Steps) -> torch.Tensor:
+    return 1 - cosine(_require(s.text_before, "text before", "text"), _require(s.text_after, "text after", "text"))
+
+
+def text_sequence(s: Steps) -> torch.Tensor:
+    return _sequence(s, _require(s.text_before, "text before", "text"), _require(s.text_after, "text after", "text"))
+
+
+def text_world_model(s: Steps) -> torch.Tensor:
+    pred = _require(s.text_pred, "the world model's text prediction", "world_model")
+    return 1 - cosine(_require(s.text_after, "text after", "text"), pred)
+
+
+def intent_before(s: Steps) -> torch.Tensor:  # ALGO: the intent matches the screen it saw
+    return cosine(_require(s.text_before, "text before", "intent"), _require(s.intent, "intent embeddings", "intent"))
+
+
+def intent_after(s: Steps) -> torch.Tensor:  # ALGO: ... and the screen it reached
+    return cosine(_require(s.text_after, "text after", "intent"), _require(s.intent, "intent embeddings", "intent"))
+
+
+def intent_click(s: Steps) -> torch.Tensor:
+    """cos(E(OCR text under the click), i) where the click hit an OCR box, else 0."""
+    hit = _require(s.click_hit, "click_hit", "intent_click") > 0  # (N,)
+    c = cosine(_require(s.click_text, "click text embeddings", "intent_click"),
+               _require(s.intent, "intent embeddings", "intent_click"))  # (N,)
+    return torch.where(hit, c, torch.zeros(len(s.traj)))  # ALGO: clicked on what it meant to
+
+
+def windows_opened(s: Steps) -> torch.Tensor:
+    """The number of X windows open after the step that were not open before it (a bonus for
+    opening apps, dialogs, menus that are windows). Not in the paper: an example of a term that
+    reads what the step recorded besides pixels; the rollout asks GET /windows only when it is on."""
+    before = _require(s.windows_before, "the window lists before each step", "windows")
+    after = _require(s.windows_after, "the window lists after each step", "windows")
+    return torch.tensor([float(len(set(a) - set(b))) for b, a in zip(before, after)])  # (N,)
+
+
+class Term(NamedTuple):
+    fn: Callable[[Steps], torch.Tensor]  # the record of N steps -> (N,)
+    default: bool  # in the paper's reward, i.e. on with `--rewards all`
+    switches: tuple  # the --rewards words that switch it; it is on when all of them are
+    reads: tuple = ()  # costly inputs beyond the screen features: "text" (OCR), "world_model", "windows"
+
+
+# ALGO: the reward. Every term on is summed with weight 1, times the format reward (reward()).
+# A new term is a function above and a line here: --rewards, metrics (reward/<name>), trajectory
+# lines, the console line and view.py's chart all read this table. Off by default (False), it is
+# not part of "--rewards all"; `--rewards all,<switch>` adds it.
+TERMS = {
+    "image_immediate": Term(image_immediate, True, ("image", "immediate")),
+    "image_sequence": Term(image_sequence, True, ("image", "sequence")),
+    "image_world_model": Term(image_world_model, True, ("image", "world_model"), ("world_model",)),
+    "text_immediate": Term(text_immediate, True, ("text", "immediate"), ("text",)),
+    "text_sequence": Term(text_sequence, True, ("text", "sequence"), ("text",)),
+    "text_world_model": Term(text_world_model, True, ("text", "world_model"), ("text", "world_model")),
+    "intent_before": Term(intent_before, True, ("intent",), ("text",)),
+    "intent_after": Term(intent_after, True, ("intent",), ("text",)),
+    "intent_click": Term(intent_click, True, ("intent_click",), ("text",)),
+    "windows": Term(windows_opened, False, ("windows",), ("windows",)),
+}
+COMPONENTS = tuple(TERMS)  # every term, in the table's order (logged even when off, as 0)
+SWITCHES = tuple(dict.fromkeys(w for t in TERMS.values() for w in t.switches))  # every --rewards word
+REWARD_FLAGS = tuple(dict.fromkeys(w for t in TERMS.values() if t.default for w in t.switches))  # "all"
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags: which terms are on. The paper's terms sit on two axes, as in the release: a modality
+# (image, text) times a kind (immediate, sequence, world_model), plus the two intent switches.
+
+def parse_reward_flags(spec: str = "all") -> dict[str, bool]:
+    """'all' | 'none' | comma list of switches and no_<switch>, applied left to right.
+
+    'all' is the paper's reward (every switch of a default term on); 'all,no_world_model' ->
+    everything but curiosity; 'none,image,immediate' -> only the visual immediate term (image AND
+    immediate must both be on for it to count); 'all,windows' adds the windows term. A switch
+    that is not in the dict is off (so 'all' holds exactly the paper's switches)."""
+    flags = dict.fromkeys(REWARD_FLAGS, True)
+    for word in (w.strip().lower() for w in (spec or "all").split(",")):
+        name, value = (word[3:], False) if word.startswith("no_") else (word, True)
+        if word in ("", "all"):
+            flags = dict.fromkeys(REWARD_FLAGS, True)
+        elif word == "none":
+            flags = dict.fromkeys(REWARD_FLAGS, False)
+        elif name in SWITCHES:
+            flags[name] = value
+        else:
+            raise ValueError(f"Unknown reward component '{word}' in '{spec}'; use all, none, or "
+                             f"names from {', '.join(SWITCHES)} (each optionally prefixed no_).")
+    return flags
+
+
+def terms_on(flags: dict[str, bool]) -> list[str]:
+    """The names of the terms whose every switch is on."""
+    return [name for name, t in TERMS.items() if all(flags.get(w, False) for w in t.switches)]
+
+
+def reads(flags: dict[str, bool]) -> set[str]:
+    """The costly inputs the terms that are on read ("text", "world_model", "windows")."""
+    return {x for name in terms_on(flags) for x in TERMS[name].reads}
+
+
+def effective_flags(flags: dict[str, bool], tools) -> dict[str, bool]:
+    """The flags actually usable: without text tools (tools is None) every switch that only
+    switches terms reading OCR text is off (text, intent, intent_click)."""
+    if tools is not None or "text" not in reads(flags):
+        return dict(flags)
+    text_only = [w for w in SWITCHES if all("text" in t.reads for t in TERMS.values() if w in t.switches)]
+    return {**flags, **{w: False for w in text_only if w in flags}}
+
+
+# ---------------------------------------------------------------------------------------------
+# The reward of a buffer: a total and every term
+
+@dataclass
+class Rewards:
+    """Per-step total, format reward and every term of TERMS, all (N,) float32. A term that is off
+    is exactly 0; so is every term of a malformed step (it executed nothing). r.image_immediate
+    is r.parts["image_immediate"]."""
+    total: torch.Tensor
+    format: torch.Tensor
+    parts: dict
+
+    def __getattr__(self, name):  # only called for names that are not fields: the terms
+        parts = self.__dict__.get("parts") or {}
+        if name in parts:
+            return parts[name]
+        raise AttributeError(name)
+
+
+def reward(s: Steps, flags: dict[str, bool]) -> Rewards:
+    """ALGO: r_t = format_t * sum of the terms that are on (weights 1), for the N steps of `s`."""
+    ok = s.valid > 0  # (N,)
+    parts = {name: torch.zeros(len(s.traj)) for name in TERMS}  # (N,) each
+    for name in terms_on(flags):
+        parts[name] = TERMS[name].fn(s).float().cpu() * ok  # a malformed step's screens are not its doing
+    total = s.valid * sum(parts.values())  # ALGO: weights 1, summed, times the format reward
+    return Rewards(total=total, format=s.valid, parts=parts)
 
 
 def exploration_rewards(flags: dict[str, bool], traj_ids: list, valid, screen_before: torch.Tensor,
                         screen_after: torch.Tensor, screen_pred: torch.Tensor | None = None,
                         text_before=None, text_after=None, text_pred=None, intent=None,
-                        click_text=None, click_hit=None) -> Rewards:
-    """Rewards for N steps. traj_ids (N,): which trajectory each step is from, steps of one
-    trajectory in time order; valid (N,): the format reward (1 = parsed and executed).
-    Screen tensors (N, D); text tensors (N, E); screen_pred/text_pred: the world model's guesses."""
-    n = len(traj_ids)
-    v = torch.as_tensor(valid, dtype=torch.float32).reshape(n)  # (N,) format reward, 0/1
-    ok = v > 0
-    r = {name: torch.zeros(n) for name in COMPONENTS}  # each (N,)
-    # Trajectories, valid steps only, in order (invalid steps change nothing and earn nothing).
-    trajs = {}
-    for k, t in enumerate(traj_ids):
-        if ok[k]:
-            trajs.setdefault(t, []).append(k)
+                        click_text=None, click_hit=None, **more) -> Rewards:
+    """reward() with the record's fields as arguments (traj_ids, valid, then the tensors)."""
+    return reward(Steps(traj_ids, valid, screen_before, screen_after, screen_pred, text_before, text_after,
+                        text_pred, intent, click_text, click_hit, **more), flags)
 
-    for mod, before, after, pred in (("image", screen_before, screen_after, screen_pred),
-                                     ("text", text_before, text_after, text_pred)):
-        if not flags[mod]:
-            continue
-        b, a = _require(before, f"{mod} before", mod), _require(after, f"{mod} after", mod)  # (N, D|E)
-        if flags["immediate"]:
-            r[f"{mod}_immediate"] = 1 - cosine(b, a)  # ALGO: the screen changed
-        if flags["sequence"]:
-            for rows in trajs.values():
-                seq = sequence_similarity(b[rows[0]], a[rows])  # (T,)
-                r[f"{mod}_sequence"][rows] = 1 - seq  # ALGO: the trajectory keeps reaching new screens
-        if flags["world_model"]:
-            p = _require(pred, f"the world model's {mod} prediction", "world_model")
-            r[f"{mod}_world_model"] = 1 - cosine(a, p)  # ALGO: curiosity, the world model was wrong
 
-    if flags["intent"]:
-        i = _require(intent, "intent embeddings", "intent")
-        r["intent_before"] = cosine(_require(text_before, "text before", "intent"), i)  # ALGO: intent ~ screen
-        r["intent_after"] = cosine(_require(text_after, "text after", "intent"), i)  # ALGO: intent ~ result
-    if flags["intent_click"]:
-        i = _require(intent, "intent embeddings", "intent_click")
-        hit = _require(click_hit, "click_hit", "intent_click") > 0  # (N,)
-        c = cosine(_require(click_text, "click text embeddings", "intent_click"), i)  # (N,)
-        r["intent_click"] = torch.where(hit, c, torch.zeros(n))  # ALGO: clicked on what it meant to
+def zeros(n: int) -> Rewards:
+    """The rewards of n steps that earned nothing (none was well formed)."""
+    return Rewards(torch.zeros(n), torch.zeros(n), {name: torch.zeros(n) for name in TERMS})  # (n,) each
 
-    for name in COMPONENTS:
-        r[name] = r[name] * ok  # a malformed step's screens are not its doing
-    total = v * sum(r[name] for name in COMPONENTS)  # ALGO: weights 1, summed, times the format reward
-    return Rewards(total=total, format=v, **r)
+
+def scatter(r: Rewards, rows: list[int], n: int) -> Rewards:
+    """The rewards of `rows` of a buffer of n steps, put back in place; 0 elsewhere (the rows that
+    were not scored: malformed steps, which earn exactly 0 anyway)."""
+    def put(x):
+        out = torch.zeros(n)  # (n,)
+        out[rows] = x
+        return out
+    return Rewards(put(r.total), put(r.format), {name: put(x) for name, x in r.parts.items()})
+
+
+def cat(rs: list[Rewards]) -> Rewards:
+    """Several buffers' rewards as one (every rank's, in rank order), (sum of N,) each."""
+    return Rewards(torch.cat([r.total for r in rs]), torch.cat([r.format for r in rs]),
+                   {name: torch.cat([r.parts[name] for r in rs]) for name in rs[0].parts})
 
 
 def summarize_rewards(r: Rewards) -> dict[str, float]:
-    """Means for metrics.jsonl: total over all steps, components over the valid ones, format rate."""
+    """Means for metrics.jsonl: total over all steps, terms over the valid ones, format rate."""
     ok = r.format > 0
     out = {"reward/total": r.total.mean().item(), "reward/format": r.format.mean().item()}
-    for name in COMPONENTS:
-        x = getattr(r, name)[ok]
-        out[f"reward/{name}"] = x.mean().item() if len(x) else 0.0
+    for name, x in r.parts.items():
+        out[f"reward/{name}"] = x[ok].mean().item() if bool(ok.any()) else 0.0
     return out
 
 

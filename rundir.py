@@ -1,9 +1,11 @@
 """rundir.py: the plumbing both train scripts share: flags, the run folder, desktops, checkpoints, metrics.
 
+    lr: float = rundir.arg(1e-6, "AdamW learning rate")               # one Args field = one flag
     args, given = rundir.parse_args(Args, argv, "train_arpo.py")      # one flag per Args field
     args, ckpt = rundir.resume_args(Args, args, given, "train_arpo.py", marker="group_size")
     with rundir.new_run(path):                                        # a failed start leaves no folder
-    pool, live, screen = rundir.open_desktops(args.vms, args.token, args.vm_timeout)
+    pool, live, screen, vm_offset = rundir.open_desktops(args.vms, args.token, args.vm_timeout)
+    metrics = rundir.update_policy(policy, optimizer, samples, times, ...)   # grpo's, timed, a bar, synced
     rundir.save(run, policy, optimizer, next_iteration, args, metrics, replay=...)   # atomic
     policy = rundir.restore_policy(state, ckpt_dir, load)             # full weights or base + adapter
 
@@ -37,30 +39,34 @@ Crash safety, the whole story:
 import argparse
 import contextlib
 import json
-import os
-import shutil
-import time
-from dataclasses import asdict, is_dataclass
-
-import torch
-
-
 import math
+import os
 import random
+import shutil
 import sys
+import time
+from dataclasses import asdict, field, is_dataclass
 
 import numpy as np
+import torch
 
 import dist
+import grpo
 import progress
 from env import VMPool
-from model import cpu_weights, save_policy
+from model import cpu_weights, save_policy, sync_weights
 
 # -----------------------------------------------------------------------------------------------
 # Flags: one per Args field, parsed by transformers' HfArgumentParser
 
 # Flags renamed since a run folder was written: its args.json / checkpoint still resume.
 RENAMED = {"save_every": "ckpt_every", "eval_rollouts": "eval_episodes"}
+
+
+def arg(default, help: str, aliases: tuple = ()):
+    """One field of a trainer's `Args`: its default and its --help line (both trainers declare every
+    flag this way); `aliases` adds other spellings of the flag ("--episodes")."""
+    return field(default=default, metadata={"help": help, **({"aliases": list(aliases)} if aliases else {})})
 
 
 class _Given:
@@ -73,7 +79,7 @@ def parse_args(cls, argv, prog: str) -> tuple:
     """-> (cls filled from the command line, {field: value} of the flags given explicitly).
 
     One flag per field, `--max-pixels` (and `--max_pixels`); a bool is `--x` / `--x false`, and
-    one that defaults to on is switched off with `--no-x`; `metadata={"aliases": [...]}` adds
+    one that defaults to on is switched off with `--no-x`; `arg(..., aliases=("--y",))` adds
     spellings. A bad flag ends in one sentence, not argparse's usage block."""
     from transformers import HfArgumentParser
     p = HfArgumentParser(cls, prog=prog, description=(sys.modules[cls.__module__].__doc__ or "").split("\n")[0])
@@ -164,7 +170,7 @@ def make_run_dir(path: str, args, resume: bool = False) -> str:
 
 def local_vms(vms: str) -> tuple[str, int]:
     """This rank's share of --vms (a number of local desktops, or URLs): a contiguous slice, and
-    the index of its first VM among all ranks' (trajectories and metrics name VMs by that)."""
+    its VM offset, the index of its first VM among all ranks' (trajectories and metrics name VMs by it)."""
     urls = [u.strip() for u in vms.split(",") if u.strip()]
     n = int(urls[0]) if len(urls) == 1 and urls[0].isdigit() else len(urls)
     mine = dist.shard_range(n)
@@ -176,9 +182,9 @@ def local_vms(vms: str) -> tuple[str, int]:
 
 def open_desktops(vms: str, token: str, timeout: float, screen=(1280, 720)) -> tuple:
     """This rank's VMs (all of them in one process) -> (VMPool, live VM indices, screen (w, h) of
-    the first live one, index of the first VM among all ranks'), or one sentence when the VMs
-    cannot start or none answers /health."""
-    vms, first = local_vms(vms)
+    the first live one, the rank's VM offset: its first VM's index among all ranks'), or one
+    sentence when the VMs cannot start or none answers /health."""
+    vms, vm_offset = local_vms(vms)
     try:
         pool = VMPool(vms, token=token or os.environ.get("VM_TOKEN") or None, timeout=timeout, screen=screen)
     except Exception as e:  # noqa: BLE001 -- a bad --vms or a desktop that cannot start: one sentence
@@ -188,11 +194,11 @@ def open_desktops(vms: str, token: str, timeout: float, screen=(1280, 720)) -> t
     if not live:
         pool.close()
         sys.exit(f"None of the {pool.size} VM(s) answered /health ({str(health[0].error).rstrip('.')}); "
-                 "check --vms and --token.")
+                 "check --vms and --token (each VM takes the token `python vm_server.py --token-for URL` prints).")
     for i, h in enumerate(health):
         if not h.ok:
-            print(f"vm {first + i} left out: {h.error}", flush=True)
-    return pool, live, tuple(health[min(live)].value.get("screen", screen)), first
+            print(f"vm {vm_offset + i} left out: {h.error}", flush=True)
+    return pool, live, tuple(health[min(live)].value.get("screen", screen)), vm_offset
 
 
 def seed_all(seed: int, sample_seed: int = -1) -> None:
@@ -232,6 +238,19 @@ def set_lr(optimizer, lr: float) -> float:
     return lr
 
 
+def update_policy(policy, optimizer, samples: list, times: dict, **kw) -> dict:
+    """grpo.update_policy with the plumbing around it, so a trainer's update reads as the algorithm:
+    its seconds in times["time/update"], a progress bar over the micro-batches, and the generator
+    (vLLM) given the new weights after (times["time/sync"]). kw: update_policy's own arguments.
+    -> its metrics ({} when no rank had a sample: nothing was updated or synced)."""
+    with timed(times, "update"), progress.bar(len(samples) * kw.get("epochs", 1), "update") as pb:
+        metrics = grpo.update_policy(policy, optimizer, samples, on_micro_batch=pb.update, **kw)
+    if metrics:
+        with timed(times, "sync"):
+            sync_weights(policy)  # the generator samples the next rollout from the new weights
+    return metrics
+
+
 # -----------------------------------------------------------------------------------------------
 # Checkpoints: what a resume needs, in one format for both scripts
 
@@ -255,6 +274,23 @@ def save(run: str, policy, optimizer, next_it: int, args, metrics: dict | None =
         write = None if policy.lora else (lambda folder: save_policy(policy, os.path.join(folder, "policy"), weights))
         save_checkpoint(run, state, write, metrics=metrics)
     dist.barrier()
+
+
+def save_model(policy, path: str, extra: dict | None = None) -> None:
+    """save_policy into a temp folder, then rename: a model folder is either complete or absent.
+    Every rank calls it (FSDP2 gathers the weights from all of them); rank 0 writes."""
+    weights = cpu_weights(policy)
+    if dist.is_main():
+        tmp = path + f".tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_policy(policy, tmp, weights)
+        for name, text in (extra or {}).items():
+            with open(os.path.join(tmp, name), "w") as fh:
+                fh.write(text)
+        shutil.rmtree(path, ignore_errors=True)
+        os.rename(tmp, path)
+    dist.barrier()
+
 
 
 def next_iteration(state: dict) -> int:
@@ -433,14 +469,17 @@ def open_trackers(run: str, args):
                                   tensorboard=args.tensorboard and dist.is_main())
 
 
-def gather_times(times: dict, vm_phases: tuple) -> dict:
-    """One process: `times` as they are. Under torchrun: each phase's seconds on the slowest rank,
-    and every rank's own under "ranks" (with "vm_wait": its seconds waiting on its desktops)."""
-    if dist.size() == 1:
-        return dict(times)
-    per = dist.gather(dict(times))
-    out = {k: max(p.get(k, 0.0) for p in per) for k in sorted(set().union(*per))}
-    out["ranks"] = [{**p, "vm_wait": sum(p.get(f"time/{k}", 0.0) for k in vm_phases)} for p in per]
+def gather_times(times: dict) -> dict:
+    """An iteration's time/* (rollout.py says what each phase means) and vm_wait_share = time/vm_wait
+    / time/iteration, the share of the iteration the learner had nothing to generate or update.
+    Under torchrun: each phase's seconds on the slowest rank, and every rank's own under "ranks"
+    (with "vm_wait": its seconds waiting on its desktops)."""
+    out = dict(times)
+    if dist.size() > 1:
+        per = dist.gather(dict(times))
+        out = {k: max(p.get(k, 0.0) for p in per) for k in sorted(set().union(*per))}
+        out["ranks"] = [{**p, "vm_wait": p.get("time/vm_wait", 0.0)} for p in per]
+    out["vm_wait_share"] = out.get("time/vm_wait", 0.0) / out["time/iteration"] if out.get("time/iteration") else 0.0
     return out
 
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # System packages for the local desktops (Debian/Ubuntu): the X server, a window manager, a
 # taskbar, the desktop's apps, the tools the VM server uses to inspect windows, and bubblewrap,
-# the sandbox each local desktop runs in. chromium is for the tests only: they render view.py's
-# report headless. Run once on a fresh machine: `bash setup.sh` (as root, or as a user with sudo).
+# the sandbox each local desktop runs in (started by root, the sandbox runs the desktop as `nobody`
+# with setpriv, from util-linux, an essential package every Debian/Ubuntu has). chromium is for the
+# tests only: they render view.py's report headless. Run once on a fresh machine: `bash setup.sh`
+# (as root, or as a user with sudo).
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 SUDO=""

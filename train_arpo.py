@@ -7,25 +7,36 @@
     python train_arpo.py --eval-only --resume runs/<name>                 # standard + hard success rates
 
 One iteration, top to bottom (`run_iteration`):
-    reset every VM -> pick tasks (live VMs // group size) -> task setup on each VM ->
-    rollout: at each step ONE batched generate over all unfinished VMs, parse the UI-TARS answer,
-      act, next screenshot; an episode ends at finished()/call_user()/an unparseable answer/max steps ->
-    score, as OSWorld's DesktopEnv.evaluate: a last call_user() (FAIL) scores 1 on an infeasible
-      task and 0 on a feasible one; otherwise 0, resp. the task's evaluator on the VM ->
+    pick tasks (desktops in service // group size, at least 1) -> every group member is a job for
+    rollout.py's stepper, and each desktop plays its job on its own (arpo_episode.play): reset, task setup,
+      then screenshot -> the policy's answer -> parse the UI-TARS answer -> act (the settled screen
+      comes back) until finished()/call_user()/an unparseable answer/max steps -> score, as OSWorld's
+      DesktopEnv.evaluate: a last call_user() (FAIL) scores 1 on an infeasible task and 0 on a
+      feasible one; otherwise 0, resp. the task's evaluator on the VM. Generation batches whatever
+      observations are waiting (one policy call), so a slow desktop holds nobody ->
     replay: an all-failed group gets one member swapped for a stored success of the same task ->
-    reward = score - format penalty -> advantages per group, broadcast to every assistant token ->
-    GRPO update on whole trajectories (ARPO's schedule: the batch shuffled into two optimizer steps,
-    dual clip, log-probs at the sampling temperature) -> store this iteration's successes -> log, checkpoint.
+    store this iteration's successes -> reward = score - format penalty -> advantages per group,
+    broadcast to every assistant token -> GRPO update on whole trajectories (ARPO's schedule: the
+    batch shuffled into two optimizer steps, dual clip, log-probs at the sampling temperature) -> log,
+    checkpoint.
 Tasks come in a seeded shuffled round robin. Every rollout goes through a `policy_fn(observations)
 -> answers` (default: one batched model.generate), so a scripted policy can stand in (the tests do).
 Output: runs/<name>/ with args.json, metrics.jsonl (one line per iteration), trajectories/, ckpt/.
+The episode itself (UI-TARS turns, OSWorld's scoring) is arpo_episode.py; evaluation and task
+selection are arpo_eval.py; this file is the training: groups, replay, advantages, update, loop.
 
 Where this departs from ARPO (paper + its released code), on purpose:
 1. Desktops are local Xvfb desktops (or remote `vm_server.py`s), not OSWorld's Ubuntu VMs; tasks are
-   tasks/*.json with execution-based checks. A VM that dies drops out of its group (the group goes on
-   with fewer members) instead of stalling the run.
-2. Rollouts step in lockstep: VM waits and generation do not overlap (`bench/arpo_iter.py` measures
-   what that costs). ARPO's workers are Ray actors; its generation is batched the same way.
+   tasks/*.json with execution-based checks. A VM that fails (no answer, a 5xx, garbage) drops its
+   episode as the environment's failure (the group goes on with fewer members; `env_failures` in the
+   metrics) instead of stalling the run or costing the model a format penalty; only a refused
+   action (4xx) is the model's. Evaluation and task selection play a lost episode once more.
+2. No lockstep (rollout.py): each desktop steps on its own and generation batches the observations
+   that are ready, so VM waits and generation overlap (`bench/arpo_iter.py` measures it); ARPO's
+   workers are Ray actors stepped together, one batched generate per step. The sampled tokens of a
+   run are therefore not reproducible across runs (batches depend on timing); the task order is.
+   After an action the screen settles by the server's watch (--settle watch, the default: until
+   it stops changing, with a cap) or, as ARPO/OSWorld, a fixed sleep (--settle 0.5).
 3. The format penalty follows ARPO's code (reward = score + 0.5 * (-1 on an unparseable answer), and
    that answer ends the episode); `--format-penalty` sets the 0.5, `--no-stop-on-format-error` lets the
    episode go on (the penalty is still paid once per trajectory).
@@ -45,14 +56,15 @@ Where this departs from ARPO (paper + its released code), on purpose:
    sequence, exactly the context each step saw, as ARPO trains. With more steps (ARPO never has
    them) each later answer becomes its own sequence with the screenshots it saw (episode_samples),
    weighted so the trajectory still counts once.
-7. Scoring is OSWorld's (outcome_scores). Evaluation: "standard" counts an episode that runs out of
+7. Scoring is OSWorld's (arpo_episode.outcome_scores). Evaluation: "standard" counts an episode that runs out of
    steps as ending in FAIL (so an infeasible task passes by timing out and a feasible one scores 0),
    "hard" does not (ARPO's OSWorld-Hard). Training rewards use the hard rule, as ARPO's training
    environment did.
 8. Knobs ARPO does not have, for small models trained from scratch (bench/learning.py): a learning-rate
    warm-up and decay (--lr-warmup, --lr-schedule; ARPO: constant), several passes over each batch
    (--epochs; ARPO: one), and a sampling seed of its own (--sample-seed), so an evaluation draws fresh
-   samples from a checkpoint while the task order stays the run's. Their defaults are ARPO's.
+   samples from a checkpoint while the task order stays the run's; --no-scale-rewards for Dr. GRPO's
+   advantages (reward - group mean, no division by the std). Their defaults are ARPO's.
 9. Left out: KL to a reference model (beta 0, as ARPO; `--beta` works with LoRA only). Logging:
    metrics.jsonl always, plus Weights & Biases (--wandb) and TensorBoard (--tensorboard) when asked
    for (progress.py).
@@ -60,31 +72,33 @@ Where this departs from ARPO (paper + its released code), on purpose:
    train_arpo.py ...`; each rank plays its own groups on its slice of the VMs, the replay buffer
    and the task order are the same on every rank, and full fine-tuning is sharded with FSDP2
    (dist.py, README "More than one GPU").
+11. A group is always --group-size rollouts (ARPO: one per VM, 16 tasks x 8 on 128 VMs): with fewer
+   desktops in service than that, they play the group in turns, so even a lone desktop trains (a
+   group of one has advantage 0, and replay would only swap its member for a stored success).
 """
 from __future__ import annotations
 
-import json
-import math
-import os
 import random
-import shutil
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
-from io import BytesIO
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
-from PIL import Image
 from transformers.utils import logging as hf_logging
 
+import arpo_eval
 import dist
 import progress
+import rollout
 import rundir
-from actions import MIN_PIXELS, parse_action, smart_resize
+from actions import MIN_PIXELS
+from arpo_episode import Episode, Observation, as_image, from_record, play_all, save_episodes, to_record
 from chat import encode_chat, uitars_messages
 from env import Task, TaskError, VMPool, load_tasks
-from grpo import ReplayBuffer, group_advantages, trajectory_sample, update_policy
-from model import Generation, generate, load_policy, sync_weights
+from grpo import ReplayBuffer, group_advantages, trajectory_sample
+from model import Generation, generate, load_policy
+from rollout import SETTLE_HELP, parse_settle
+from rundir import arg
 
 PROG = "train_arpo.py"
 
@@ -92,20 +106,18 @@ PROG = "train_arpo.py"
 # Args
 
 
-def arg(default, help: str):
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class Args:
     # desktops and tasks
     vms: str = arg("16", "number of local desktops to launch, or comma-separated URLs of running vm_server.py")
-    token: str = arg("", "bearer token of remote VMs (default: $VM_TOKEN); local desktops make their own")
+    token: str = arg("", "secret each remote VM's token is derived from (default: $VM_TOKEN); local desktops make their own")
     vm_timeout: float = arg(60.0, "seconds one VM call may take before that VM drops out of the iteration")
     screen: str = arg("1280x720", "screen size of local desktops")
     tasks: str = arg("tasks/", "a task file or a folder of *.json task files")
     task_ids: str = arg("", "comma-separated task ids to use (default: every task)")
-    group_size: int = arg(8, "rollouts per task = one GRPO group (ARPO: 8); tasks per iteration = live VMs // this")
+    group_size: int = arg(8, "rollouts per task = one GRPO group (ARPO: 8); tasks per iteration = desktops in "
+                      "service // this, at least 1 (fewer desktops than a group play it in turns); 1 trains "
+                      "nothing (no baseline: every advantage is 0), a smoke test only")
     # policy
     model: str = arg("ByteDance-Seed/UI-TARS-1.5-7B",
                      "HF id or folder of a Qwen2.5-VL checkpoint; 'tiny' = random test model (CPU)")
@@ -123,7 +135,8 @@ class Args:
     temperature: float = arg(1.0, "sampling temperature in training; the update scores log-probs at it too (ARPO: 1.0)")
     top_p: float = arg(1.0, "nucleus sampling in training")
     stop_on_format_error: bool = arg(True, "an unparseable answer ends the episode, as in ARPO's code")
-    settle: float = arg(0.5, "seconds the screen gets to settle after the actions (ARPO/OSWorld: 0.5)")
+    settle: str = arg("watch", "after each action: 'watch' (the server waits until the screen stops changing, "
+                               "with a cap) or seconds of a fixed sleep (ARPO/OSWorld: 0.5)")
     # reward, loss, update
     format_penalty: float = arg(0.5, "reward -= this if any answer of the trajectory did not parse (ARPO: 0.5 * 1)")
     lr: float = arg(1e-6, "AdamW learning rate (ARPO: 1e-6)")
@@ -131,6 +144,8 @@ class Args:
     lr_schedule: str = arg("constant", "learning rate after the warm-up: constant (ARPO), linear or cosine "
                                        "(decay towards 0 at --iterations)")
     epochs: int = arg(1, "passes of the optimizer over each iteration's batch (old log-probs fixed first)")
+    scale_rewards: bool = arg(True, "divide each group's advantages by its reward std (GRPO, ARPO); "
+                              "--no-scale-rewards: Dr. GRPO, advantages = reward - group mean")
     eps_low: float = arg(0.2, "lower clip range of the ratio")
     eps_high: float = arg(0.3, "upper clip range of the ratio (clip-higher; ARPO: 0.3)")
     beta: float = arg(0.0, "KL coefficient to the starting policy (ARPO: 0; needs --lora-rank)")
@@ -164,7 +179,6 @@ class Args:
     wandb: bool = arg(False, "also log every metric to Weights & Biases (pip install wandb; WANDB_PROJECT names the project)")
     tensorboard: bool = arg(False, "also log every metric to TensorBoard in runs/<name>/tb (pip install tensorboard)")
 
-
 def check_args(args: Args) -> None:
     """Errors a user can cause, each as one sentence."""
     import vllm_engine  # plain Python until an engine is built (vLLM itself is imported there)
@@ -182,6 +196,7 @@ def check_args(args: Args) -> None:
         (args.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
         (args.lr_warmup < 0 or args.epochs < 1, "--lr-warmup must be 0 or more and --epochs at least 1"),
         (screen_size(args) is None, "--screen must be WIDTHxHEIGHT, e.g. 1280x720"),
+        (parse_settle(args.settle) is None, SETTLE_HELP),
         *vllm_engine.flag_errors(args.engine, args.temperature, args.eval_temperature),
     ], PROG)
 
@@ -200,67 +215,6 @@ def resolve_args(argv=None) -> tuple:
     return args, ckpt, given
 
 
-# ------------------------------------------------------------------------------------------------
-# Episodes: what one VM did on one task
-
-
-@dataclass
-class Episode:
-    """One rollout of one task on one VM. Step i: screenshots[i] was seen, assistant[i] answered."""
-    task: Task
-    vm: int
-    group: int = 0
-    iteration: int = 0
-    screenshots: list = field(default_factory=list)   # PIL images (PNG bytes once stored for replay)
-    assistant: list = field(default_factory=list)     # per step: sampled token ids, or text (scripted)
-    logprobs: list = field(default_factory=list)      # per step: the sampler's log-prob per id, or None (scripted)
-    texts: list = field(default_factory=list)         # per step: the answer as text
-    thoughts: list = field(default_factory=list)      # per step: the parsed Thought ("" if unparseable)
-    actions: list = field(default_factory=list)       # per step: Action dict in screen pixels, or None
-    format_ok: list = field(default_factory=list)     # per step: the answer parsed into an action the VM took
-    end: str | None = None     # done | fail | format | max_steps | dropped (the VM failed)
-    error: str | None = None   # why it was dropped
-    score: float = 0.0         # evaluator score, hard protocol (the training signal)
-    score_standard: float = 0.0  # standard protocol: running out of steps counts as FAIL
-    reward: float = 0.0        # score - format penalty
-    replayed: bool = False     # came from the replay buffer (an earlier iteration)
-    job: int = -1              # run_jobs: its index in the list of jobs
-
-
-def to_record(ep: Episode, first: int = 0) -> dict:
-    """A plain dict for the replay buffer and checkpoints: screenshots as PNG bytes (~10x smaller than
-    pixels), the task as a dict, so unpickling never needs this module's classes."""
-    def png(img):
-        if isinstance(img, bytes):
-            return img
-        buf = BytesIO()
-        img.save(buf, format="PNG", compress_level=1)
-        return buf.getvalue()
-    d = {f.name: getattr(ep, f.name) for f in fields(Episode)}
-    # the VM by its number among all ranks' (`first`: this rank's first VM's)
-    return {**d, "vm": first + ep.vm, "task": asdict(ep.task), "screenshots": [png(s) for s in ep.screenshots]}
-
-
-def from_record(d: dict) -> Episode:
-    return Episode(**{**d, "task": Task(**d["task"])})
-
-
-def _image(x) -> Image.Image:
-    return Image.open(BytesIO(x)).convert("RGB") if isinstance(x, bytes) else x
-
-
-@dataclass
-class Observation:
-    """What a policy gets for one VM at one step. The model reads `messages`; a scripted stand-in
-    (tests) can read the task, the step and where the screen is, in the image the model would see."""
-    task: Task
-    vm: int
-    step: int
-    messages: list          # the UI-TARS prompt: instruction, screenshots, earlier answers
-    screen: tuple           # (w, h) of the screenshot in screen pixels
-    image_size: tuple       # (w, h) of the screenshot as the model sees it (coordinates live here)
-
-
 def model_policy(policy, args: Args, temperature: float):
     """The default policy_fn: one batched generate over all observations -> Generations."""
     def policy_fn(observations: list[Observation]) -> list[Generation]:
@@ -270,263 +224,7 @@ def model_policy(policy, args: Args, temperature: float):
 
 
 # ------------------------------------------------------------------------------------------------
-# Desktops: reset, setup, rollout, score
-
-
-def reset_vms(pool: VMPool) -> list[int]:
-    """Reset every VM (dead local desktops are restarted); the indices of those that answered."""
-    return [i for i, r in enumerate(pool.reset()) if r.ok]
-
-
-def setup_vms(pool: VMPool, vm_tasks: list, timeout: float) -> tuple[list, dict]:
-    """Run each VM's task setup in parallel. A VM whose setup fails gets no task this time."""
-    res = pool.setup([t.setup if t is not None else None for t in vm_tasks], timeout=timeout)
-    errors = {i: r.error for i, r in enumerate(res) if vm_tasks[i] is not None and not r.ok}
-    return [None if i in errors else t for i, t in enumerate(vm_tasks)], errors
-
-
-def _drop(ep: Episode, why: str) -> None:
-    ep.end, ep.error = "dropped", why
-
-
-def observe(pool: VMPool, eps: list, active: list[int], args: Args, times: dict) -> list[Observation]:
-    """Screenshots of the active VMs -> one Observation each (a VM whose screenshot fails is dropped)."""
-    with rundir.timed(times, "env"):
-        shots = pool.map("screenshot", ["png" if i in active else None for i in range(pool.size)])
-    obs = []
-    for i in active:
-        e = eps[i]
-        if not shots[i].ok:
-            _drop(e, shots[i].error)
-            continue
-        img = shots[i].value
-        e.screenshots.append(img)
-        # The size the processor resizes this screenshot to: UI-TARS answers in those pixels.
-        h, w = smart_resize(img.height, img.width, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
-        # The history: earlier answers as the sampled ids themselves, so this prompt and the
-        # training sequence built from the same episode later hold the very same tokens.
-        msgs = uitars_messages(e.task.instruction, e.screenshots, e.assistant, max_images=args.max_images)
-        obs.append(Observation(e.task, i, len(e.assistant), msgs, img.size, (w, h)))
-    return obs
-
-
-def record(e: Episode, o: Observation, out, args: Args):
-    """One answer into its episode: parsed in the image the model saw. -> the Action to run, or None."""
-    if isinstance(out, Generation):  # the model: keep the sampled ids, parse in the image it saw
-        text, content, seen, lps = out.text, list(out.completion_ids), out.prompt.image_sizes[-1], out.logprobs
-    else:                            # a scripted stand-in: text, in o.image_size coordinates
-        text, content, seen, lps = str(out), str(out), o.image_size, None
-    parsed = parse_action(text, "uitars", o.screen, seen)
-    e.texts.append(text)
-    e.assistant.append(content)
-    e.logprobs.append(None if lps is None else [float(x) for x in lps])
-    e.thoughts.append(parsed.thought if parsed else "")
-    e.actions.append(parsed.action.to_dict() if parsed else None)
-    e.format_ok.append(parsed is not None)
-    if parsed is None:
-        e.end = "format" if args.stop_on_format_error else None  # ALGO: ARPO stops the episode
-    elif parsed.action.type in ("done", "fail"):
-        e.end = parsed.action.type  # finished() / call_user(): nothing to execute
-    else:
-        return parsed.action
-    return None
-
-
-def rollout(pool: VMPool, vm_tasks: list, policy_fn, args: Args, times: dict,
-            groups: dict | None = None, iteration: int = 0) -> list:
-    """Play vm_tasks[i] on VM i (None: idle), all VMs in lockstep, to the end of every episode.
-
-    Each step: screenshots of the unfinished VMs -> ONE policy_fn call for all of them -> parse
-    (UI-TARS style, coordinates mapped from the image the model saw to the screen) -> act. policy_fn
-    returns model.Generations (their sampled token ids are kept verbatim for training) or plain
-    texts. Returns one Episode per VM (None where idle); a VM that fails is `dropped`.
-    """
-    groups = groups or {}
-    eps = [Episode(t, i, groups.get(i, 0), iteration) if t is not None else None for i, t in enumerate(vm_tasks)]
-    pb = progress.bar(args.max_steps, "rollout")  # lockstep steps of the longest episode
-    while True:
-        # Lockstep: every step waits for the slowest VM and for the one generate call. Finished
-        # VMs sit out (a None argument sends them nothing) instead of padding the batch.
-        active = [i for i, e in enumerate(eps) if e is not None and e.end is None]
-        if not active:
-            pb.close()
-            return eps
-        obs = observe(pool, eps, active, args, times)
-        if not obs:
-            continue
-        with rundir.timed(times, "generation"):
-            outs = policy_fn(obs)
-        actions = [None] * pool.size
-        for o, out in zip(obs, outs):
-            actions[o.vm] = record(eps[o.vm], o, out, args)
-        with rundir.timed(times, "env"):
-            res = pool.act(actions) if any(a is not None for a in actions) else []
-            if res and args.settle > 0:
-                time.sleep(args.settle)  # a window takes a moment to map; the model should see it
-        for i, r in enumerate(res):
-            if actions[i] is None or r.ok:
-                continue
-            if not pool.alive[i]:
-                _drop(eps[i], r.error)  # the VM stopped answering: its trajectory is lost
-            else:
-                # The VM refused the action (a key it does not know, say): the model's answer was
-                # not a valid action after all, so it counts as a format failure.
-                eps[i].format_ok[-1] = False
-                eps[i].actions[-1] = {**eps[i].actions[-1], "refused": r.error}
-                eps[i].end = "format" if args.stop_on_format_error else None
-        for o in obs:
-            e = eps[o.vm]
-            if e.end is None and len(e.assistant) >= min(args.max_steps, e.task.max_steps):
-                e.end = "max_steps"
-        pb.update(1)
-
-
-def outcome_scores(infeasible: bool, actions: list, end: str | None, evaluator_score: float | None = None):
-    """ALGO: (hard, standard) score of one finished episode, by OSWorld's `DesktopEnv.evaluate`:
-    if the last action is FAIL (call_user()), an infeasible task scores 1 and a feasible one 0,
-    whatever its checks say; otherwise an infeasible task scores 0 and a feasible one its
-    evaluator's score. The two protocols differ only in what "the last action" is: the standard one
-    replaces it by FAIL when the episode ran out of steps (end == "max_steps"), the hard one (ARPO's
-    OSWorld-Hard, and ARPO's training environment) keeps what the agent did. So a timeout passes an
-    infeasible task and fails a feasible one under standard only. An unparseable last answer is no
-    FAIL (ARPO's environment turns it into DONE). actions: Action dicts per step (None: unparseable)."""
-    def score(last):
-        if infeasible:
-            return 1.0 if last == "fail" else 0.0
-        return 0.0 if last == "fail" else float(evaluator_score)
-    last = actions[-1]["type"] if actions and actions[-1] else None
-    return score(last), score("fail" if end == "max_steps" else last)
-
-
-def score_episodes(pool: VMPool, eps: list, args: Args, timeout: float) -> None:
-    """Fill score (hard), score_standard and reward of every finished episode, in place.
-
-    Feasible tasks: the evaluator's checks on the VM (in parallel), overruled by a last FAIL.
-    Infeasible tasks, client side: 1 iff the last action is `fail` (call_user()). Under the
-    standard protocol an episode that ran out of steps counts its last action as FAIL
-    (outcome_scores has the whole rule).
-    """
-    # All VMs are evaluated at once after the last episode ended; a finished VM's screen no longer
-    # changes, so this scores the same as ARPO's evaluate-as-soon-as-done, in one round trip.
-    evaluators = [e.task.evaluator if e is not None and e.end != "dropped" and not e.task.infeasible else None
-                  for e in eps]
-    res = pool.evaluate(evaluators, timeout=timeout) if any(evaluators) else [None] * len(eps)
-    for i, e in enumerate(eps):
-        if e is None or e.end == "dropped":
-            continue
-        if e.task.infeasible:
-            e.score, e.score_standard = outcome_scores(True, e.actions, e.end)  # ALGO: OSWorld's infeasible rule
-        elif res[i].ok and isinstance(res[i].value, dict) and "score" in res[i].value:
-            # ALGO: execution-based score
-            e.score, e.score_standard = outcome_scores(False, e.actions, e.end, res[i].value["score"])
-        else:
-            # No score is not a score of 0: training on it would punish the policy for a VM fault.
-            _drop(e, res[i].error or "the VM's /evaluate answered without a score")
-            continue
-        # ALGO: ARPO's trajectory reward: the task score, minus the format penalty once if any answer
-        # did not parse (its code: eval_result + 0.5 * format_reward, format_reward = -1).
-        e.reward = e.score - args.format_penalty * (not all(e.format_ok))
-
-
-def run_jobs(pool: VMPool, jobs: list, policy_fn, args: Args, times: dict) -> tuple[list, int]:
-    """Play a list of tasks (repeats allowed) in waves of as many VMs as are alive: reset, setup,
-    rollout, score. An episode lost to a failing VM is played once more. Returns (episodes, lost)."""
-    queue, done, lost = [(t, 0, j) for j, t in enumerate(jobs)], [], 0
-    pb = progress.bar(len(jobs), "episodes")
-    while queue:
-        with rundir.timed(times, "reset"):
-            live = reset_vms(pool)
-        if not live:
-            raise SystemExit("No VM answered after a reset; check that the desktops run (see --vms).")
-        wave, queue = queue[:len(live)], queue[len(live):]
-        vm_tasks, tries, job = [None] * pool.size, {}, {}
-        for i, (t, n, j) in zip(live, wave):
-            vm_tasks[i], tries[i], job[i] = t, n, j
-        with rundir.timed(times, "reset"):
-            vm_tasks, errors = setup_vms(pool, vm_tasks, args.vm_timeout)
-        eps = rollout(pool, vm_tasks, policy_fn, args, times)
-        with rundir.timed(times, "evaluate"):
-            score_episodes(pool, eps, args, args.vm_timeout)
-        failed = [(t, tries[i], job[i]) for i, t in zip(live, [w[0] for w in wave]) if i in errors]
-        failed += [(e.task, tries[e.vm], job[e.vm]) for e in eps if e is not None and e.end == "dropped"]
-        done += [replace(e, job=job[e.vm]) for e in eps if e is not None and e.end != "dropped"]
-        queue += [(t, n + 1, j) for t, n, j in failed if n < 1]
-        lost += sum(n >= 1 for _, n, _ in failed)
-        pb.update(len(wave) - sum(n < 1 for _, n, _ in failed))  # re-queued jobs are not finished yet
-    pb.close()
-    return done, lost
-
-
-# ------------------------------------------------------------------------------------------------
-# Task selection and evaluation
-
-
-def run_shared_jobs(pool: VMPool, jobs: list, policy_fn, args: Args, first: int = 0, save=None) -> tuple[list, int]:
-    """run_jobs on this rank's share of `jobs` (a contiguous slice; one process: all of them).
-    save(episode), if given, runs on the rank that played it. -> (every rank's episodes, as
-    dicts in job order, VMs numbered among all ranks'; episodes lost to VM failures, all ranks')."""
-    mine = dist.shard_range(len(jobs))
-    eps, lost = run_jobs(pool, jobs[mine.start:mine.stop], policy_fn, args, {})
-    rows = []
-    for e in eps:
-        e = replace(e, job=mine.start + e.job)
-        if save is not None:
-            save(e)
-        rows.append({"task": e.task.id, "vm": first + e.vm, "job": e.job, "end": e.end, "steps": len(e.actions),
-                     "score_standard": e.score_standard, "score_hard": e.score, "actions": e.actions,
-                     "format_ok": e.format_ok, "texts": e.texts})
-    rows = sorted((r for part in dist.gather(rows) for r in part), key=lambda r: r["job"])
-    return rows, int(dist.all_sum([lost])[0])
-
-
-def select_tasks(pool: VMPool, tasks: list, k: int, policy_fn, args: Args, first: int = 0) -> tuple[list, dict]:
-    """ARPO's task selection: k rollouts per task with the starting policy; keep the tasks solved
-    (score > success threshold) at least once. Returns (kept tasks, {task id: successes})."""
-    eps, _ = run_shared_jobs(pool, [t for t in tasks for _ in range(k)], policy_fn, args, first)
-    counts = {t.id: 0 for t in tasks}
-    for e in eps:
-        counts[e["task"]] += e["score_hard"] > args.success_threshold  # ALGO: "solved at least once"
-    return [t for t in tasks if counts[t.id] > 0], counts
-
-
-def evaluate_policy(pool: VMPool, tasks: list, policy_fn, args: Args, save_to: str | None = None,
-                    first: int = 0) -> dict:
-    """Success rate (mean score, as OSWorld reports it) per task and overall, under both protocols,
-    and per episode what it did (details: every step's action, whether it parsed, the answer text).
-    save_to: a folder that gets the episodes as a run's trajectories (view.py reads it), one
-    "iteration" per task in the order given, one "vm" per rollout of it."""
-    t0 = time.perf_counter()
-    n = args.eval_episodes
-    save = None if not save_to else (lambda e: save_episodes(save_to, e.job // n, [replace(e, vm=e.job % n)],
-                                                             clear=False))
-    eps, lost = run_shared_jobs(pool, [t for t in tasks for _ in range(n)], policy_fn, args, first, save)
-    out = {"episodes": len(eps), "lost": lost, "episodes_per_task": n,
-           "temperature": args.eval_temperature, "seconds": time.perf_counter() - t0}
-    for proto, key in (("standard", "score_standard"), ("hard", "score_hard")):
-        per_task = {}
-        for t in tasks:
-            s = [e[key] for e in eps if e["task"] == t.id]
-            per_task[t.id] = sum(s) / len(s) if s else None
-        all_s = [e[key] for e in eps]
-        out[proto] = {"overall": sum(all_s) / len(all_s) if all_s else None, "per_task": per_task}
-    out["details"] = eps
-    steps = [ok for e in eps for ok in e["format_ok"]]
-    out["format_rate"] = sum(steps) / len(steps) if steps else None  # share of answers that parsed
-    return out
-
-
-def eval_table(result: dict) -> str:
-    fmt = lambda v: "  -  " if v is None else f"{v:5.2f}"  # noqa: E731
-    rows = [f"{'task':32s} standard  hard"]
-    for tid in result["standard"]["per_task"]:
-        rows.append(f"{tid:32s} {fmt(result['standard']['per_task'][tid])}   {fmt(result['hard']['per_task'][tid])}")
-    rows.append(f"{'overall':32s} {fmt(result['standard']['overall'])}   {fmt(result['hard']['overall'])}"
-                f"   ({result['episodes']} episodes, {result['lost']} lost to VM failures)")
-    return "\n".join(rows)
-
-
-# ------------------------------------------------------------------------------------------------
-# One training iteration
+# The pieces of one training iteration
 
 
 @dataclass
@@ -541,15 +239,16 @@ class Trainer:
     run: str | None = None
     tasks: list = field(default_factory=list)  # the training task list (after --select-tasks)
     picker: dict = field(default_factory=lambda: {"epoch": 0, "pos": 0})  # pick_tasks' place in the order
-    first: int = 0  # under torchrun: the number of this rank's first VM among all ranks' VMs
+    vm_offset: int = 0  # under torchrun: the number of this rank's first VM among all ranks' VMs
 
 
-def plan_groups(live: list[int], group_size: int) -> list[list[int]]:
-    """Live VMs -> groups of group_size (leftovers idle). Fewer live VMs than a group: one group."""
-    n = len(live) // group_size
-    if n == 0:  # a smaller group still gives GRPO a baseline; a lone VM gets replay or nothing
-        return [live] if live else []
-    return [live[g * group_size:(g + 1) * group_size] for g in range(n)]
+def n_groups(desktops: int, group_size: int) -> int:
+    """How many groups (tasks) an iteration plays on `desktops` desktops in service: one per
+    group_size of them (leftovers idle), and at least one. A group is always group_size rollouts:
+    fewer desktops than that play it in turns (rollout.py gives a freed desktop the next episode),
+    so a lone desktop still trains; a group of one would not (its advantage is always 0, and replay
+    would only swap its one member for a stored success, with nothing to compare it with)."""
+    return max(1, desktops // group_size) if desktops else 0
 
 
 def lr_at(it: int, args: Args) -> float:
@@ -578,6 +277,25 @@ def pick_tasks(ids: list[str], state: dict, n: int, seed: int) -> list[str]:
     return out
 
 
+def assign_tasks(tr: Trainer, pick) -> tuple[list[str], list[Task], list[int], int]:
+    """The next task for each group of the desktops in service. -> (task id per group, every
+    rank's; this rank's jobs: one task per group member; the group of each job; the number of
+    this rank's first job among all ranks')."""
+    desktops = len(rollout.in_service(tr.pool))  # dead remote VMs are re-checked
+    if not desktops:
+        raise SystemExit("No VM answered; check that the desktops run (see --vms).")
+    # Under torchrun every rank draws the tasks of ALL groups (the same ids: the order is a function
+    # of the seed) and plays its own, numbered after the earlier ranks' groups: a group never
+    # straddles ranks.
+    counts = dist.gather(n_groups(desktops, tr.args.group_size))
+    group_offset, size = sum(counts[:dist.rank()]), tr.args.group_size
+    task_ids = pick(sum(counts))
+    by_id = {t.id: t for t in tr.tasks}
+    mine = range(group_offset, group_offset + counts[dist.rank()])
+    return task_ids, [by_id[task_ids[g]] for g in mine for _ in range(size)], [g for g in mine for _ in range(size)], \
+        group_offset * size
+
+
 def episode_samples(policy, ep: Episode, args: Args, advantage: float = 0.0) -> list:
     """ALGO: a trajectory as training sequences, every answer in the context it was sampled in: the
     conversation re-encoded, the sampled answer ids verbatim, the sampler's log-probs alongside.
@@ -588,7 +306,7 @@ def episode_samples(policy, ep: Episode, args: Args, advantage: float = 0.0) -> 
     its own, its prompt exactly as sampled and only its answer a target. Each piece's weight is its
     share of the trajectory's target tokens, so under seq-mean-token-mean the pieces count as one
     sequence and the loss is the one the whole trajectory would give."""
-    shots = [_image(s) for s in ep.screenshots]
+    shots = [as_image(s) for s in ep.screenshots]
     n, K = len(ep.assistant), args.max_images
     lps = ep.logprobs if len(ep.logprobs) == n and all(lp is not None for lp in ep.logprobs) else None
     im_start = policy.tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -596,11 +314,11 @@ def episode_samples(policy, ep: Episode, args: Args, advantage: float = 0.0) -> 
     for end in [min(n, K)] + list(range(K + 1, n + 1)):  # answers [0, end) in context; the last one or all targets
         msgs = uitars_messages(ep.task.instruction, shots[:end], ep.assistant[:end], max_images=K)
         enc = encode_chat(policy, msgs, add_generation_prompt=False)
-        first = 0 if end <= K else end - 1  # the first answer this piece trains
-        if first:  # earlier answers are context here: only the last assistant turn is a target
+        first_target = 0 if end <= K else end - 1  # the first answer this piece trains
+        if first_target:  # earlier answers are context here: only the last assistant turn is a target
             last_turn = max(i for i, t in enumerate(enc.input_ids) if t == im_start)
             enc.target_mask = [0] * last_turn + enc.target_mask[last_turn:]
-        old = [x for lp in lps[first:end] for x in lp] if lps is not None else None
+        old = [x for lp in lps[first_target:end] for x in lp] if lps is not None else None
         pieces.append(trajectory_sample(enc, ep.reward, ep.group, old))
     total = sum(sum(p.target_mask) for p in pieces)
     for p in pieces:
@@ -609,7 +327,7 @@ def episode_samples(policy, ep: Episode, args: Args, advantage: float = 0.0) -> 
     return pieces
 
 
-def apply_replay(buffer: ReplayBuffer, members: list[Episode], group: int, first: int = 0) -> tuple[list, dict | None]:
+def apply_replay(buffer: ReplayBuffer, members: list[Episode], group: int, vm_offset: int = 0) -> tuple[list, dict | None]:
     """ALGO: ARPO's replay. If the group failed alike (score std < 0.05 and mean < 0.2), one member
     is replaced by a stored success of the same task (stored in an EARLIER iteration: the buffer is
     filled only after this step). Returns the group's trajectories for the update + the injection."""
@@ -623,12 +341,12 @@ def apply_replay(buffer: ReplayBuffer, members: list[Episode], group: int, first
     # sampler log-probs are an older policy's: dropped, so logp_gap compares like with like.
     ep = replace(from_record(new[k]), group=group, replayed=True, logprobs=[])
     return members[:k] + [ep] + members[k + 1:], {
-        "task": ep.task.id, "group": group, "replaced_vm": first + members[k].vm, "from_iteration": ep.iteration,
+        "task": ep.task.id, "group": group, "replaced_vm": vm_offset + members[k].vm, "from_iteration": ep.iteration,
         "from_vm": ep.vm, "score": ep.score, "reward": ep.reward}
 
 
 def replay_groups(buffer: ReplayBuffer | None, fresh: list[Episode], task_ids: list[str], scores: dict,
-                  first: int = 0):
+                  vm_offset: int = 0):
     """Per group: replay (if on) and its stats. Returns (update batch, injections, group stats) of
     this rank's groups. `scores`: {group: its fresh members' scores} of EVERY group (under torchrun,
     of every rank): each rank keeps the same replay buffer, so every rank draws for every group."""
@@ -640,7 +358,7 @@ def replay_groups(buffer: ReplayBuffer | None, fresh: list[Episode], task_ids: l
                 buffer.inject(tid, [None] * len(scores[g]), scores[g])
             continue  # (or every VM of this group failed: nothing to learn from it)
         if buffer is not None:
-            members, inj = apply_replay(buffer, members, g, first)
+            members, inj = apply_replay(buffer, members, g, vm_offset)
             injections += [inj] if inj else []
         batch += members
         r = torch.tensor([e.reward for e in members])  # (G,)
@@ -656,55 +374,6 @@ def replay_groups(buffer: ReplayBuffer | None, fresh: list[Episode], task_ids: l
     return batch, injections, stats
 
 
-def flat_groups(groups: list, advantages: list[float]) -> int:
-    """ARPO's "invalid groups", those with no learning signal: every advantage 0 (group_advantages
-    gives that to equal rewards or a lone member). The update's own rule, so a group whose
-    rewards differ by a hair counts as learning, as it does in the update (ARPO: std < 0.01)."""
-    by_group: dict = {}
-    for g, a in zip(groups, advantages):
-        by_group.setdefault(g, []).append(a)
-    return sum(all(a == 0 for a in advs) for advs in by_group.values())
-
-
-UPDATE_KEYS = ("loss", "pg_loss", "kl", "clip_low", "clip_high", "clip_dual", "ratio_mean", "grad_norm", "tokens",
-               "steps")
-
-
-def iteration_metrics(it, task_ids, fresh: list[dict], dropped: int, batch: list[dict], upd, times, args: Args) -> dict:
-    """One metrics.jsonl line: rewards, success, format, the update's numbers, the time split.
-    fresh: every rank's finished episodes (outcome()); batch: every rank's trained trajectories."""
-    def mean(xs):
-        return float(np.mean(xs)) if len(xs) else 0.0
-    vm_time = times["time/reset"] + times["time/env"] + times["time/evaluate"]
-    return {
-        "iteration": it, "tasks": task_ids, "episodes": len(fresh), "dropped": dropped,
-        "reward_mean": mean([e["reward"] for e in fresh]),
-        "reward_std": float(np.std([e["reward"] for e in fresh])) if fresh else 0.0,
-        "score_mean": mean([e["score"] for e in fresh]),
-        "success_rate": mean([e["score"] > args.success_threshold for e in fresh]),
-        "format_rate": mean([ok for e in fresh for ok in e["format_ok"]]),  # share of steps that parsed
-        "steps_mean": mean([e["steps"] for e in fresh]),
-        "batch": batch,
-        **{f"actor/{k}": upd.get(k, 0.0) for k in UPDATE_KEYS},
-        # trainer vs sampler log-probs of this iteration's sampled tokens (0 on the HF path; vLLM
-        # numerics show here), over the micro-batches whose sequences all carry the sampler's numbers
-        **({"actor/logp_gap": upd["logp_gap"]} if "logp_gap" in upd else {}),
-        **times, "vm_wait_share": vm_time / times["time/iteration"] if times["time/iteration"] else 0.0}
-
-
-def outcome(e: Episode) -> dict:
-    """What the metrics need of a finished episode (small enough to gather from every rank)."""
-    return {"reward": e.reward, "score": e.score, "format_ok": e.format_ok, "steps": len(e.actions)}
-
-
-def batch_rows(batch: list[Episode], adv: list[float], pieces: list, first: int) -> list[dict]:
-    """metrics' "batch": each trained trajectory (VMs numbered among all ranks')."""
-    return [{"task": e.task.id, "group": e.group, "vm": e.vm if e.replayed else first + e.vm, "replayed": e.replayed,
-             "from_iteration": e.iteration, "reward": e.reward, "advantage": a,
-             "target_tokens": int(sum(sum(p.target_mask) for p in ps)), "steps": len(e.actions),
-             "sequences": len(ps)} for e, a, ps in zip(batch, adv, pieces)]
-
-
 def replay_and_store(tr: Trainer, fresh: list[Episode], task_ids: list[str]) -> tuple:
     """ALGO: replay into all-failed groups, THEN store this iteration's successes. Under torchrun
     every rank keeps the same buffer: the groups' scores and the successes of every rank, in rank
@@ -712,131 +381,130 @@ def replay_and_store(tr: Trainer, fresh: list[Episode], task_ids: list[str]) -> 
     scores = {}
     for part in dist.gather({e.group: [x.score for x in fresh if x.group == e.group] for e in fresh}):
         scores.update(part)
-    batch, injections, stats = replay_groups(tr.replay, fresh, task_ids, scores, tr.first)
+    batch, injections, stats = replay_groups(tr.replay, fresh, task_ids, scores, tr.vm_offset)
     if tr.replay is not None:
         # ALGO: success = score > 0.1; PNG-encode only those
-        mine = [(e.task.id, to_record(e, tr.first), e.score) for e in fresh if e.score > tr.replay.success_threshold]
+        mine = [(e.task.id, to_record(e, tr.vm_offset), e.score) for e in fresh if e.score > tr.replay.success_threshold]
         for tid, record, score in [x for part in dist.gather(mine) for x in part]:
             tr.replay.add(tid, record, score)
     return batch, injections, stats
 
 
-def assign_tasks(tr: Trainer, pick) -> tuple:
-    """Reset every VM, split the live ones into groups, give each group the next task, run the
-    setups. -> (task id per group, task per VM (None: idle), group per VM, setup errors per VM)."""
-    live = reset_vms(tr.pool)
-    groups = plan_groups(live, tr.args.group_size)
-    if not groups:
-        raise SystemExit("No VM answered after a reset; check that the desktops run (see --vms).")
-    # Under torchrun every rank draws the tasks of ALL groups (the same ids: the order is a function
-    # of the seed) and plays its own, numbered after the earlier ranks' groups: a group never
-    # straddles ranks.
-    counts = dist.gather(len(groups))
-    first = sum(counts[:dist.rank()])
-    task_ids = pick(sum(counts))
-    by_id = {t.id: t for t in tr.tasks}
-    vm_tasks, vm_group = [None] * tr.pool.size, {}
-    for g, (vms, tid) in enumerate(zip(groups, task_ids[first:])):
-        for i in vms:
-            vm_tasks[i], vm_group[i] = by_id[tid], first + g
-    vm_tasks, errors = setup_vms(tr.pool, vm_tasks, tr.args.vm_timeout)
-    return task_ids, vm_tasks, vm_group, errors
-
-
-def update(tr: Trainer, batch: list[Episode], it: int) -> tuple:
+def update(tr: Trainer, batch: list[Episode], it: int, times: dict) -> tuple:
     """ALGO: advantages per group of trajectories, broadcast to every assistant token, then the GRPO
     update in ARPO's schedule (two shuffled mini-batches by default, dual clip, log-probs at the
     sampling temperature). -> (advantage per trajectory, its training sequences, update metrics)."""
-    args = tr.args
-    adv = group_advantages([e.reward for e in batch], [e.group for e in batch]).tolist()  # (N,)
-    pieces = [episode_samples(tr.policy, e, args, a) for e, a in zip(batch, adv)]
+    a = tr.args
+    adv = group_advantages([e.reward for e in batch], [e.group for e in batch], a.scale_rewards).tolist()  # (N,)
+    pieces = [episode_samples(tr.policy, e, a, adv_e) for e, adv_e in zip(batch, adv)]  # each trajectory's sequences
     samples = [p for ps in pieces for p in ps]
-    if not samples and dist.size() == 1:
-        return adv, pieces, {}
-    n_all = int(dist.all_sum([len(samples)])[0])  # every rank's sequences
-    mini = args.mini_batch or math.ceil(n_all / 2)  # ALGO: ARPO: 2 optimizer steps per batch
-    with progress.bar(len(samples) * args.epochs, "update") as pb:
-        upd = update_policy(tr.policy, tr.optimizer, samples, micro_batch_size=args.micro_batch,
-                            eps_low=args.eps_low, eps_high=args.eps_high, beta=args.beta,
-                            max_grad_norm=args.max_grad_norm, agg=args.loss_agg, mini_batch_size=mini,
-                            epochs=args.epochs, on_micro_batch=pb.update, temperature=args.temperature,
-                            dual_clip=args.dual_clip or None,
-                            shuffle=random.Random(f"{args.seed}-update-{it}"))  # the same on a resume
-    sync_weights(tr.policy)  # vLLM generates with the new weights from the next step on
+    upd = rundir.update_policy(tr.policy, tr.optimizer, samples, times, micro_batch_size=a.micro_batch,
+                               eps_low=a.eps_low, eps_high=a.eps_high, beta=a.beta, max_grad_norm=a.max_grad_norm,
+                               agg=a.loss_agg, epochs=a.epochs, temperature=a.temperature,
+                               dual_clip=a.dual_clip or None,
+                               mini_batch_size=a.mini_batch or None, optimizer_steps=2,  # ARPO: two steps a batch
+                               shuffle=random.Random(f"{a.seed}-update-{it}"))  # the same on a resume
     return adv, pieces, upd
 
 
 def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
     """One ARPO iteration; pick(n) -> n task ids. Returns (metrics, this rank's episodes)."""
-    args, pool = tr.args, tr.pool
-    times = {f"time/{k}": 0.0 for k in ("reset", "generation", "env", "evaluate", "update")}
-    t0 = time.perf_counter()
-    lr = rundir.set_lr(tr.optimizer, lr_at(it, args))
-    # -- reset, pick one task per group, setup
-    with rundir.timed(times, "reset"):
-        task_ids, vm_tasks, vm_group, setup_errors = assign_tasks(tr, pick)
-    # -- rollout + score
+    times, t0 = {}, time.perf_counter()
+    lr = rundir.set_lr(tr.optimizer, lr_at(it, tr.args))
+    # -- one task per group; every group member is a job (dead remote VMs re-checked meanwhile)
+    with rundir.timed(times, "vm_wait"):
+        task_ids, jobs, job_group, first_job = assign_tasks(tr, pick)
+    # -- the rollout: each desktop resets, sets up, plays and scores its episode on its own
     with dist.unsharded(tr.policy.model):  # FSDP2: each rank decodes alone, with whole weights
-        eps = rollout(pool, vm_tasks, tr.policy_fn, args, times, vm_group, it)
-    with rundir.timed(times, "evaluate"):
-        score_episodes(pool, eps, args, args.vm_timeout)
-    fresh = [e for e in eps if e is not None and e.end != "dropped"]
-    # -- ALGO: replay into all-failed groups, THEN store this iteration's successes
+        eps, out = play_all(tr.pool, jobs, tr.policy_fn, tr.args, job_group, it, desc="rollout", first_job=first_job)
+    for k, v in out.times.items():
+        times[k] = times.get(k, 0.0) + v
+    fresh = [e for e in eps if e.end != "dropped"]
+    # -- ALGO: replay into all-failed groups, store this iteration's successes, GRPO
     batch, injections, group_stats = replay_and_store(tr, fresh, task_ids)
-    # -- ALGO: group advantages and the GRPO update
-    with rundir.timed(times, "update"):
-        adv, pieces, upd = update(tr, batch, it)
+    adv, pieces, upd = update(tr, batch, it, times)
     times["time/iteration"] = time.perf_counter() - t0
-    # -- every rank's numbers into one line
-    mine = {"fresh": [outcome(e) for e in fresh], "batch": batch_rows(batch, adv, pieces, tr.first),
-            "groups": group_stats, "injections": injections, "times": times,
-            "dropped": len([e for e in eps if e is not None and e.end == "dropped"]) + len(setup_errors),
-            "setup_errors": {str(tr.first + k): v for k, v in setup_errors.items()}}
-    parts = dist.gather(mine)
-    every = {k: [x for p in parts for x in p[k]] for k in ("fresh", "batch", "groups", "injections")}
-    m = iteration_metrics(it, task_ids, every["fresh"], sum(p["dropped"] for p in parts), every["batch"], upd,
-                          rundir.gather_times(times, ("reset", "env", "evaluate")), args)
-    m.update({"actor/lr": lr, "groups": every["groups"], "replay_injections": every["injections"],
-              "n_injections": len(every["injections"]), "replay_size": len(tr.replay) if tr.replay is not None else 0,
-              "zero_std_groups": flat_groups([b["group"] for b in every["batch"]], [b["advantage"] for b in every["batch"]])})
-    errors = {k: v for p in parts for k, v in p["setup_errors"].items()}
-    if errors:
-        m["setup_errors"] = errors
-    return m, eps
-
-
-def save_episodes(run: str, it: int, eps: list, first: int = 0, clear: bool = True) -> None:
-    """Each VM's episode: every step's screenshot, thought, action, then a final line with the score.
-    VMs are numbered among all ranks' (`first`: this rank's first VM's)."""
-    if clear:
-        rundir.clear_trajectories(run, it)
-    for e in eps:
-        if e is None or not e.screenshots:
-            continue
-        # A dropped episode may have one screenshot more than answers (the VM died in between).
-        n = len(e.texts)
-        steps = [{"step": s, "task": e.task.id, "thought": e.thoughts[s] if s < n else "",
-                  "text": e.texts[s] if s < n else "", "format_ok": e.format_ok[s] if s < n else None,
-                  "action": e.actions[s] if s < n else None} for s in range(len(e.screenshots))]
-        steps.append({"final": True, "task": e.task.id, "instruction": e.task.instruction, "group": e.group,
-                      "end": e.end, "error": e.error, "score": e.score, "score_standard": e.score_standard,
-                      "format_penalty": e.reward - e.score, "reward": e.reward})
-        rundir.save_trajectory(run, it, first + e.vm, steps, list(e.screenshots) + [None])
-
-
-def summary_line(m: dict) -> str:
-    return (f"it {m['iteration']:4d} | tasks {','.join(m['tasks'])[:40]:40s} | reward {m['reward_mean']:+.2f}"
-            f"±{m['reward_std']:.2f} | success {m['success_rate']:.2f} | format {m['format_rate']:.2f} | "
-            f"replay +{m['n_injections']}{''.join(' ' + i['task'] for i in m['replay_injections'])} "
-            f"({m['replay_size']} stored) | flat groups {m['zero_std_groups']}/{len(m['groups'])} | "
-            f"kl {m['actor/kl']:.4f} clip {m['actor/clip_low']:.2f}/{m['actor/clip_high']:.2f}/"
-            f"{m['actor/clip_dual']:.2f} ({m['actor/steps']:.0f} steps) | {m['time/iteration']:.1f}s (reset "
-            f"{m['time/reset']:.1f} gen {m['time/generation']:.1f} env {m['time/env']:.1f} eval "
-            f"{m['time/evaluate']:.1f} upd {m['time/update']:.1f}; VM wait {100 * m['vm_wait_share']:.0f}%)")
+    m = gather_metrics(tr, it, task_ids, fresh, out, batch, adv, pieces, upd, group_stats, injections, times)
+    return {**m, "actor/lr": lr}, eps
 
 
 # ------------------------------------------------------------------------------------------------
-# Setup: tasks, policy, checkpoints
+# Metrics: every rank's numbers into one line, and the console line
+
+UPDATE_KEYS = ("loss", "pg_loss", "kl", "clip_low", "clip_high", "clip_dual", "ratio_mean", "grad_norm", "tokens",
+               "steps")
+
+
+def flat_groups(groups: list, advantages: list[float]) -> int:
+    """Flat groups: those whose advantages are all 0, so the update learns nothing from them
+    (group_advantages gives that to equal rewards or a lone member). The update's own rule, so a
+    group whose rewards differ by a hair counts as learning, as it does in the update (ARPO's
+    code: std < 0.01)."""
+    by_group: dict = {}
+    for g, a in zip(groups, advantages):
+        by_group.setdefault(g, []).append(a)
+    return sum(all(a == 0 for a in advs) for advs in by_group.values())
+
+
+def gather_metrics(tr: Trainer, it: int, task_ids, fresh, out, batch, adv, pieces, upd, group_stats, injections,
+                   times) -> dict:
+    """One metrics.jsonl line of every rank's numbers: rewards, success, format, replay, the trained
+    batch, the update's numbers, the time split (rundir.gather_times). `dropped` episodes are the
+    environment's failures (nothing is retried in training, so it equals `env_failures`);
+    `env_errors` says what failed where."""
+    vm = tr.vm_offset
+    parts = dist.gather({
+        "fresh": [{"reward": e.reward, "score": e.score, "format_ok": e.format_ok, "steps": len(e.actions)}
+                  for e in fresh],
+        "batch": [{"task": e.task.id, "group": e.group, "vm": e.vm if e.replayed else vm + e.vm, "replayed": e.replayed,
+                   "from_iteration": e.iteration, "reward": e.reward, "advantage": a,
+                   "target_tokens": int(sum(sum(p.target_mask) for p in ps)), "steps": len(e.actions),
+                   "sequences": len(ps)} for e, a, ps in zip(batch, adv, pieces)],
+        "groups": group_stats, "injections": injections, "batches": out.batches, "settles": out.settles,
+        "failures": [(vm + f.vm if f.vm is not None else None, f.error) for f in out.failures]})
+    every = {k: [x for p in parts for x in p[k]] for k in parts[0]}
+    fresh, failures, batch = every["fresh"], every["failures"], every["batch"]
+
+    def mean(xs):
+        return float(np.mean(xs)) if len(xs) else 0.0
+    return {
+        "iteration": it, "tasks": task_ids, "episodes": len(fresh), "dropped": len(failures),
+        "env_failures": len(failures), **({"env_errors": {str(v): err for v, err in failures}} if failures else {}),
+        "reward_mean": mean([e["reward"] for e in fresh]),
+        "reward_std": float(np.std([e["reward"] for e in fresh])) if fresh else 0.0,
+        "score_mean": mean([e["score"] for e in fresh]),
+        "success_rate": mean([e["score"] > tr.args.success_threshold for e in fresh]),
+        "format_rate": mean([ok for e in fresh for ok in e["format_ok"]]),  # share of steps that parsed
+        "steps_mean": mean([e["steps"] for e in fresh]),
+        "batch": batch, "groups": every["groups"],
+        "flat_groups": flat_groups([b["group"] for b in batch], [b["advantage"] for b in batch]),
+        "replay_injections": every["injections"], "n_injections": len(every["injections"]),
+        "replay_size": len(tr.replay) if tr.replay is not None else 0,
+        **{f"actor/{k}": upd.get(k, 0.0) for k in UPDATE_KEYS},
+        # trainer vs sampler log-probs of this iteration's sampled tokens (0 on the HF path; vLLM
+        # numerics show here), over the micro-batches whose sequences all carry the sampler's numbers
+        **({"actor/logp_gap": upd["logp_gap"]} if "logp_gap" in upd else {}),
+        "rollout/batches": len(every["batches"]), "rollout/batch_mean": mean(every["batches"]),
+        **rollout.settle_metrics(every["settles"]),
+        **rundir.gather_times(times)}
+
+
+def summary_line(m: dict, beta: float = 0.0) -> str:
+    """The console line of an iteration (`kl n/a`: with --beta 0 no KL is computed)."""
+    kl = f"kl {m['actor/kl']:.4f}" if beta else "kl n/a"
+    return (f"it {m['iteration']:4d} | tasks {','.join(m['tasks'])[:40]:40s} | reward {m['reward_mean']:+.2f}"
+            f"±{m['reward_std']:.2f} | success {m['success_rate']:.2f} | format {m['format_rate']:.2f} | "
+            f"replay +{m['n_injections']}{''.join(' ' + i['task'] for i in m['replay_injections'])} "
+            f"({m['replay_size']} stored) | flat groups {m['flat_groups']}/{len(m['groups'])} | "
+            f"{kl} clip {m['actor/clip_low']:.2f}/{m['actor/clip_high']:.2f}/"
+            f"{m['actor/clip_dual']:.2f} ({m['actor/steps']:.0f} steps) | {m['time/iteration']:.1f}s (gen "
+            f"{m['time/generation']:.1f} in {m['rollout/batches']} batches, upd {m['time/update']:.1f}, VM wait "
+            f"{100 * m['vm_wait_share']:.0f}%; per desktop: reset {m['time/reset']:.1f} env {m['time/env']:.1f} "
+            f"eval {m['time/evaluate']:.1f})" + (f" | env failures {m['env_failures']}" if m["env_failures"] else ""))
+
+
+# ------------------------------------------------------------------------------------------------
+# Setup: tasks, policy, checkpoints; then the loop
 
 
 def load_task_list(args: Args, ids: list[str] | None = None) -> list[Task]:
@@ -868,29 +536,7 @@ def make_policy(args: Args, ckpt: tuple[dict, str] | None):
     return policy
 
 
-def eval_only(pool: VMPool, tasks: list, policy, args: Args, run: str, iteration: int, first: int = 0) -> None:
-    """--eval-only: eval_it<N>.json (or --eval-out) and the episodes beside it in eval_it<N>/
-    (`python view.py runs/<name>/eval_it<N>` shows what was clicked)."""
-    out = args.eval_out or os.path.join(run, f"eval_it{iteration:06d}.json")
-    root, ext = os.path.splitext(out)
-    folder = root if ext else out + "_episodes"  # never the JSON's own path
-    if dist.is_main():
-        shutil.rmtree(folder, ignore_errors=True)  # a second eval of the same checkpoint replaces the first
-    dist.barrier()
-    with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
-        result = evaluate_policy(pool, tasks, model_policy(policy, args, args.eval_temperature), args,
-                                 save_to=folder if args.save_trajectories else None, first=first)
-    result.update(model=args.model, run=run, iteration=iteration, protocols={
-        "standard": "an episode that runs out of steps counts its last action as FAIL (OSWorld)",
-        "hard": "the last action is what the agent did (OSWorld-Hard in ARPO)"})
-    if dist.is_main():
-        with open(out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(eval_table(result))
-        print(f"eval written to {out}")
-
-
-def setup(args: Args, pool: VMPool, policy, run: str, ckpt, tasks: list, first: int = 0) -> tuple[Trainer, int]:
+def setup(args: Args, pool: VMPool, policy, run: str, ckpt, tasks: list, vm_offset: int = 0) -> tuple[Trainer, int]:
     """The optimizer, the replay buffer and the task order, fresh (after --select-tasks) or from the
     checkpoint. -> (Trainer, the first iteration to run)."""
     params = [p for p in policy.model.parameters() if p.requires_grad]
@@ -904,11 +550,11 @@ def setup(args: Args, pool: VMPool, policy, run: str, ckpt, tasks: list, first: 
         start = rundir.resume(run, ckpt, policy, optimizer)  # optimizer, metrics.jsonl and RNG states
         print(f"resumed {run} at iteration {start} ({len(replay or [])} stored successes)")
     dist.seed_ranks((args.seed if args.sample_seed < 0 else args.sample_seed) + start)  # torchrun: own samples
+    policy_fn = model_policy(policy, args, args.temperature)
     if ckpt is None and args.select_tasks > 0:
         with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
-            tasks = select_and_record(pool, tasks, model_policy(policy, args, args.temperature), args, run, first)
-    policy_fn = model_policy(policy, args, args.temperature)
-    return Trainer(args, pool, policy, optimizer, replay, policy_fn, run, tasks, picker, first), start
+            tasks = arpo_eval.select_and_record(pool, tasks, policy_fn, args, run, vm_offset)
+    return Trainer(args, pool, policy, optimizer, replay, policy_fn, run, tasks, picker, vm_offset), start
 
 
 def checkpoint(tr: Trainer, next_it: int, metrics: dict | None = None) -> None:
@@ -923,13 +569,12 @@ def train(tr: Trainer, start: int) -> None:
     trackers = rundir.open_trackers(run, args)
     for it in progress.track(range(start, args.iterations), "iterations"):
         m, eps = run_iteration(tr, it, lambda n: pick_tasks(ids, tr.picker, n, args.seed))
-        t0 = time.perf_counter()
-        if args.save_trajectories:
-            save_episodes(run, it, eps, tr.first)
-        if (it + 1) % args.ckpt_every == 0 or it + 1 == args.iterations:
-            checkpoint(tr, it + 1, m)
-        m["time/save"] = time.perf_counter() - t0
-        rundir.end_iteration(run, trackers, m, summary_line(m))
+        with rundir.timed(m, "save"):
+            if args.save_trajectories:
+                save_episodes(run, it, eps, tr.vm_offset)
+            if (it + 1) % args.ckpt_every == 0 or it + 1 == args.iterations:
+                checkpoint(tr, it + 1, m)
+        rundir.end_iteration(run, trackers, m, summary_line(m, args.beta))
     progress.close(trackers)
 
 
@@ -948,34 +593,16 @@ def main(argv=None) -> None:
         if not (args.eval_only and args.resume):  # evaluating a run: its args.json stays the training args
             rundir.make_run_dir(run, args, resume=bool(args.resume))
         policy = make_policy(args, ckpt)
-        pool, _, _, first = rundir.open_desktops(args.vms, args.token, args.vm_timeout, screen_size(args))
+        pool, _, _, vm_offset = rundir.open_desktops(args.vms, args.token, args.vm_timeout, screen_size(args))
     try:
-        if args.eval_only:
-            return eval_only(pool, tasks, policy, args, run, rundir.next_iteration(ckpt[0]) if ckpt else 0, first)
-        train(*setup(args, pool, policy, run, ckpt, tasks, first))
+        if args.eval_only:  # standard + hard success rates of the policy, into eval_it<N>.json
+            with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
+                arpo_eval.run_eval(pool, tasks, model_policy(policy, args, args.eval_temperature), args, run,
+                                   rundir.next_iteration(ckpt[0]) if ckpt else 0, vm_offset)
+            return
+        train(*setup(args, pool, policy, run, ckpt, tasks, vm_offset))
     finally:
         pool.close()
-
-
-def select_and_record(pool: VMPool, tasks: list, policy_fn, args: Args, run: str, first: int = 0) -> list:
-    """--select-tasks K: run the selection with the starting policy, write selected_tasks.json."""
-    path = os.path.join(run, "selected_tasks.json")
-    if os.path.exists(path):  # killed after selecting, before the first checkpoint: reuse it
-        with open(path) as f:
-            keep = json.load(f)["selected"]
-        kept = [t for t in tasks if t.id in keep]
-    else:
-        print(f"task selection: {args.select_tasks} rollouts of each of {len(tasks)} tasks ...", flush=True)
-        kept, counts = select_tasks(pool, tasks, args.select_tasks, policy_fn, args, first)
-        if dist.is_main():
-            with open(path, "w") as f:
-                json.dump({"k": args.select_tasks, "success_threshold": args.success_threshold,
-                           "successes": counts, "selected": [t.id for t in kept]}, f, indent=2)
-        print(f"task selection kept {len(kept)}/{len(tasks)} tasks: {[t.id for t in kept]} (written to {path})")
-    if not kept:
-        raise SystemExit(f"no task was solved even once in {args.select_tasks} tries; raise --select-tasks, "
-                         "use an easier task set, or train without --select-tasks.")
-    return kept
 
 
 if __name__ == "__main__":

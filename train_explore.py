@@ -13,14 +13,18 @@ loss, KL, clip fractions, format rate, per-phase seconds); trajectories/it<i>/vm
 the model saw at each step; ckpt/ (the latest checkpoint); models/E<g> (each generation's model,
 E<g>_sft its SFT starting point); distill/gen<g>.jsonl + gen<g>/*.png (its distilled steps).
 
-Paper: ScreenExplorer (arXiv 2505.19095). One iteration, top to bottom (see DESIGN.md):
-    for step in range(--steps): screenshots of every live desktop (parallel) -> exploration prompts
-        -> ONE batched generate -> parse {"intent", "action"} -> actions on every desktop (parallel)
-        -> after-screenshots
+Paper: ScreenExplorer (arXiv 2505.19095). One iteration, top to bottom (`train`, then `learn`):
+    --steps steps on every live desktop, each on its own (rollout.py; explore_episode.explore, in
+        the desktop's thread): screenshot -> exploration prompt -> the policy's answer (generation
+        batches the desktops' waiting prompts) -> parse {"intent", "action"} -> the action, and the
+        screen once it settled (--settle)
     -> screen features (+ OCR text) -> the world model's guesses (curiosity) -> world model trained
-    --wm-epochs on this buffer -> rewards (every component) -> advantages over the whole buffer (one
-    group) -> GRPO update (after --update-actor-delay iterations) -> sync weights to the generator
-    -> trajectories, checkpoint, log.
+    --wm-epochs on this buffer -> rewards (rewards.TERMS: every term that is on) -> advantages over
+    the whole buffer (one group) -> GRPO update (after --update-actor-delay iterations) -> sync
+    weights to the generator -> trajectories, checkpoint, log.
+The episode is explore_episode.py, the exploration eval (--eval-only) explore_eval.py, the reward
+terms rewards.py, the distillation data explore_distill.py; this file is the training: rewards ->
+advantages -> update, the generations, the loop.
 Experience-stream distillation (--generations G): at the end of a generation its best format-valid
 steps (the top --distill-top of each iteration's, by reward) become a dataset in
 runs/<name>/distill/; the next generation starts again from the BASE model, fine-tuned on all
@@ -39,24 +43,23 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
    is itself a learning signal. The release's repetition penalty (1.05) is off: it would make the
    sampling distribution differ from the policy whose log-probs the loss uses.
 3. The actor starts updating at iteration --update-actor-delay (0-based; the release: after it).
+   --no-scale-rewards gives Dr. GRPO's advantages (reward - mean, no division by the std).
    One optimizer step per --mini-batch samples (the release: gradient accumulation 16 of batch 1).
    An lr warm-up and a linear or cosine decay per generation (--lr-warmup, --lr-schedule; off by
    default, the paper's constant lr) are for small models trained from scratch (actor_lr says why).
-4. A desktop that dies drops out of the rest of the iteration (its unfinished step is not in the
-   buffer: the environment failed, not the model) and a reset restarts it; the release threw the
-   whole iteration away when any environment failed.
+4. A desktop that fails (no answer, a 5xx, garbage; only a refused action, 4xx, is the model's)
+   drops out of the iteration without the step it failed in (`env_failures`) and a reset restarts
+   it; the release threw the whole iteration away. No lockstep (the release's): generation batches
+   the prompts that are waiting, so sampled tokens are not reproducible across runs. The screen
+   settles by the server's watch (--settle watch) or a fixed sleep (--settle 1, the release's).
 5. Distillation: the paper does not publish its SFT recipe; ours is --distill-epochs passes of
    token-mean NLL on the sampled answers, at --distill-lr, with LoRA merged into the weights after
    SFT, so the next generation's adapter (and its KL reference) start from the fine-tuned model.
    The best steps are ranked within each iteration, not over the generation: the reward's scale
-   drifts as the world model learns (top_steps says why).
-6. Exploration eval (the paper's own numbers are its reward terms; these are ours): distinct screens
-   by a 64-bit perceptual hash (dHash; <= --eval-same-hash bits apart = one screen; also counted by
-   feature clusters), mean pairwise diversity (1 - cos of the screen features) of an episode's
-   distinct screens, and windows opened (X windows seen after any step that were not open at the
-   start, from the VM's GET /windows: one window counts once, whatever its title does), vs random
-   actions. eval.json has every episode's actions; each episode is also saved as a trajectory
-   (--eval-save), so `python view.py` shows what the policy clicked.
+   drifts as the world model learns (explore_distill.top_steps says why).
+6. Exploration eval (explore_eval.py; the paper's own numbers are its reward terms, these are ours):
+   distinct screens by a 64-bit perceptual hash, pairwise diversity, windows opened, vs random
+   actions; every episode saved as a trajectory (--eval-save) that `python view.py` shows.
 7. Logging: metrics.jsonl always; Weights & Biases (--wandb) and TensorBoard (--tensorboard) when
    asked for and installed (progress.py). Left out: mixed-precision autocast (bf16 weights on GPU
    instead).
@@ -66,30 +69,32 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 import random
 import shutil
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import transformers
-from PIL import Image
 
 import dist
 import grpo
 import progress
 import rewards as R
+import rollout
 import rundir
-from actions import MAX_PIXELS, MIN_PIXELS, Action, Parsed, cursor_after, parse_action
-from chat import encode_chat, explore_messages
+from actions import MAX_PIXELS, MIN_PIXELS
 from env import VMPool
-from model import cpu_weights, generate, load_policy, save_policy, sync_weights
+from explore_episode import Step, play, policy_chooser, random_chooser
+from explore_distill import distill_samples, write_distill_dataset
+from explore_eval import run_eval
+from model import load_policy, sync_weights
+from rollout import SETTLE_HELP, parse_settle
+from rundir import arg
 
 PROG = "train_explore.py"
 
@@ -99,66 +104,79 @@ PROG = "train_explore.py"
 
 @dataclass
 class Args:
-    vms: str = field(default="8", metadata={"help": "N local Xvfb desktops, or comma-separated vm_server.py URLs"})
-    token: str = field(default="", metadata={"help": "bearer token of remote VMs (or VM_TOKEN); local desktops make their own"})
-    model: str = field(default="Qwen/Qwen2.5-VL-3B-Instruct", metadata={"help": "HF id, a local checkpoint folder, or 'tiny' (random weights, CPU)"})
-    engine: str = field(default="hf", metadata={"help": "generation engine: hf (transformers generate) or vllm (GPU)"})
-    device: str = field(default="", metadata={"help": "torch device; empty = cuda if available else cpu"})
-    lora_rank: int = field(default=64, metadata={"help": "LoRA rank (paper: 64); 0 = full fine-tuning"})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (paper: 16)"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "trade compute for memory in the policy update"})
-    max_pixels: int = field(default=MAX_PIXELS, metadata={"help": "screenshot size cap for the model, in pixels of the resized image"})
-    min_pixels: int = field(default=MIN_PIXELS, metadata={"help": "screenshot size floor for the model, in pixels of the resized image"})
-    threads: int = field(default=0, metadata={"help": "torch CPU threads; 0 = half the cores (the desktops and OCR need the rest)"})
+    vms: str = arg("8", "N local Xvfb desktops, or comma-separated vm_server.py URLs")
+    token: str = arg("", "secret each remote VM's token is derived from (or VM_TOKEN); local desktops make their own")
+    model: str = arg("Qwen/Qwen2.5-VL-3B-Instruct", "HF id, a local checkpoint folder, or 'tiny' (random weights, CPU)")
+    engine: str = arg("hf", "generation engine: hf (transformers generate) or vllm (GPU)")
+    device: str = arg("", "torch device; empty = cuda if available else cpu")
+    lora_rank: int = arg(64, "LoRA rank (paper: 64); 0 = full fine-tuning")
+    lora_alpha: int = arg(16, "LoRA alpha (paper: 16)")
+    gradient_checkpointing: bool = arg(False, "trade compute for memory in the policy update")
+    max_pixels: int = arg(MAX_PIXELS, "screenshot size cap for the model, in pixels of the resized image")
+    min_pixels: int = arg(MIN_PIXELS, "screenshot size floor for the model, in pixels of the resized image")
+    threads: int = arg(0, "torch CPU threads; 0 = half the cores (the desktops and OCR need the rest)")
     # rollout
-    steps: int = field(default=10, metadata={"help": "steps per episode (one episode per desktop per iteration)"})
-    iterations: int = field(default=100, metadata={"help": "training iterations (per generation when --generations > 1 and --iterations-per-generation is 0)"})
-    reset_every: int = field(default=1, metadata={"help": "iterations between desktop resets (0 = only at start); a reset restarts dead local desktops"})
-    settle: float = field(default=1.0, metadata={"help": "seconds to wait after the actions before the after-screenshots"})
-    vm_timeout: float = field(default=30.0, metadata={"help": "seconds a VM call may take before that VM drops out"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (paper: 1.0)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling: keep the smallest token set with this much probability (1 = off)"})
-    max_new_tokens: int = field(default=128, metadata={"help": "answer length cap (paper: 128)"})
+    steps: int = arg(10, "steps per episode (one episode per desktop per iteration)")
+    iterations: int = arg(100, "training iterations (per generation when --generations > 1 and "
+                               "--iterations-per-generation is 0)")
+    reset_every: int = arg(1, "iterations between desktop resets (0 = only at start); a reset restarts dead "
+                              "local desktops")
+    settle: str = arg("watch", "after each action: 'watch' (the server waits until the screen stops changing, "
+                               "with a cap) or seconds of a fixed sleep (the release: 1)")
+    vm_timeout: float = arg(30.0, "seconds a VM call may take before that VM drops out")
+    temperature: float = arg(1.0, "sampling temperature (paper: 1.0)")
+    top_p: float = arg(1.0, "nucleus sampling: keep the smallest token set with this much probability (1 = off)")
+    max_new_tokens: int = arg(128, "answer length cap (paper: 128)")
     # actor (GRPO)
-    lr: float = field(default=4e-5, metadata={"help": "actor learning rate (paper: 4e-5 with LoRA)"})
-    lr_warmup: int = field(default=0, metadata={"help": "actor updates of linear lr warm-up from lr / N, counted from the first update (paper: none)"})
-    lr_schedule: str = field(default="constant", metadata={"help": "actor lr after the warm-up: constant (paper), linear or cosine (decay towards 0 at the generation's last iteration)"})
-    eps_low: float = field(default=0.2, metadata={"help": "clip range below 1 (paper: 0.2)"})
-    eps_high: float = field(default=0.28, metadata={"help": "clip range above 1 (paper: 0.28)"})
-    beta: float = field(default=0.04, metadata={"help": "KL coefficient to the starting model (LoRA: adapter off; full FT: a frozen copy)"})
-    micro_batch: int = field(default=4, metadata={"help": "samples per forward/backward (memory knob only)"})
-    mini_batch: int = field(default=16, metadata={"help": "samples per optimizer step (release: gradient accumulation 16)"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping of the actor"})
-    update_actor_delay: int = field(default=5, metadata={"help": "iterations of world-model warm-up before the actor is updated"})
+    lr: float = arg(4e-5, "actor learning rate (paper: 4e-5 with LoRA)")
+    lr_warmup: int = arg(0, "actor updates of linear lr warm-up from lr / N, counted from the first update "
+                            "(paper: none)")
+    lr_schedule: str = arg("constant", "actor lr after the warm-up: constant (paper), linear or cosine (decay "
+                                       "towards 0 at the generation's last iteration)")
+    scale_rewards: bool = arg(True, "divide the advantages by the buffer's reward std (GRPO, the paper); "
+                              "--no-scale-rewards: Dr. GRPO, advantages = reward - mean")
+    eps_low: float = arg(0.2, "clip range below 1 (paper: 0.2)")
+    eps_high: float = arg(0.28, "clip range above 1 (paper: 0.28)")
+    beta: float = arg(0.04, "KL coefficient to the starting model (LoRA: adapter off; full FT: a frozen copy)")
+    micro_batch: int = arg(4, "samples per forward/backward (memory knob only)")
+    mini_batch: int = arg(16, "samples per optimizer step (release: gradient accumulation 16)")
+    max_grad_norm: float = arg(1.0, "gradient clipping of the actor")
+    update_actor_delay: int = arg(5, "iterations of world-model warm-up before the actor is updated")
     # rewards + world model
-    rewards: str = field(default="all", metadata={"help": "reward components, e.g. all | all,no_world_model | none,image,immediate"})
-    wm_epochs: int = field(default=3, metadata={"help": "world-model epochs per iteration (paper: 3)"})
-    wm_lr: float = field(default=1e-3, metadata={"help": "world-model learning rate"})
-    wm_batch_size: int = field(default=16, metadata={"help": "world-model batch size"})
-    wm_hidden: int = field(default=256, metadata={"help": "world-model hidden width"})
-    wm_train_first: bool = field(default=False, metadata={"help": "the release's order: train the world model on this buffer, then score it (default: score first, so a transition repeated across desktops keeps its surprise)"})
+    rewards: str = arg("all", "reward terms (rewards.TERMS), e.g. all | all,no_world_model | none,image,immediate | "
+                              "all,windows (all = the paper's terms)")
+    wm_epochs: int = arg(3, "world-model epochs per iteration (paper: 3)")
+    wm_lr: float = arg(1e-3, "world-model learning rate")
+    wm_batch_size: int = arg(16, "world-model batch size")
+    wm_hidden: int = arg(256, "world-model hidden width")
+    wm_train_first: bool = arg(False, "the release's order: train the world model on this buffer, then score it "
+                                      "(default: score first, so a transition repeated across desktops keeps its "
+                                      "surprise)")
     # experience-stream distillation
-    generations: int = field(default=1, metadata={"help": "generations E1..EG; each after the first starts from the base model + SFT"})
-    iterations_per_generation: int = field(default=0, metadata={"help": "iterations per generation; 0 = --iterations"})
-    distill_top: float = field(default=0.3, metadata={"help": "fraction of each iteration's format-valid steps (best rewards) kept for SFT"})
-    distill_epochs: int = field(default=2, metadata={"help": "SFT passes over all distilled data at the start of a generation"})
-    distill_lr: float = field(default=1e-4, metadata={"help": "SFT learning rate"})
-    distill_batch: int = field(default=16, metadata={"help": "samples per SFT optimizer step"})
-    # eval
-    eval_only: bool = field(default=False, metadata={"help": "run the policy without training and report exploration diversity: --model's, or with --resume the run's checkpoint"})
-    eval_episodes: int = field(default=20, metadata={"help": "episodes for --eval-only, in all (spread over the desktops)", "aliases": ["--episodes"]})
-    eval_random: bool = field(default=True, metadata={"help": "also run a random-action baseline on the same desktops"})
-    eval_save: bool = field(default=True, metadata={"help": "save every eval episode as a trajectory (screenshots + steps; view.py shows them)"})
-    eval_same_hash: int = field(default=2, metadata={"help": "screens whose 64-bit perceptual hashes (dHash) differ in at most this many bits count as one"})
-    eval_same_screen: float = field(default=0.95, metadata={"help": "the feature count of distinct screens: cosine >= this = the same screen"})
+    generations: int = arg(1, "generations E1..EG; each after the first starts from the base model + SFT")
+    iterations_per_generation: int = arg(0, "iterations per generation; 0 = --iterations")
+    distill_top: float = arg(0.3, "fraction of each iteration's format-valid steps (best rewards) kept for SFT")
+    distill_epochs: int = arg(2, "SFT passes over all distilled data at the start of a generation")
+    distill_lr: float = arg(1e-4, "SFT learning rate")
+    distill_batch: int = arg(16, "samples per SFT optimizer step")
+    # eval (explore_eval.py)
+    eval_only: bool = arg(False, "run the policy without training and report exploration diversity: --model's, "
+                                 "or with --resume the run's checkpoint")
+    eval_episodes: int = arg(20, "episodes for --eval-only, in all (spread over the desktops)", aliases=("--episodes",))
+    eval_random: bool = arg(True, "also run a random-action baseline on the same desktops")
+    eval_save: bool = arg(True, "save every eval episode as a trajectory (screenshots + steps; view.py shows them)")
+    eval_same_hash: int = arg(2, "screens whose 64-bit perceptual hashes (dHash) differ in at most this many bits "
+                                 "count as one")
+    eval_same_screen: float = arg(0.95, "the feature count of distinct screens: cosine >= this = the same screen")
     # run
-    run_name: str = field(default="", metadata={"help": "folder under --runs-dir; empty = a timestamp"})
-    runs_dir: str = field(default="runs", metadata={"help": "where run folders go"})
-    resume: str = field(default="", metadata={"help": "a run folder to continue (flags given now override its args.json)"})
-    ckpt_every: int = field(default=1, metadata={"help": "iterations between checkpoints (generation ends always save)"})
-    wandb: bool = field(default=False, metadata={"help": "also log every metric to Weights & Biases (pip install wandb; WANDB_PROJECT names the project)"})
-    tensorboard: bool = field(default=False, metadata={"help": "also log every metric to TensorBoard in runs/<name>/tb (pip install tensorboard)"})
-    seed: int = field(default=0, metadata={"help": "random seed"})
+    run_name: str = arg("", "folder under --runs-dir; empty = a timestamp")
+    runs_dir: str = arg("runs", "where run folders go")
+    resume: str = arg("", "a run folder to continue (flags given now override its args.json)")
+    ckpt_every: int = arg(1, "iterations between checkpoints (generation ends always save)")
+    wandb: bool = arg(False, "also log every metric to Weights & Biases (pip install wandb; WANDB_PROJECT names "
+                             "the project)")
+    tensorboard: bool = arg(False, "also log every metric to TensorBoard in runs/<name>/tb (pip install tensorboard)")
+    seed: int = arg(0, "random seed")
 
 
 def check_args(a: Args) -> None:
@@ -173,14 +191,16 @@ def check_args(a: Args) -> None:
         (not 0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
         (not 0 < a.min_pixels <= a.max_pixels, "--min-pixels must be positive and at most --max-pixels"),
         (not 0 < a.distill_top <= 1, "--distill-top must be in (0, 1]"),
-        (a.micro_batch < 1 or a.mini_batch < 1 or a.wm_batch_size < 1 or a.distill_batch < 1, "batch sizes must be at least 1"),
+        (min(a.micro_batch, a.mini_batch, a.wm_batch_size, a.distill_batch) < 1, "batch sizes must be at least 1"),
         (a.distill_epochs < 0, "--distill-epochs must be 0 or more"),
         (a.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
         (a.lr_warmup < 0, "--lr-warmup must be 0 or more"),
         (a.eval_episodes < 1 or a.ckpt_every < 1, "--eval-episodes and --ckpt-every must be at least 1"),
         (not 0 <= a.eval_same_hash < 64, "--eval-same-hash must be in 0..63 (bits of a 64-bit hash)"),
         (a.lora_rank < 0 or a.beta < 0, "--lora-rank and --beta must be >= 0"),
-        (a.engine == "vllm" and a.beta > 0 and a.lora_rank == 0, "--engine vllm with full fine-tuning and --beta > 0 would hold three model copies; use LoRA or --beta 0"),
+        (parse_settle(a.settle) is None, SETTLE_HELP),
+        (a.engine == "vllm" and a.beta > 0 and a.lora_rank == 0, "--engine vllm with full fine-tuning and --beta > 0 "
+                                                                  "would hold three model copies; use LoRA or --beta 0"),
         *vllm_engine.flag_errors(a.engine, a.temperature),
     ], PROG)
     try:
@@ -202,141 +222,68 @@ def resolve_args(argv=None) -> tuple:
 # The one console line
 
 
-def console_line(m: dict) -> str:
-    """The iteration's summary: reward components as image/text imm/seq/wm and intent before/after/click."""
+def console_line(m: dict, flags: dict, beta: float) -> str:
+    """The iteration's summary. The reward terms that are on (rewards.TERMS), grouped by the first
+    word of their name in the table's order: image imm/seq/wm, text imm/seq/wm, intent
+    before/after/click, and any term added to the table (`-` for a term of a shown group that is
+    off). `kl n/a`: no KL was computed (--beta 0, or no actor update this iteration)."""
     f = lambda k, fmt="{:.3f}": "-" if m.get(k) is None else fmt.format(m[k])  # noqa: E731
+    on, groups = R.terms_on(flags), {}
+    for name in R.TERMS:
+        groups.setdefault(name.split("_")[0], []).append(name)
+    terms = "".join(f"{g} " + "/".join(f(f"reward/{n}") if n in on else "-" for n in names) + " "
+                    for g, names in groups.items() if set(names) & set(on))
+    kl = f"kl {m['actor/kl']:.4f}" if beta and m.get("actor/kl") is not None else "kl n/a"
     return (f"it {m['iteration']:4d} E{m['generation']} | vms {m['vms']} steps {m['steps']} | "
-            f"reward {f('reward/total')} fmt {f('reward/format', '{:.2f}')} "
-            f"img {f('reward/image_immediate')}/{f('reward/image_sequence')}/{f('reward/image_world_model')} "
-            f"txt {f('reward/text_immediate')}/{f('reward/text_sequence')}/{f('reward/text_world_model')} "
-            f"intent {f('reward/intent_before')}/{f('reward/intent_after')}/{f('reward/intent_click')} | "
-            f"wm {f('wm/loss', '{:.4f}')} | kl {f('actor/kl', '{:.4f}')} clip {f('actor/clip_low', '{:.2f}')}/{f('actor/clip_high', '{:.2f}')} | "
-            f"{m['time/iteration']:.1f}s (gen {m.get('time/generate', 0):.1f} "
-            f"vm {m.get('time/screenshot', 0) + m.get('time/act', 0):.1f} "
-            f"feat {m.get('time/features', 0):.1f} upd {m.get('time/update', 0):.1f})")
+            f"reward {f('reward/total')} fmt {f('reward/format', '{:.2f}')} {terms}| "
+            f"wm {f('wm/loss', '{:.4f}')} | {kl} clip {f('actor/clip_low', '{:.2f}')}/{f('actor/clip_high', '{:.2f}')} | "
+            f"{m['time/iteration']:.1f}s (gen {m.get('time/generation', 0):.1f} feat {m.get('time/features', 0):.1f} "
+            f"upd {m.get('time/update', 0):.1f}, VM wait {100 * m.get('vm_wait_share', 0):.0f}%; per desktop: "
+            f"reset {m.get('time/reset', 0):.1f} env {m.get('time/env', 0):.1f})"
+            + (f" | env failures {m['env_failures']}" if m.get("env_failures") else ""))
 
 
 # -----------------------------------------------------------------------------------------------
-# Rollout: --steps lockstep steps on every live desktop. Shapes in the buffer: N = live VMs x steps.
+# The learner's state, and the rewards of one buffer (rewards.py does the math)
 
 
 @dataclass
-class Step:
-    """One step of one desktop: what the model saw, said and did, and what came of it."""
-    vm: int
-    t: int
-    before: Image.Image  # the screenshot the model saw (screen pixels)
-    after: Image.Image  # the screen --settle seconds after the action
-    text: str  # the model's answer (or the random baseline's action string)
-    parsed: object  # actions.Parsed, or None: a format failure, nothing was executed
-    gen: object = None  # model.Generation (prompt + sampled ids), None for the random baseline
-    error: str | None = None  # the VM rejected the action (4xx): counts as a format failure
-
-
-def policy_chooser(policy, a: Args):
-    """(images, pointers) -> [(text, Parsed | None, Generation)] with ONE batched generate for all
-    desktops. A pointer is where that desktop's mouse is: DragTo(x, y) drags from there."""
-    def choose(images, cursors):
-        gens = generate(policy, [explore_messages(im) for im in images], a.max_new_tokens, a.temperature,
-                          a.top_p)
-        # Coordinates are in the resized image the model saw; parse_action maps them to the screen.
-        return [(g.text, parse_action(g.text, "explore", im.size, g.prompt.image_sizes[0], cursor=c), g)
-                for g, im, c in zip(gens, images, cursors)]
-    return choose
-
-
-def random_chooser(rng: random.Random):
-    """The eval baseline: uniformly random pointer actions anywhere on the screen."""
-    kinds = ("click", "double_click", "right_click", "move", "scroll")
-
-    def choose(images, cursors=None):
-        out = []
-        for im in images:
-            kind = rng.choice(kinds)
-            act = Action(kind, x=rng.randrange(im.width), y=rng.randrange(im.height),
-                         direction=rng.choice(("up", "down")) if kind == "scroll" else None)
-            out.append((json.dumps(act.to_dict()), Parsed(act, ""), None))
-        return out
-    return choose
-
-
-def rollout(pool: VMPool, live: set, choose, a: Args, times: dict, watch=None) -> list[Step]:
-    """Steps in time order (t, then vm). A VM that fails a screenshot or dies mid-action leaves the
-    rest of this iteration (and `live`); a VM that only rejects an action stays in.
-    watch(vms), if given, is called after every step with the VMs still in (the eval's window check)."""
-    with rundir.timed(times, "screenshot"):
-        shots = pool.map("screenshot", ["png" if i in live else None for i in range(pool.size)])
-    current = {i: r.value for i, r in enumerate(shots) if i in live and r.ok and r.value is not None}
-    live.intersection_update(current)
-    # Each desktop's mouse, for DragTo: /reset leaves it at the centre (the eval resets before each
-    # episode, training every --reset-every iterations; between resets this is an approximation).
-    cursor = {i: (im.width // 2, im.height // 2) for i, im in current.items()}
-    buffer = []
-    for t in progress.track(range(a.steps), "rollout"):
-        vms = sorted(current)
-        if not vms:
-            break
-        with rundir.timed(times, "generate"):
-            # One call for all desktops: on a GPU a batch of 8 costs about what one prompt does.
-            choices = choose([current[i] for i in vms], [cursor[i] for i in vms])
-        actions = [None] * pool.size
-        for i, (_, parsed, _) in zip(vms, choices):
-            actions[i] = parsed.action if parsed else None  # a format failure executes nothing
-        with rundir.timed(times, "act"):
-            done = pool.act(actions)
-            if any(x is not None for x in actions):
-                time.sleep(a.settle)  # let the screen react (menus open, windows map)
-        with rundir.timed(times, "screenshot"):
-            after = pool.map("screenshot", ["png" if i in current else None for i in range(pool.size)])
-        for i, (text, parsed, gen) in zip(vms, choices):
-            error = None
-            if actions[i] is not None and not done[i].ok:
-                if not pool.alive[i]:  # unreachable: the environment failed, not the model
-                    print(f"vm {i} dropped out: {done[i].error}", flush=True)
-                    current.pop(i), live.discard(i)
-                    continue
-                error = done[i].error  # the VM refused the action (bad key name, ...)
-            if not after[i].ok or after[i].value is None:
-                print(f"vm {i} dropped out: {after[i].error}", flush=True)
-                current.pop(i), live.discard(i)
-                continue
-            # The step is kept even when malformed: its reward is 0, and below the buffer's mean
-            # that is a negative advantage, which is how GRPO teaches the format.
-            buffer.append(Step(i, t, current[i], after[i].value, text, None if error else parsed, gen, error))
-            current[i] = after[i].value  # the after-screen is the next step's before-screen
-            if error is None:
-                cursor[i] = cursor_after(parsed.action if parsed else None, cursor[i])
-        if watch is not None and current:
-            watch(sorted(current))
-    return buffer
-
-
-# -----------------------------------------------------------------------------------------------
-# Rewards: features, the world model's update, every component (rewards.py does the math)
+class Learner:
+    """What the iterations update: the generation's policy, its optimizer and KL reference, the
+    world model, and the reward terms that are on."""
+    policy: object
+    optimizer: torch.optim.Optimizer
+    start_model: str  # the generation's starting model: LoRA's base and the KL reference
+    ref_fn: object  # full fine-tuning's frozen reference (reference_fn), or None
+    generation: int
+    wm: R.WorldModel
+    wm_opt: torch.optim.Optimizer
+    flags: dict  # the --rewards switches, usable ones only (rewards.effective_flags)
+    tools: object  # OCR + embedder, or None
+    vm_offset: int = 0  # under torchrun: the index of this rank's first VM among all ranks' VMs
 
 
 def score(buffer: list[Step], L: Learner, a: Args, times: dict, it: int = 0):
     """-> (rewards.Rewards over the buffer, each (N,), and the world model's metrics).
 
     Only format-valid steps are featurised, learned from and scored: a malformed answer executed
-    nothing, so every one of its components is 0 anyway, and skipping it saves its OCR (the
-    costliest part of the rewards, ~0.5-1 s per screen per core). Under torchrun the world model
-    learns every rank's valid steps (gather_steps), the same on every rank."""
-    n = len(buffer)
+    nothing, so every one of its terms is 0 anyway, and skipping it saves its OCR (the costliest
+    part of the rewards, ~0.5-1 s per screen per core). Under torchrun the world model learns
+    every rank's valid steps (gather_steps), the same on every rank. What is computed is what the
+    terms that are on read (rewards.reads): OCR text, the world model's guesses, window lists."""
     rows = [k for k, s in enumerate(buffer) if s.parsed is not None]
-    full = R.Rewards(**{f.name: torch.zeros(n) for f in fields(R.Rewards)})  # (N,) each
+    steps, reads = [buffer[k] for k in rows], R.reads(L.flags)
+    actions = [s.parsed.action for s in steps]
     wm_metrics = {"wm/loss": None, "wm/loss_first_epoch": None}
     if not rows and dist.size() == 1:
-        return full, wm_metrics
-    steps = [buffer[k] for k in rows]
-    actions = [s.parsed.action for s in steps]
+        return R.zeros(len(buffer)), wm_metrics
     f = None
     if rows:
         with rundir.timed(times, "features"):
             f = R.step_features([s.before for s in steps], [s.after for s in steps], [s.parsed.thought for s in steps],
-                                actions, L.tools if R.needs_text(L.flags) else None)
+                                actions, L.tools if "text" in reads else None)
     pred_s = pred_t = None
-    if L.flags["world_model"]:
+    if "world_model" in reads:
         with rundir.timed(times, "world_model"), dist.same_rng(a.seed + it):
             f_all, actions_all, mine = gather_steps(f, actions)
             # ALGO: curiosity is the surprise of the world model as it stood before this buffer;
@@ -347,13 +294,14 @@ def score(buffer: list[Step], L: Learner, a: Args, times: dict, it: int = 0):
                                                                   a.wm_train_first)  # (V_all, D), (V_all, E)
                 pred_s, pred_t = pred_s[mine], None if pred_t is None else pred_t[mine]  # (V, D), (V, E)
     if not rows:
-        return full, wm_metrics
+        return R.zeros(len(buffer)), wm_metrics
+    windows = "windows" in reads  # the window lists the rollout recorded for the windows term
     with rundir.timed(times, "rewards"):
-        r = R.exploration_rewards(L.flags, [s.vm for s in steps], [1] * len(steps), f.screen_before, f.screen_after,
-                                  pred_s, f.text_before, f.text_after, pred_t, f.intent, f.click_text, f.click_hit)
-    for name in full.__dataclass_fields__:
-        getattr(full, name)[rows] = getattr(r, name)  # (V,) into (N,); malformed steps stay 0
-    return full, wm_metrics
+        record = R.record(f, [s.vm for s in steps], [1] * len(steps), screen_pred=pred_s, text_pred=pred_t,
+                          actions=actions, windows_before=[s.windows_before for s in steps] if windows else None,
+                          windows_after=[s.windows_after for s in steps] if windows else None)
+        r = R.reward(record, L.flags)  # ALGO: every term that is on, summed, times the format reward
+    return R.scatter(r, rows, len(buffer)), wm_metrics  # (V,) into (N,); malformed steps stay 0
 
 
 def gather_steps(f, actions: list) -> tuple:
@@ -373,6 +321,55 @@ def gather_steps(f, actions: list) -> tuple:
     tensors = ("screen_before", "screen_after", "text_before", "text_after", "intent", "click_text", "click_hit")
     f_all = R.StepFeatures(**{name: cat(name) for name in tensors})
     return f_all, [x for _, acts in parts for x in acts], slice(start, start + len(actions))
+
+
+# -----------------------------------------------------------------------------------------------
+# One iteration's learning: rewards -> advantages -> GRPO update
+
+
+def learn(L: Learner, buffer: list[Step], it: int, args: Args, times: dict) -> tuple:
+    """ALGO: rewards, advantages and the GRPO update of one iteration's buffer. -> (rewards.Rewards
+    (N,) each, advantages (N,), the world model's metrics, the update's metrics or None before
+    --update-actor-delay)."""
+    r, wm_metrics = score(buffer, L, args, times, it)  # every term, (N,) each; the world model learns
+    # ALGO: GRPO with the whole buffer as ONE group: each step's reward against every step's, on
+    # every rank (torchrun: the ranks' buffers together, in rank order; each trains its own steps)
+    total_all, mine = dist.cat(r.total)  # (N_all,), this rank's rows
+    adv = grpo.group_advantages(total_all, scale=args.scale_rewards)[mine]  # (N,)
+    # The delay lets the world model warm up before its curiosity steers the actor. It is the
+    # ONLY condition: the release also skipped the update whenever the world model was off, so
+    # its no-world-model ablation never trained at all.
+    if it < args.update_actor_delay:
+        return r, adv, wm_metrics, None
+    # (The sampler's log-probs ride along only so the update can log actor/logp_gap, how far they
+    # are from the trainer's own: the update recomputes its old log-probs.)
+    samples = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), old_logps=s.gen.logprobs)
+               for k, s in enumerate(buffer)]
+    for sample, a in zip(samples, adv.tolist()):
+        sample.advantage = a
+    lr = rundir.set_lr(L.optimizer, actor_lr(it, args))
+    upd = rundir.update_policy(L.policy, L.optimizer, samples, times, micro_batch_size=args.micro_batch,
+                               eps_low=args.eps_low, eps_high=args.eps_high, beta=args.beta, ref_fn=L.ref_fn,
+                               max_grad_norm=args.max_grad_norm, mini_batch_size=args.mini_batch,
+                               temperature=args.temperature, shuffle=random.Random(f"{args.seed}-update-{it}"))
+    return r, adv, wm_metrics, {**upd, "lr": lr}
+
+
+ACTOR_KEYS = ("actor/loss", "actor/kl", "actor/clip_low", "actor/clip_high", "actor/grad_norm", "actor/lr")
+
+
+def iteration_metrics(buffer: list[Step], r, adv, wm_metrics: dict, upd: dict | None, out) -> dict:
+    """The metrics line's numbers of every rank: desktops and steps, every reward term over every
+    rank's steps, the world model's and the update's numbers (None before the actor's first update),
+    environment failures, generation batches, how the screens settled."""
+    parts = dist.gather((r, adv, len({s.vm for s in buffer}), len(out.failures), out.settles))
+    r_all, adv_all = R.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])  # (N_all,) each
+    return {"vms": sum(p[2] for p in parts), "steps": len(r_all.total), **R.summarize_rewards(r_all), **wm_metrics,
+            "actor/updated": int(upd is not None), **dict.fromkeys(ACTOR_KEYS),
+            **{f"actor/{k}": v for k, v in (upd or {}).items()},
+            "adv/std": float(adv_all.std()) if len(adv_all) > 1 else 0.0, "env_failures": sum(p[3] for p in parts),
+            "rollout/batches": len(out.batches), "rollout/batch_mean": float(np.mean(out.batches or [0])),
+            **rollout.settle_metrics([s for p in parts for s in p[4]])}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -406,27 +403,10 @@ def actor_lr(it: int, a: Args) -> float:
     the model a generation hands on (models/E<g>)."""
     ipg = a.iterations_per_generation or a.iterations
     start = it - it % ipg  # the generation's first iteration
-    first = max(start, a.update_actor_delay)  # its first actor update
-    if it < first:  # no update this iteration: nothing to schedule
+    first_update = max(start, a.update_actor_delay)  # its first actor update
+    if it < first_update:  # no update this iteration: nothing to schedule
         return a.lr
-    return rundir.scheduled_lr(a.lr, it - first, start + ipg - first, a.lr_warmup, a.lr_schedule)
-
-
-def distill_samples(policy, run: str, upto: int) -> list:
-    """grpo.Samples of every distilled step of generations 1..upto: the saved screenshot as the
-    prompt, the answer's sampled token ids verbatim as the target."""
-    samples = []
-    for g in range(1, upto + 1):
-        path = os.path.join(run, "distill", f"gen{g}.jsonl")
-        if not os.path.exists(path):
-            continue
-        with open(path) as fh:
-            for line in fh:
-                d = json.loads(line)
-                with Image.open(os.path.join(run, "distill", d["image"])) as im:
-                    enc = encode_chat(policy, explore_messages(im.convert("RGB")))
-                samples.append(grpo.step_sample(enc, d["completion_ids"]))
-    return samples
+    return rundir.scheduled_lr(a.lr, it - first_update, start + ipg - first_update, a.lr_warmup, a.lr_schedule)
 
 
 def start_generation(g: int, run: str, a: Args) -> tuple:
@@ -448,7 +428,7 @@ def start_generation(g: int, run: str, a: Args) -> tuple:
     # Saved merged: with LoRA the next adapter is fresh on top of the fine-tuned weights, so the
     # KL term pulls generation g towards its own starting point, not towards the raw base.
     path = os.path.join(run, "models", f"E{g}_sft")
-    save_model(policy, path)
+    rundir.save_model(policy, path)
     if a.lora_rank > 0:
         policy = load(path, a)
     per_epoch = max(1, len(nll) // max(1, a.distill_epochs))
@@ -458,22 +438,6 @@ def start_generation(g: int, run: str, a: Args) -> tuple:
     print(f"E{g}: SFT on {len(samples)} distilled steps ({len(nll)} optimizer steps), nll "
           f"{metrics['distill/nll_first'] or 0:.3f} -> {metrics['distill/nll_last_epoch'] or 0:.3f}", flush=True)
     return policy, path, metrics
-
-
-def save_model(policy, path: str, extra: dict | None = None) -> None:
-    """save_policy into a temp folder, then rename: a model folder is either complete or absent.
-    Every rank calls it (FSDP2 gathers the weights from all of them); rank 0 writes."""
-    weights = cpu_weights(policy)
-    if dist.is_main():
-        tmp = path + f".tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_policy(policy, tmp, weights)
-        for name, text in (extra or {}).items():
-            with open(os.path.join(tmp, name), "w") as fh:
-                fh.write(text)
-        shutil.rmtree(path, ignore_errors=True)
-        os.rename(tmp, path)
-    dist.barrier()
 
 
 def reference_fn(start_model: str, a: Args):
@@ -486,68 +450,24 @@ def reference_fn(start_model: str, a: Args):
     return lambda batch: grpo.per_token_logps(ref.model, batch)  # (B, T)
 
 
+def next_generation(L: Learner, run: str, it: int, ipg: int, args: Args) -> dict:
+    """ALGO: experience-stream distillation at a generation boundary: the finished generation's
+    model and best steps are saved, and the next one starts from the BASE model fine-tuned on every
+    distilled step so far, with a fresh optimizer. -> the SFT metrics."""
+    finish_generation(run, L.generation, (L.generation - 1) * ipg, it - 1, L.policy, args)
+    engine = L.policy.engine
+    L.generation = it // ipg + 1
+    L.policy, L.start_model, metrics = start_generation(L.generation, run, args)
+    dist.spread(L.policy.model, shard=args.lora_rank == 0)
+    L.policy.engine = engine
+    sync_weights(L.policy)
+    L.optimizer = adamw(trainable(L.policy), args.lr)
+    L.ref_fn = reference_fn(L.start_model, args)
+    return metrics
+
+
 # -----------------------------------------------------------------------------------------------
-# Experience-stream distillation: a generation's best steps -> runs/<name>/distill/gen<g>.jsonl
-
-
-def top_steps(valid: list[dict], top: float) -> list[dict]:
-    """ALGO: per iteration, the ceil(top * n) of its n steps with the highest total reward; iterations
-    in order, best first within each, ties in time order. Each step's dict has its "iteration".
-
-    Ranked within an iteration, not over the whole generation: the reward's scale drifts within a
-    generation (curiosity decays as the world model learns, the format rate climbs), so a pooled
-    ranking would keep mostly the early iterations' steps for their inflated curiosity, not for
-    being the best of what the policy did then. Within one iteration every step was scored by the
-    same world model, as GRPO's one group compares them. ceil keeps at least one step of every
-    iteration that had a format-valid one."""
-    by_it = {}
-    for step in valid:
-        by_it.setdefault(step["iteration"], []).append(step)
-    keep = []
-    for it in sorted(by_it):
-        ranked = sorted(by_it[it], key=lambda step: -step["reward"])  # stable: ties keep time order
-        keep += ranked[:math.ceil(top * len(ranked))]
-    return keep
-
-
-def write_distill_dataset(run: str, g: int, iterations: range, top: float) -> int:
-    """ALGO: the top `top` fraction (by total reward, ranked within each iteration: top_steps) of the
-    generation's format-valid steps, read back from its trajectory files, copied with their
-    screenshots. Returns how many were kept.
-    Rebuilt only when the generation's iterations changed (a resumed run with more --iterations)."""
-    out = os.path.join(run, "distill", f"gen{g}.jsonl")
-    meta_path = os.path.join(run, "distill", f"gen{g}.meta.json")
-    span = [iterations.start, iterations.stop]
-    if os.path.exists(out) and os.path.exists(meta_path):
-        with open(meta_path) as fh:
-            meta = json.load(fh)
-        if meta["iterations"] == span:
-            return meta["kept"]
-    steps = []
-    for it in iterations:
-        folder = os.path.join(run, "trajectories", f"it{it:06d}")
-        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-            if name.endswith(".jsonl"):
-                with open(os.path.join(folder, name)) as fh:
-                    steps += [dict(json.loads(line), folder=folder, iteration=it) for line in fh]
-    valid = [s for s in steps if s.get("valid") and s.get("completion_ids") and s.get("screenshot")]
-    keep = top_steps(valid, top)
-    img_dir = os.path.join(run, "distill", f"gen{g}")
-    shutil.rmtree(img_dir, ignore_errors=True)
-    os.makedirs(img_dir)
-    tmp = out + ".tmp"
-    with open(tmp, "w") as fh:
-        for k, s in enumerate(keep):
-            name = f"{k:05d}.png"
-            shutil.copyfile(os.path.join(s["folder"], s["screenshot"]), os.path.join(img_dir, name))
-            fh.write(json.dumps({"image": f"gen{g}/{name}", "text": s["text"], "completion_ids": s["completion_ids"],
-                                 "intent": s["intent"], "action": s["action"], "reward": s["reward"],
-                                 "source": os.path.relpath(os.path.join(s["folder"], s["screenshot"]), run)}) + "\n")
-    os.replace(tmp, out)
-    with open(meta_path, "w") as fh:
-        json.dump({"iterations": span, "kept": len(keep), "valid": len(valid), "steps": len(steps), "top": top}, fh)
-    print(f"E{g}: distilled {len(keep)} of {len(valid)} format-valid steps ({len(steps)} in all) -> {out}", flush=True)
-    return len(keep)
+# A generation's end: its model, and its best steps -> runs/<name>/distill/gen<g>.jsonl (explore_distill.py)
 
 
 def finish_generation(run: str, g: int, first_iteration: int, last_iteration: int, policy, a: Args) -> None:
@@ -555,187 +475,25 @@ def finish_generation(run: str, g: int, first_iteration: int, last_iteration: in
     path = os.path.join(run, "models", f"E{g}")
     stamp = os.path.join(path, "LAST_ITERATION")
     if not (os.path.exists(stamp) and open(stamp).read().strip() == str(last_iteration)):
-        save_model(policy, path, extra={"LAST_ITERATION": str(last_iteration)})
+        rundir.save_model(policy, path, extra={"LAST_ITERATION": str(last_iteration)})
     if dist.is_main():
         write_distill_dataset(run, g, range(first_iteration, last_iteration + 1), a.distill_top)
     dist.barrier()  # every rank reads the dataset for the next generation's SFT
 
 
 # -----------------------------------------------------------------------------------------------
-# Exploration eval (--eval-only): diversity of what the policy reaches, next to random actions
+# Setup (plumbing): the learner's state, from scratch or from a checkpoint; the eval's
 
 
-def dhash(img: Image.Image) -> int:
-    """ALGO: the screen's 64-bit perceptual hash (dHash): grayscale, box-averaged down to 9 x 8
-    pixels; bit k (row by row, the first bit highest) = pixel k+1 of its row is brighter than pixel k.
-    It sees layout (a window, a menu), not detail: typing in a terminal keeps the hash."""
-    a = np.asarray(img.convert("L").resize((9, 8), Image.BOX), dtype=np.int16)  # (8, 9)
-    bits = (a[:, 1:] > a[:, :-1]).ravel()  # (64,)
-    return sum(1 << (63 - k) for k, b in enumerate(bits) if b)
-
-
-def hash_leaders(hashes: list[int], max_bits: int) -> list[int]:
-    """ALGO: greedy leader clustering by Hamming distance: a screen is new when its hash differs
-    from every earlier leader's in more than `max_bits` bits. Returns the leaders' indices."""
-    leaders = []
-    for k, h in enumerate(hashes):
-        if all((h ^ hashes[j]).bit_count() > max_bits for j in leaders):
-            leaders.append(k)
-    return leaders
-
-
-def distinct_screens(feats: torch.Tensor, same: float) -> int:
-    """ALGO: greedy leader clustering of unit feature rows (N, D): a screen is new when its cosine
-    to every earlier cluster leader is below `same`. Returns the number of clusters."""
-    leaders = []
-    for row in feats:
-        if not leaders or float((torch.stack(leaders) @ row).max()) < same:
-            leaders.append(row)
-    return len(leaders)
-
-
-def pairwise_diversity(feats: torch.Tensor) -> float:
-    """ALGO: mean of 1 - cos over all pairs p < q of unit feature rows (N, D); 0 with fewer than 2."""
-    n = len(feats)
-    if n < 2:
-        return 0.0
-    sim = feats @ feats.T  # (N, N) cosines (unit rows)
-    iu = torch.triu_indices(n, n, offset=1)  # (2, N(N-1)/2) every pair once
-    return float((1 - sim[iu[0], iu[1]]).mean())
-
-
-def open_windows(pool: VMPool, vms: list[int]) -> dict:
-    """{vm: {X window id: title}} of the application windows open now (GET /windows)."""
-    res = pool.windows()
-    return {i: {w["id"]: w["title"] for w in res[i].value} if res[i].ok else {} for i in vms}
-
-
-def episode_metrics(buffer: list[Step], windows: dict, a: Args) -> list[dict]:
-    """Per desktop trajectory: format rate, immediate visual change and sequence diversity per step
-    (rewards.py's image terms, 0 on format failures); over its screens [s_0, s'_1, ..., s'_T]:
-    distinct screens (perceptual hash, and feature clusters), the mean pairwise diversity of the
-    distinct ones; windows = windows (X ids) that appeared after some step and were not open at
-    the start. windows: {vm: {id: title}} of those."""
-    if not buffer:
-        return []
-    flags = R.parse_reward_flags("none,image,immediate,sequence")
-    sb = R.screen_features([s.before for s in buffer])  # (N, D)
-    sa = R.screen_features([s.after for s in buffer])  # (N, D)
-    r = R.exploration_rewards(flags, [s.vm for s in buffer], [s.parsed is not None for s in buffer], sb, sa)
-    out = []
-    for vm in sorted({s.vm for s in buffer}):
-        rows = [k for k, s in enumerate(buffer) if s.vm == vm]
-        screens = torch.cat([sb[rows[:1]], sa[rows]])  # (T + 1, D): s_0, s'_1 .. s'_T
-        hashes = [dhash(im) for im in [buffer[rows[0]].before] + [buffer[k].after for k in rows]]
-        lead = hash_leaders(hashes, a.eval_same_hash)
-        win = windows.get(vm, {})
-        out.append({"vm": vm, "steps": len(rows), "format": float(r.format[rows].mean()),
-                    "immediate": float(r.image_immediate[rows].mean()), "sequence": float(r.image_sequence[rows].mean()),
-                    "distinct_screens": len(lead), "distinct_screens_feat": distinct_screens(screens, a.eval_same_screen),
-                    "diversity": pairwise_diversity(screens[lead]), "windows": len(win),
-                    "window_titles": [win[k] for k in sorted(win)],
-                    "hashes": [f"{h:016x}" for h in hashes], "actions": [eval_line(buffer[k]) for k in rows]})
-    return out
-
-
-def eval_line(s: Step) -> dict:
-    """What one eval step did: the answer, the action it ran (screen pixels; None = a format failure,
-    nothing ran) and the VM's refusal if any. Also a line of the eval's trajectory files."""
-    return {"step": s.t, "intent": s.parsed.thought if s.parsed else None,
-            "action": s.parsed.action.to_dict() if s.parsed else None, "valid": s.parsed is not None,
-            "error": s.error, "text": s.text, "screen": list(s.before.size)}
-
-
-def eval_episodes(pool: VMPool, vms: list[int], choose, a: Args) -> tuple[list[dict], list[Step]]:
-    """One episode of --steps on each of `vms` (just reset), with the open windows after every step.
-    -> (episode_metrics of each desktop's episode, the steps)."""
-    start = open_windows(pool, vms)  # open before the first action: not "opened" by the agent
-    seen = {i: {} for i in vms}  # vm -> {window id: its title when first seen}
-
-    def watch(now: list[int]):
-        for i, wins in open_windows(pool, now).items():
-            seen[i].update({k: t for k, t in wins.items() if k not in start[i] and k not in seen[i]})
-    buffer = rollout(pool, set(vms), choose, a, {}, watch=watch)
-    return episode_metrics(buffer, seen, a), buffer
-
-
-def run_eval(pool: VMPool, live: set, choosers: dict, a: Args, run: str, first: int = 0) -> dict:
-    """--eval-episodes episodes of --steps steps (one per desktop per round, reset before each
-    round) for each chooser (policy, random baseline); writes runs/<name>/eval.json (per episode its
-    metrics and every step's action), prints a table. With --eval-save each episode is also saved as
-    a trajectory (screenshots + one line per step), the policy's in runs/<name>/trajectories/it<round>/
-    vm<k>.jsonl and the baseline's under runs/<name>/random/: `python view.py runs/<name>` shows them.
-    Under torchrun each rank plays its share of the episodes on its desktops; rank 0 reports them all."""
-    want = len(dist.shard_range(a.eval_episodes))
-    rounds = math.ceil(want / pool.size)
-    report = {"args": asdict(a), "same_screen_hash_bits": a.eval_same_hash, "same_screen_cosine": a.eval_same_screen}
-    for name, choose in choosers.items():
-        episodes = []
-        for k in progress.track(range(rounds), f"eval {name}"):
-            live.intersection_update({i for i, res in enumerate(pool.reset()) if res.ok})
-            done, buffer = eval_episodes(pool, sorted(live)[:want - len(episodes)], choose, a)
-            for e in done:
-                e["round"] = k  # its trajectory: trajectories/it<round>/vm<vm>.jsonl
-                if a.eval_save:
-                    steps = [s for s in buffer if s.vm == e["vm"]]
-                    rundir.save_trajectory(run if name == "policy" else os.path.join(run, name), k, first + e["vm"],
-                                           e["actions"], [s.before for s in steps])
-                e["vm"] += first
-            episodes += done
-        episodes = [e for part in dist.gather(episodes) for e in part]  # every rank's, in rank order
-        keys = ("format", "immediate", "sequence", "distinct_screens", "distinct_screens_feat", "diversity", "windows")
-        summary = {k: float(np.mean([e[k] for e in episodes])) if episodes else None for k in keys}
-        # Across episodes too: does the agent reach different screens in different episodes?
-        summary["distinct_screens_all"] = len(hash_leaders([int(h, 16) for e in episodes for h in e["hashes"]],
-                                                           a.eval_same_hash))
-        summary["episodes"] = len(episodes)
-        report[name] = {"summary": summary, "episodes": episodes}
-    if not dist.is_main():
-        return report
-    path = os.path.join(run, "eval.json")
-    with open(path, "w") as fh:
-        json.dump(report, fh, indent=2)
-    cols = ("format", "immediate", "sequence", "distinct_screens", "distinct_screens_feat", "distinct_screens_all",
-            "diversity", "windows", "episodes")
-    heads = ("format", "immediate", "sequence", "screens/ep", "feat scr/ep", "screens all", "diversity", "windows/ep",
-             "episodes")
-    print(f"{'':8s}" + "".join(f"{h:>12s}" for h in heads))
-    for name in choosers:
-        s = report[name]["summary"]
-        print(f"{name:8s}" + "".join(f"{'-' if s[c] is None else format(s[c], '.3f'):>12s}" for c in cols))
-    print(f"eval report: {path} (screens: 64-bit dHash, <= {a.eval_same_hash} bits apart = one screen)", flush=True)
-    return report
-
-
-# -----------------------------------------------------------------------------------------------
-# Setup (plumbing): the learner's state, from scratch or from a checkpoint
-
-
-@dataclass
-class Learner:
-    """What the iterations update: the generation's policy, its optimizer and KL reference, the
-    world model, and the reward terms that are on."""
-    policy: object
-    optimizer: torch.optim.Optimizer
-    start_model: str  # the generation's starting model: LoRA's base and the KL reference
-    ref_fn: object  # full fine-tuning's frozen reference (reference_fn), or None
-    generation: int
-    wm: R.WorldModel
-    wm_opt: torch.optim.Optimizer
-    flags: dict  # reward components on (rewards.effective_flags)
-    tools: object  # OCR + embedder, or None
-    first: int = 0  # under torchrun: the index of this rank's first VM among all ranks' VMs
-
-
-def setup(args: Args, run: str, ckpt, screen, first: int) -> tuple:
+def setup(args: Args, run: str, ckpt, screen, vm_offset: int) -> tuple:
     """-> (Learner, the first iteration to run, SFT metrics of a generation's start, logged once)."""
-    # Text tools (OCR + embedder) only when a text/intent term is on; without them those terms
+    # Text tools (OCR + embedder) only when a term that is on reads text; without them those terms
     # are off (said once) and the world model has no text branch.
     want = R.parse_reward_flags(args.rewards)
-    tools = R.load_text_tools() if R.needs_text(want) else None
+    tools = R.load_text_tools() if "text" in R.reads(want) else None
     flags = R.effective_flags(want, tools)
-    print("reward components on: " + ", ".join(k for k, v in flags.items() if v), flush=True)
-    wm = R.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags["text"]) else 0, args.wm_hidden, screen)
+    print("reward terms on: " + ", ".join(R.terms_on(flags)), flush=True)
+    wm = R.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags.get("text")) else 0, args.wm_hidden, screen)
     wm_opt = adamw(wm.parameters(), args.wm_lr)
     if ckpt is None:
         policy, start_model, distill_metrics = start_generation(1, run, args)
@@ -759,15 +517,16 @@ def setup(args: Args, run: str, ckpt, screen, first: int) -> tuple:
         import vllm_engine
         vllm_engine.attach(policy, 1, args.max_new_tokens)
     learner = Learner(policy, optimizer, start_model, reference_fn(start_model, args), generation, wm, wm_opt,
-                      flags, tools, first)
+                      flags, tools, vm_offset)
     dist.seed_ranks(args.seed + start)  # under torchrun: each rank samples its own answers
     return learner, start, distill_metrics
 
 
-def evaluate(pool: VMPool, live: set, args: Args, ckpt, first: int = 0) -> dict:
+def evaluate(pool: VMPool, args: Args, ckpt, vm_offset: int = 0) -> dict:
     """--eval-only: the policy (--model, or with --resume the run's checkpoint) next to random
-    actions. Writes a run folder of its own (eval-<time>), or with --resume runs/<name>/eval_it<N>/
-    (N = the checkpoint's next iteration; a second eval of the same checkpoint replaces the first)."""
+    actions (explore_eval.run_eval). Writes a run folder of its own (eval-<time>), or with --resume
+    runs/<name>/eval_it<N>/ (N = the checkpoint's next iteration; a second eval of the same
+    checkpoint replaces the first)."""
     if ckpt is not None:
         run = os.path.join(args.resume, f"eval_it{rundir.next_iteration(ckpt[0]):06d}")
         if dist.is_main():
@@ -784,36 +543,16 @@ def evaluate(pool: VMPool, live: set, args: Args, ckpt, first: int = 0) -> dict:
         if args.engine == "vllm":  # GPU only: one screenshot and one answer per prompt
             import vllm_engine
             vllm_engine.attach(policy, 1, args.max_new_tokens)
-    choosers = {"policy": policy_chooser(policy, args)}
+    choosers = {"policy": policy_chooser(policy, args.max_new_tokens, args.temperature, args.top_p)}
     if args.eval_random:
         choosers["random"] = random_chooser(random.Random(args.seed))
-    return run_eval(pool, live, choosers, args, run, first)
-
-
-def next_generation(L: Learner, run: str, it: int, ipg: int, args: Args) -> dict:
-    """ALGO: experience-stream distillation at a generation boundary: the finished generation's
-    model and best steps are saved, and the next one starts from the BASE model fine-tuned on every
-    distilled step so far, with a fresh optimizer. -> the SFT metrics."""
-    finish_generation(run, L.generation, (L.generation - 1) * ipg, it - 1, L.policy, args)
-    engine = L.policy.engine
-    L.generation = it // ipg + 1
-    L.policy, L.start_model, metrics = start_generation(L.generation, run, args)
-    dist.spread(L.policy.model, shard=args.lora_rank == 0)
-    L.policy.engine = engine
-    sync_weights(L.policy)
-    L.optimizer = adamw(trainable(L.policy), args.lr)
-    L.ref_fn = reference_fn(L.start_model, args)
-    return metrics
-
-
-def reset(pool: VMPool) -> set:
-    """Fresh desktops (dead local ones are restarted); -> the VMs that answered."""
-    return {i for i, res in enumerate(pool.reset()) if res.ok}
+    return run_eval(pool, choosers, run, args.steps, args.settle, args.eval_episodes, args.eval_same_hash,
+                    args.eval_same_screen, args.eval_save, vm_offset, rundir.public_args(args))
 
 
 def trajectory_lines(buffer: list[Step], rows: list[int], r, adv) -> list[dict]:
     """One JSON line per step of one desktop: what it saw (the PNG), said, did, and earned."""
-    comps = {name: getattr(r, name) for name in ("format",) + R.COMPONENTS}
+    comps = {"format": r.format, **r.parts}  # every term of rewards.TERMS, (N,) each
     return [{"step": buffer[k].t, "intent": buffer[k].parsed.thought if buffer[k].parsed else None,
              "action": buffer[k].parsed.action.to_dict() if buffer[k].parsed else None,
              "valid": buffer[k].parsed is not None, "error": buffer[k].error, "text": buffer[k].text,
@@ -822,92 +561,63 @@ def trajectory_lines(buffer: list[Step], rows: list[int], r, adv) -> list[dict]:
              "rewards": {n: float(c[k]) for n, c in comps.items()}} for k in rows]
 
 
-
-def save_trajectories(run: str, it: int, buffer: list[Step], r, adv, first: int = 0) -> None:
-    """This rank's desktops' steps; VMs are numbered among all ranks' (this rank's first is `first`)."""
+def save_trajectories(run: str, it: int, buffer: list[Step], r, adv, vm_offset: int = 0) -> None:
+    """This rank's desktops' steps; VMs are numbered among all ranks' (this rank's first is vm_offset)."""
     for vm in sorted({s.vm for s in buffer}):
         rows = [k for k, s in enumerate(buffer) if s.vm == vm]
-        rundir.save_trajectory(run, it, first + vm, trajectory_lines(buffer, rows, r, adv), [buffer[k].before for k in rows])
+        rundir.save_trajectory(run, it, vm_offset + vm, trajectory_lines(buffer, rows, r, adv),
+                               [buffer[k].before for k in rows])
 
 
 # -----------------------------------------------------------------------------------------------
-# One iteration's learning, then the loop, top to bottom
-
-VM_PHASES = ("reset", "screenshot", "act")  # the seconds a rank waits on its desktops
-ACTOR_KEYS = ("actor/loss", "actor/kl", "actor/clip_low", "actor/clip_high", "actor/grad_norm", "actor/lr")
-
-
-def learn(L: Learner, buffer: list[Step], it: int, args: Args, times: dict) -> tuple:
-    """Rewards, advantages and the GRPO update of one iteration's buffer.
-    -> (rewards.Rewards, advantages (N,), the iteration's metrics)."""
-    # rewards: features, the world model's guesses and update, every component (N,) each
-    r, wm_metrics = score(buffer, L, args, times, it)
-    # ALGO: GRPO with the whole buffer as ONE group: each step's reward against every step's, on
-    # every rank (torchrun: the ranks' buffers together, in rank order; each trains its own steps)
-    # (The sampler's log-probs ride along only so the update can log actor/logp_gap, how far
-    # they are from the trainer's own: the update recomputes its old log-probs.)
-    samples = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), group=0,
-                                old_logps=s.gen.logprobs) for k, s in enumerate(buffer)]
-    parts = dist.gather((r, len({s.vm for s in buffer})))  # every rank's Rewards and desktops, rank order
-    r_all = R.Rewards(**{n: torch.cat([getattr(p, n) for p, _ in parts]) for n in r.__dataclass_fields__})  # (N_all,) each
-    adv_all = grpo.group_advantages(r_all.total)  # (N_all,)
-    start = sum(len(p.total) for p, _ in parts[:dist.rank()])
-    adv = adv_all[start:start + len(buffer)]  # (N,)
-    for sample, a in zip(samples, adv.tolist()):
-        sample.advantage = a
-    actor = dict.fromkeys(ACTOR_KEYS)
-    # The delay lets the world model warm up before its curiosity steers the actor. It is the
-    # ONLY condition: the release also skipped the update whenever the world model was off, so
-    # its no-world-model ablation never trained at all.
-    updated = it >= args.update_actor_delay
-    if updated:
-        actor["actor/lr"] = rundir.set_lr(L.optimizer, actor_lr(it, args))
-        with rundir.timed(times, "update"), progress.bar(len(samples), "update") as pb:
-            m = grpo.update_policy(L.policy, L.optimizer, samples, args.micro_batch, args.eps_low, args.eps_high,
-                                   args.beta, L.ref_fn, args.max_grad_norm, mini_batch_size=args.mini_batch,
-                                   on_micro_batch=pb.update, temperature=args.temperature,
-                                   shuffle=random.Random(f"{args.seed}-update-{it}"))
-            actor.update({f"actor/{k}": v for k, v in m.items()})
-        with rundir.timed(times, "sync"):
-            sync_weights(L.policy)  # the generator samples the next iteration from the new weights
-    metrics = {"vms": sum(n for _, n in parts), "steps": len(r_all.total), **R.summarize_rewards(r_all), **wm_metrics,
-               "actor/updated": int(updated), **actor, "adv/std": float(adv_all.std()) if len(adv_all) > 1 else 0.0}
-    return r, adv, metrics
+# The loop, top to bottom
 
 
 def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int, distill_metrics: dict) -> None:
     ipg = args.iterations_per_generation or args.iterations  # iterations per generation
     total = args.generations * ipg
     trackers = rundir.open_trackers(run, args)
+    reset_next = False
+    windows = "windows" in R.reads(L.flags)  # a term reads the window lists: the rollout records them
     for it in progress.track(range(start, total), "iterations"):
         t0, times = time.perf_counter(), {}
         if it // ipg + 1 != L.generation:  # a generation boundary (also right after resuming at one)
             with rundir.timed(times, "distill"):
                 distill_metrics = next_generation(L, run, it, ipg, args)
-        if it == start or (args.reset_every and it % args.reset_every == 0):
-            with rundir.timed(times, "reset"):
-                live = reset(pool)
+        # A reset iteration plays on every desktop in service (a dead one restarts in its thread),
+        # the others on those that did not fail since (their screens go on from the last iteration).
+        fresh = it == start or reset_next or (args.reset_every and it % args.reset_every == 0)
+        if fresh:
+            with rundir.timed(times, "vm_wait"):  # re-checks down remote VMs
+                live = set(rollout.in_service(pool))
         rundir.clear_trajectories(run, it)
-        # rollout: --steps lockstep steps on every live desktop, one batched generate per step
+        # rollout: --steps steps on every live desktop, each on its own, generation batched (rollout.py);
+        # when the next iteration resets, its resets run during this one's update (reset_ahead)
+        ahead = bool(args.reset_every) and (it + 1) % args.reset_every == 0 and it + 1 < total
         with dist.unsharded(L.policy.model):  # FSDP2: each rank decodes alone, with whole weights
-            buffer = rollout(pool, live, policy_chooser(L.policy, args), args, times)
+            buffer, out = play(pool, live, policy_chooser(L.policy, args.max_new_tokens, args.temperature, args.top_p),
+                               args.steps, args.settle, reset=bool(fresh), reset_after=ahead, windows=windows)
+        for k, v in out.times.items():
+            times[k] = times.get(k, 0.0) + v
+        live -= {f.vm for f in out.failures}  # out until the next reset
+        reset_next = not buffer
         if not buffer and dist.size() == 1:
             print(f"it {it}: no desktop answered; resetting them and going on.", flush=True)
-            live = reset(pool)
             continue
-        r, adv, metrics = learn(L, buffer, it, args, times)
-        metrics = {"iteration": it, "generation": L.generation, **metrics, **distill_metrics}
+        r, adv, wm_metrics, upd = learn(L, buffer, it, args, times)  # ALGO: rewards -> advantages -> update
+        metrics = {"iteration": it, "generation": L.generation,
+                   **iteration_metrics(buffer, r, adv, wm_metrics, upd, out), **distill_metrics}
         distill_metrics = {}
         with rundir.timed(times, "save"):  # trajectories, checkpoint, then the metrics line: see rundir.py
-            save_trajectories(run, it, buffer, r, adv, L.first)
+            save_trajectories(run, it, buffer, r, adv, L.vm_offset)
             # Always at a generation's last iteration: the boundary (dataset, SFT) is redone from it.
             if (it + 1) % args.ckpt_every == 0 or (it + 1) % ipg == 0 or it + 1 == total:
-                line = {**metrics, **rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0}, VM_PHASES)}
+                line = {**metrics, **rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0})}
                 rundir.save(run, L.policy, L.optimizer, it + 1, args, line, start_model=L.start_model,
                             generation=L.generation, wm=L.wm.state_dict(), wm_opt=L.wm_opt.state_dict(),
                             wm_config=L.wm.config)
-        metrics.update(rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0}, VM_PHASES))
-        rundir.end_iteration(run, trackers, metrics, console_line(metrics))
+        metrics.update(rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0}))
+        rundir.end_iteration(run, trackers, metrics, console_line(metrics, L.flags, args.beta))
     finish_generation(run, L.generation, (L.generation - 1) * ipg, total - 1, L.policy, args)
     progress.close(trackers)
     print(f"done: {run}", flush=True)
@@ -924,17 +634,17 @@ def main(argv=None) -> None:
         # the default (every core) ran our tiny-model steps 10x slower than one thread did.
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
     # The desktops first: an unreachable VM should leave no run folder behind.
-    pool, live, screen, first = rundir.open_desktops(args.vms, args.token, args.vm_timeout)
+    pool, live, screen, vm_offset = rundir.open_desktops(args.vms, args.token, args.vm_timeout)
     try:
         if args.eval_only:
-            evaluate(pool, live, args, ckpt, first)
+            evaluate(pool, args, ckpt, vm_offset)
             return
         run = args.resume or rundir.run_path(args.runs_dir, args.run_name)
         with rundir.new_run(run):  # a failed setup (bad --model, ...) leaves no folder behind
             rundir.make_run_dir(run, args, resume=bool(args.resume))
             print(f"run folder: {run}", flush=True)
             rundir.seed_all(args.seed)
-            learner, start, distill_metrics = setup(args, run, ckpt, screen, first)
+            learner, start, distill_metrics = setup(args, run, ckpt, screen, vm_offset)
         train(pool, live, learner, args, run, start, distill_metrics)
     finally:
         pool.close()

@@ -114,11 +114,14 @@ def run_kind(args: dict, metrics: list[dict], trajs: dict) -> str:
     return "unknown"
 
 
-# train_arpo.py's metric names before both scripts shared one vocabulary -> the shared names
+# Metric names of older runs (train_arpo.py's before both scripts shared one vocabulary, and
+# train_explore.py's time/generate) -> today's names
 ARPO_KEYS = {**{k: f"actor/{k}" for k in ("loss", "pg_loss", "kl", "clip_low", "clip_high", "clip_dual", "ratio_mean",
                                           "grad_norm", "tokens", "lr", "logp_gap")},
              **{f"time_{k}": f"time/{k}" for k in ("reset", "generation", "env", "evaluate", "update", "save")},
-             "time_total": "time/iteration"}
+             "time_total": "time/iteration",
+             "time/generate": "time/generation",  # train_explore.py's name before rollout.py
+             "zero_std_groups": "flat_groups"}  # train_arpo.py's name for groups with no learning signal
 
 
 def load_run(run: str) -> dict:
@@ -227,18 +230,23 @@ def action_svg(action, w: int, h: int) -> str:
 # -----------------------------------------------------------------------------------------------
 # Training curves: inline SVG line charts (several series per chart, shared axes)
 
+# Where an iteration's time goes (rollout.py's vocabulary): the learner computing or idle, and the
+# desktops that failed; both trainers log these.
+TIME = [("seconds: iteration, learner computing (generation, update) and idle (VM wait)",
+         ["time/iteration", "time/generation", "time/update", "time/vm_wait"]),
+        ("learner idle share (VM wait)", ["vm_wait_share"]), ("environment failures", ["env_failures"]),
+        ("settle: mean seconds after an action, share that hit the watch's cap", ["settle/seconds", "settle/capped"])]
 # The charts a reader wants first, by run type: (title, metric keys); every other number follows.
 HEADLINE = {
     "explore": [("total reward", ["reward/total"]), ("format reward", ["reward/format"]),
-                ("reward components", ["reward/image_immediate", "reward/image_sequence", "reward/image_world_model",
-                                       "reward/text_immediate", "reward/text_sequence", "reward/text_world_model",
-                                       "reward/intent_before", "reward/intent_after", "reward/intent_click"]),
+                ("reward components", ["reward/*"]),  # every reward/<term> the run logged (rewards.TERMS)
                 ("world-model loss", ["wm/loss", "wm/loss_first_epoch"]), ("KL to the start", ["actor/kl"]),
-                ("clip fraction", ["actor/clip_low", "actor/clip_high", "actor/clip_dual"]), ("policy loss", ["actor/loss"])],
+                ("clip fraction", ["actor/clip_low", "actor/clip_high", "actor/clip_dual"]), ("policy loss", ["actor/loss"]),
+                *TIME],
     "arpo": [("reward (score - format penalty)", ["reward_mean", "score_mean"]), ("success rate", ["success_rate"]),
              ("format rate", ["format_rate"]), ("KL to the start", ["actor/kl"]),
              ("clip fraction", ["actor/clip_low", "actor/clip_high", "actor/clip_dual"]),
-             ("replay", ["n_injections", "zero_std_groups", "replay_size"]), ("policy loss", ["actor/loss"])],
+             ("replay", ["n_injections", "flat_groups", "replay_size"]), ("policy loss", ["actor/loss"]), *TIME],
 }
 PALETTE = ["#0a84ff", "#ff3b30", "#34c759", "#ff9500", "#af52de", "#00c7be", "#ffcc00", "#8e8e93", "#5e5ce6"]
 
@@ -297,13 +305,23 @@ def chart_svg(title: str, series: dict, w: int = 340, h: int = 170) -> str:
     return f'<figure>{"".join(out)}</svg><figcaption>{legend}</figcaption></figure>'
 
 
+def headline(kind: str, have) -> list[tuple[str, list[str]]]:
+    """HEADLINE of this run type with "prefix/*" spelled out: every key of `have` (in its order)
+    under that prefix that no other headline chart names. So the reward terms a run logged
+    (reward/<term>, whatever rewards.TERMS held when it ran) are charted without a list here."""
+    named = {k for _, keys in HEADLINE.get(kind, []) for k in keys}
+    return [(title, [x for k in keys for x in ([h for h in have if h.startswith(k[:-1]) and h not in named]
+                                               if k.endswith("/*") else [k])])
+            for title, keys in HEADLINE.get(kind, [])]
+
+
 def charts_html(kind: str, metrics: list[dict]) -> str:
     """The headline charts of this run type, then one chart per remaining numeric metric (folded)."""
     series = numeric_series(metrics)
     if not series:
         return '<p class="empty">No metrics yet (metrics.jsonl gets one line per finished iteration).</p>'
     head, used = [], set()
-    for title, keys in HEADLINE.get(kind, []):
+    for title, keys in headline(kind, series):
         s = {k: series[k] for k in keys if k in series}
         used.update(keys)
         if s:
@@ -399,7 +417,7 @@ def iteration_header(m: dict | None, kind: str) -> str:
     """A compact line of the iteration's headline numbers (and ARPO's replay injections)."""
     if not m:
         return '<p class="empty">no metrics line for this iteration (the run stopped before logging it)</p>'
-    keys = [k for _, ks in HEADLINE.get(kind, []) for k in ks] + ["time/iteration"]
+    keys = list(dict.fromkeys([k for _, ks in headline(kind, m) for k in ks] + ["time/iteration"]))
     chips = "".join(f"<span>{esc(k)} <b>{_fmt(m[k])}</b></span>" for k in keys if _num(m.get(k)) is not None)
     inj = "".join(f'<span class="good">replay: group {esc(r.get("group"))} got a success of it {esc(r.get("from_iteration"))} '
                   f'vm {esc(r.get("from_vm"))}</span>' for r in m.get("replay_injections") or [] if isinstance(r, dict))

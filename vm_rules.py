@@ -1,6 +1,7 @@
-"""vm_rules.py: what a /setup or /evaluate request may ask of a desktop, and the checks that say so.
+"""vm_rules.py: what a request may ask of a desktop, who may ask it, and the checks that say so.
 
-The request's JSON (`check_object`, `check_number`, `check_str`, `check_regex`: exact fields, typed
+Who: `vm_token`, each VM's bearer token derived from the trainer's one secret and the VM's URL.
+What: the request's JSON (`check_object`, `check_number`, `check_str`, `check_regex`: exact fields, typed
 values, Unicode text), the paths it names (`resolve`, `visible_in_home`, `harmless`) and the
 programs it may run with which arguments (DEFAULT_ALLOW, ARGV_RULES, `check_args`, `runnable`).
 vm_tasks.py runs the steps and checks these rules let through, and vm_server.py checks POST
@@ -28,11 +29,30 @@ allow-listed programs whose every argument is checked.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import re
 import shutil
+from urllib.parse import urlsplit
 
 from procs import Desktop
+
+# -------------------------------------------------------------------------------------------------
+# Who may ask: one token per VM
+
+
+def vm_token(secret: str, url: str) -> str:
+    """The bearer token of the VM at `url`: HMAC-SHA256 of its URL under the trainer's secret, hex.
+
+    The trainer holds one secret (--token / $VM_TOKEN) and sends each VM its own token, so a VM
+    (or an agent inside it that reads its server's token) holds nothing that opens another VM.
+    `python vm_server.py --token-for URL` prints it for the VM you start. The URL counts as the
+    trainer writes it in --vms, up to case of scheme and host and a trailing slash."""
+    u = urlsplit(url.strip())
+    canonical = f"{u.scheme.lower()}://{u.netloc.lower()}{u.path.rstrip('/')}"
+    return hmac.new(secret.encode(), canonical.encode(), hashlib.sha256).hexdigest()
+
 
 # -------------------------------------------------------------------------------------------------
 # Limits, the allow-list and each program's argument rule

@@ -3,10 +3,13 @@
 It runs INSIDE each VM, or as a local desktop of its own on this machine:
 
     python vm_server.py --xvfb [--screen 1280x720] [--port 8000]   # own Xvfb + openbox + icons
-    python vm_server.py --host 0.0.0.0 --token SECRET              # inside your VM, on its DISPLAY
+    VM_TOKEN=<its token> python vm_server.py --host 0.0.0.0       # inside your VM, on its DISPLAY
+    VM_TOKEN=<secret> python vm_server.py --token-for URL         # the token of the VM at URL
 
 Endpoints (JSON; errors are 4xx/5xx {"error": "<one sentence>"}; see README "VM protocol"):
-    GET /health, GET /screenshot[?format=png|jpeg&quality=Q], GET /windows, POST /action, POST /reset,
+    GET /health, GET /screenshot[?format=png|jpeg&quality=Q], GET /windows,
+    POST /action[?settle=watch|SECONDS][&screenshot=png|jpeg&quality=Q] (the settled screen as the
+    answer: one round trip per step; header X-Settle), POST /reset,
     POST /setup {"steps": [...]}, POST /evaluate {"conj": "and"|"or", "checks": [...]}.
 With a token every endpoint needs `Authorization: Bearer <token>`; binding to anything but loopback
 without one is refused, and a server without one answers only requests with a loopback Host and
@@ -15,7 +18,11 @@ no foreign Origin (a web page in a local browser, or DNS rebinding, cannot reach
 seconds, a GET may not carry a body, and at most MAX_CONNECTIONS connections are open (the one
 waiting longest for its request makes room for a new one). `--port 0` picks a free port; the
 first stdout line is `vm_server: serving http://HOST:PORT ...`. With --xvfb the whole desktop,
-this server included, runs inside bubblewrap (desktop.sandbox; --no-sandbox turns it off).
+this server included, runs inside bubblewrap (desktop.sandbox; --no-sandbox turns it off): the
+port is bound outside and the socket handed in (--listen-fd), the token through a pipe
+(--token-fd), and the server makes itself non-dumpable, so nothing on the desktop can read the
+token or reach the port. Each VM has a token of its own: the trainer derives it from one secret and
+the VM's URL (vm_rules.vm_token; --token-for prints it).
 
 Where this departs from OSWorld's in-VM server (the papers' environment):
   - No endpoint runs code sent by the client: setup/evaluate are a handful of typed steps, the
@@ -27,12 +34,16 @@ Where this departs from OSWorld's in-VM server (the papers' environment):
     per-application getters, so task files stay small and readable.
   - `--xvfb` builds a whole desktop (Xvfb, openbox, tint2 taskbar, pcmanfm icons) per server, with
     its own HOME copied from a template, so N local desktops stand in for N VMs.
+  - After an action the papers' clients sleep a fixed time before the next screenshot; here
+    `?settle=watch` waits until the desktop has settled, watched from inside (settle.py), and
+    answers with the settled screen.
 
 What to copy into your VM: vm_server.py, vm_tasks.py (the /setup and /evaluate steps and checks),
 vm_rules.py (the allow-list and its argv rules, HOME confinement, the request checks), procs.py
-(the desktop's processes and windows) and actions.py (the action schema POST /action takes; stdlib
-only). desktop.py is the `--xvfb` desktop, imported only with `--xvfb`, so a VM serving its own
-display does without it. Nothing imports this file: it is the program you run.
+(the desktop's processes and windows), settle.py (?settle=watch: when the screen has settled) and
+actions.py (the action schema POST /action takes; stdlib only). desktop.py is the `--xvfb`
+desktop, imported only with `--xvfb`, so a VM serving its own display does without it. Nothing
+imports this file: it is the program you run.
 """
 
 from __future__ import annotations
@@ -60,7 +71,8 @@ from PIL import ImageGrab
 
 from actions import ACTION_FIELDS, DIRECTIONS, MAX_KEYS, MAX_TEXT_CHARS
 from procs import Desktop, app_windows, kill_tree, prctl, reap
-from vm_rules import DEFAULT_ALLOW, MAX_BODY, BadRequest, check_number, check_object, check_str
+from settle import watcher
+from vm_rules import DEFAULT_ALLOW, MAX_BODY, BadRequest, check_number, check_object, check_str, vm_token
 from vm_tasks import evaluate, setup
 
 # -------------------------------------------------------------------------------------------------
@@ -91,18 +103,21 @@ def _desktop():
     return desktop
 
 
-def reset(desk: Desktop) -> None:
-    """Close every app started since the desktop came up, restore HOME, mouse to the centre."""
+def reset(desk: Desktop) -> dict[str, float]:
+    """Close every app started since the desktop came up, restore HOME, mouse to the centre.
+    -> seconds per phase (see desktop.reset_desktop)."""
     import pyautogui
     if desk.xvfb is not None:
-        # Killing every client but Xvfb and starting the session again is simpler and surer than
+        # Stopping every client but Xvfb and starting the session again is simpler and surer than
         # closing windows one by one (a file manager window lives inside the desktop process).
-        kill_tree(keep={desk.xvfb.pid})
-        _desktop().restore_home(desk)
-        _desktop().start_session(desk)
+        phases = _desktop().reset_desktop(desk)
     else:  # a real VM: close what we launched; its files are yours (restore them with a snapshot)
+        t = time.monotonic()
         kill_tree(keep=set())
-    pyautogui.moveTo(desk.screen[0] // 2, desk.screen[1] // 2)
+        phases = {"kill": round(time.monotonic() - t, 3)}
+    t = time.monotonic()
+    pyautogui.moveTo(desk.screen[0] // 2, desk.screen[1] // 2, _pause=False)  # no app left to see it in order
+    return {**phases, "mouse": round(time.monotonic() - t, 3)}
 
 # -------------------------------------------------------------------------------------------------
 # POST /action
@@ -235,46 +250,92 @@ def encode_png(img) -> bytes:
             + chunk(b"IDAT", zlib.compress(rows, PNG_LEVEL)) + chunk(b"IEND", b""))
 
 
-def screenshot(query: dict) -> tuple[bytes, str]:
-    fmt, q = query.get("format", ["png"])[-1], query.get("quality", ["80"])[-1]
+def image_query(query: dict, key: str = "format") -> tuple[str, int]:
+    """The image format and JPEG quality a request asks for (`?format=` for /screenshot,
+    `?screenshot=` for /action, `&quality=` for both), checked."""
+    fmt, q = query.get(key, ["png"])[-1], query.get("quality", ["80"])[-1]
     if fmt not in ("png", "jpeg", "jpg"):
-        raise BadRequest("'format' must be png or jpeg.")
+        raise BadRequest(f"'{key}' must be png or jpeg.")
     if not re.fullmatch(r"[0-9]{1,2}", q) or not 1 <= int(q) <= 95:  # not isdigit(): '²' is a digit to it
         raise BadRequest("'quality' must be an integer in [1, 95].")
+    return fmt, int(q)
+
+
+def screenshot(fmt: str = "png", quality: int = 80) -> tuple[bytes, dict]:
+    """The screen now -> (image bytes, headers)."""
     img = ImageGrab.grab()  # X11 GetImage through Pillow's XCB binding: ~8 ms at 1280x720
     if fmt == "png":
-        return encode_png(img), "image/png"
+        return encode_png(img), {"Content-Type": "image/png"}
     buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=int(q))
-    return buf.getvalue(), "image/jpeg"
+    img.save(buf, "JPEG", quality=quality)
+    return buf.getvalue(), {"Content-Type": "image/jpeg"}
 
 
-def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[int, object, str]:
-    """Route one authenticated request -> (status, JSON object or bytes, content type)."""
+def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[int, object, dict]:
+    """Route one authenticated request -> (status, JSON object or bytes, extra headers)."""
     routes = {"/health": "GET", "/screenshot": "GET", "/windows": "GET", "/action": "POST", "/reset": "POST",
               "/setup": "POST", "/evaluate": "POST"}
     if path not in routes:
-        return 404, {"error": f"no endpoint {path}; see the README's VM protocol section."}, ""
+        return 404, {"error": f"no endpoint {path}; see the README's VM protocol section."}, {}
     if routes[path] != method:
-        return 405, {"error": f"{path} takes {routes[path]}, not {method}."}, ""
+        return 405, {"error": f"{path} takes {routes[path]}, not {method}."}, {}
     if desk.xvfb is not None and desk.xvfb.poll() is not None:
-        return 503, {"error": "this desktop's X server died; restart vm_server.py."}, ""
+        return 503, {"error": "this desktop's X server died; restart vm_server.py."}, {}
     if path == "/health":
-        return 200, {"ok": True, "screen": list(desk.screen)}, ""
+        return 200, {"ok": True, "screen": list(desk.screen)}, {}
     if path == "/screenshot":
-        return (200, *screenshot(query))
+        return (200, *screenshot(*image_query(query)))
     if path == "/windows":  # the application windows, oldest first (the window manager's list)
-        return 200, {"windows": [{"id": i, "title": t} for i, t in app_windows(desk)]}, ""
-    if path == "/action":
-        do_action(desk, check_action(desk, body))
-        return 200, {"ok": True}, ""
+        return 200, {"windows": [{"id": i, "title": t} for i, t in app_windows(desk)]}, {}
+    if path == "/action":  # the query and the action are checked before anything runs
+        image = image_query(query, "screenshot") if "screenshot" in query else None
+        return act(desk, check_action(desk, body), settle_query(query), image)
     if path == "/reset":
         check_object({} if body is None else body, "the /reset body")
-        reset(desk)
-        return 200, {"ok": True}, ""
+        return 200, {"ok": True, "seconds": reset(desk)}, {}
     if path == "/setup":  # every step checked and the whole request planned before any runs
-        return 200, setup(desk, body), ""
-    return 200, evaluate(desk, body), ""
+        return 200, setup(desk, body), {}
+    return 200, evaluate(desk, body), {}
+
+
+# -------------------------------------------------------------------------------------------------
+# POST /action?settle=watch|SECONDS&screenshot=png|jpeg: the action, the settle, the settled screen
+
+MAX_FIXED_SETTLE = 10.0  # s: the longest fixed settle a request may ask for
+
+
+def settle_query(query: dict) -> str | float | None:
+    """?settle=watch (settle.py's rule), ?settle=SECONDS (a fixed sleep), or absent (None)."""
+    if "settle" not in query:
+        return None
+    v = query["settle"][-1]
+    if v == "watch":
+        return v
+    if re.fullmatch(r"[0-9]{1,2}(\.[0-9]{1,3})?", v) and float(v) <= MAX_FIXED_SETTLE:  # ASCII digits only
+        return float(v)
+    raise BadRequest(f"'settle' must be watch or seconds in [0, {MAX_FIXED_SETTLE:g}] (e.g. 0.5).")
+
+
+def act(desk: Desktop, a: dict, how: str | float | None, image: tuple[str, int] | None) -> tuple[int, object, dict]:
+    """Run one checked action, settle as asked, answer with the settled screen (`image`: its
+    format and quality) or {"ok": true, "settle": ...}; either way the X-Settle header says how
+    the settle went (see settle.Watcher.settle)."""
+    if how == "watch":
+        watcher(desk).arm()
+    started = time.monotonic()
+    do_action(desk, a)
+    if how == "watch":
+        info = watcher(desk).settle(started)
+    elif how is not None:
+        time.sleep(how)
+        info = {"seconds": how, "until": "fixed", "first_change": None}
+    else:
+        info = {"seconds": 0.0, "until": "none", "first_change": None}
+    headers = {"X-Settle": json.dumps(info, separators=(",", ":"))}
+    if image is None:
+        return 200, {"ok": True, "settle": info}, headers
+    data, more = screenshot(*image)
+    return 200, data, {**headers, **more}
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -406,15 +467,16 @@ class Handler(BaseHTTPRequestHandler):
             with contextlib.nullcontext() if health else self.lock:
                 if not health:
                     reap()  # never beside a running setup command: that would steal its exit status
-                status, payload, ctype = handle(self.desk, method, url.path, parse_qs(url.query), body)
+                status, payload, headers = handle(self.desk, method, url.path, parse_qs(url.query), body)
         except BadRequest as e:
-            status, payload, ctype = e.status, {"error": str(e)}, ""
+            status, payload, headers = e.status, {"error": str(e)}, {}
         except Exception as e:  # a bug or a broken desktop: say so, keep serving
             print(f"vm_server: {method} {url.path} failed: {e!r}", file=sys.stderr, flush=True)
-            status, payload, ctype = 500, {"error": f"the VM failed: {type(e).__name__}: {e}"[:500]}, ""
+            status, payload, headers = 500, {"error": f"the VM failed: {type(e).__name__}: {e}"[:500]}, {}
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         self.send_response(status)
-        self.send_header("Content-Type", ctype or "application/json")
+        for k, v in {"Content-Type": "application/json", **headers}.items():
+            self.send_header(k, v)
         self.send_header("Content-Length", str(len(data)))
         if self.close_connection:
             self.send_header("Connection", "close")
@@ -451,10 +513,14 @@ class Server(ThreadingHTTPServer):
     request_queue_size = LISTEN_BACKLOG
     daemon_threads = True
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, sock: socket.socket):
+        """Serve on `sock`, bound already (by us, or outside the sandbox: see listening_socket)."""
         self._conns: dict = {}    # socket -> when it began waiting for its request; None: being answered
         self._conns_lock = threading.Lock()
-        super().__init__(*args, **kwargs)
+        super().__init__(sock.getsockname()[:2], Handler, bind_and_activate=False)
+        self.socket.close()  # the unbound one socketserver made
+        self.socket, self.server_address = sock, sock.getsockname()
+        self.server_activate()  # listen(LISTEN_BACKLOG)
 
     def waiting(self, sock) -> None:
         with self._conns_lock:
@@ -494,11 +560,59 @@ def exit_with_parent(pid: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def read_token(args) -> str | None:
+    """The bearer token: from --token-fd (a pipe or a file the caller hands over: in no argv, and in
+    no environment a process of the desktop could read), else --token, else $VM_TOKEN. The
+    environment's copy is dropped, so no program we start inherits it."""
+    env = os.environ.pop("VM_TOKEN", None)
+    if args.token_fd is None:
+        return args.token or env or None
+    try:
+        with os.fdopen(args.token_fd, "rb") as f:
+            return f.read(4096).decode().strip() or None
+    except (OSError, UnicodeDecodeError) as e:
+        sys.exit(f"vm_server: cannot read the token from --token-fd {args.token_fd} ({e}); hand over a readable pipe or file.")
+
+
+def listening_socket(args) -> socket.socket:
+    """The socket to serve on: the one handed over with --listen-fd (the sandbox's launcher, or a
+    trainer, bound it on the host's network), else a new one bound to --host:--port."""
+    if args.listen_fd is None:
+        try:  # bind first: a taken port fails at once, not after the desktop has started
+            family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+            return socket.create_server((args.host, args.port), family=family, backlog=LISTEN_BACKLOG)
+        except OSError as e:
+            sys.exit(f"vm_server: cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port.")
+    try:
+        sock = socket.socket(fileno=args.listen_fd)
+        if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            raise OSError(0, "not a listening TCP socket")
+        return sock
+    except OSError as e:
+        sys.exit(f"vm_server: --listen-fd {args.listen_fd} is no listening TCP socket ({e.strerror}); "
+                 f"hand over a bound, listening one, or use --host and --port.")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
+    # PR_SET_DUMPABLE (4) = 0: our memory (which holds the token), environment and open files are
+    # out of reach of every process without CAP_SYS_PTRACE, the desktop's own (same user) included:
+    # /proc/<pid>/environ, mem and fd answer "permission denied", ptrace too.
+    prctl(4, 0)
     p = argparse.ArgumentParser(description="Serve one desktop over HTTP (see the README's VM protocol).")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (printed at start)")
-    p.add_argument("--token", default=os.environ.get("VM_TOKEN"), help="shared token (default: $VM_TOKEN)")
+    p.add_argument("--listen-fd", type=int, help="serve on this inherited, listening socket instead of --host/--port")
+    p.add_argument("--token", default=None, help="the bearer token (default: $VM_TOKEN)")
+    p.add_argument("--token-fd", type=int, help="read the token from this file descriptor (e.g. `--token-fd 3 3<file`)")
+    p.add_argument("--token-for", metavar="URL", help="print the token the trainer sends to the VM at URL, derived "
+                   "from the secret given as the token, and exit")
     p.add_argument("--xvfb", action="store_true", help="start a desktop of our own on a new Xvfb display")
     p.add_argument("--screen", default="1280x720", help="WxH of the --xvfb screen")
     p.add_argument("--no-sandbox", action="store_true",
@@ -508,11 +622,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--allow-exec", default="", help="comma-separated extra programs setup/evaluate may run")
     p.add_argument("--verbose", action="store_true", help="log every request")
     args = p.parse_args(argv)
-    try:
-        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not args.token:
+    token = read_token(args)
+    if args.token_for:
+        if not token:
+            sys.exit("vm_server: --token-for derives a VM's token from your secret; give the secret as $VM_TOKEN or --token.")
+        print(vm_token(token, args.token_for))
+        return
+    if args.listen_fd is None and not is_loopback(args.host) and not token:
         sys.exit(f"vm_server: refusing to listen on {args.host} without a token; pass --token T (or set VM_TOKEN), or use --host 127.0.0.1.")
     m = re.fullmatch(r"(\d{3,4})x(\d{3,4})", args.screen)
     if not m or not (640 <= int(m[1]) <= 7680 and 480 <= int(m[2]) <= 4320):
@@ -532,20 +648,27 @@ def main(argv: list[str] | None = None) -> None:
     parent = os.environ.pop("VM_SERVER_PARENT", "")
     if parent.isdigit():
         threading.Thread(target=exit_with_parent, args=(int(parent),), daemon=True).start()
+    sock = listening_socket(args)
+    host, port = sock.getsockname()[:2]
+    if not is_loopback(host) and not token:
+        sys.exit(f"vm_server: refusing to serve on {host} without a token; pass --token T (or set VM_TOKEN).")
     if args.xvfb and not sandbox_tmp:
         if not args.no_sandbox:  # the desktop and this server again, inside bubblewrap; we wait and clean up
-            sys.exit(_desktop().sandbox(sys.argv[1:] if argv is None else argv))
+            inner = ["--xvfb", "--screen", args.screen, "--request-timeout", repr(args.request_timeout),
+                     *(["--allow-exec", args.allow_exec] if args.allow_exec else []), *(["--verbose"] if args.verbose else [])]
+            sys.exit(_desktop().sandbox(inner, sock, token))
+        try:
+            user = pwd.getpwuid(os.getuid()).pw_name
+        except KeyError:  # a uid without a passwd entry
+            user = f"uid {os.getuid()}"
         print(f"vm_server: sandbox: off (--no-sandbox): the desktop's programs, its terminal included, run "
-              f"unconfined on this machine as {pwd.getpwuid(os.getuid()).pw_name}", file=sys.stderr, flush=True)
+              f"unconfined on this machine as {user}", file=sys.stderr, flush=True)
     # PR_SET_CHILD_SUBREAPER (36): programs that double-fork (GLib's app launching does) are
     # re-parented to us instead of init, so /reset and exit still find them.
     prctl(36, 1)
     desk = None
     try:
-        try:  # bind first: a taken port fails at once, not after the desktop has started
-            server = Server((args.host, args.port), Handler)
-        except OSError as e:
-            sys.exit(f"vm_server: cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port.")
+        server = Server(sock)
         if args.xvfb:
             try:
                 desk = _desktop().local_desktop((int(m[1]), int(m[2])), allow, sandbox_tmp or None)
@@ -562,11 +685,10 @@ def main(argv: list[str] | None = None) -> None:
         if desk is None:
             desk = Desktop(tuple(pyautogui.size()), os.path.expanduser("~"), dict(os.environ), allow,
                            display=os.environ["DISPLAY"])
-        host, port = server.server_address[:2]
-        Handler.desk, Handler.token, Handler.verbose = desk, args.token or None, args.verbose
-        Handler.request_timeout, Handler.names = args.request_timeout, local_names(args.host, port)
-        print(f"vm_server: serving http://{host}:{port} display {desk.display} screen "
-              f"{desk.screen[0]}x{desk.screen[1]} home {desk.home}", flush=True)
+        Handler.desk, Handler.token, Handler.verbose = desk, token, args.verbose
+        Handler.request_timeout, Handler.names = args.request_timeout, local_names(host, port)
+        print(f"vm_server: serving http://{host if ':' not in host else f'[{host}]'}:{port} display {desk.display} "
+              f"screen {desk.screen[0]}x{desk.screen[1]} home {desk.home}", flush=True)
         server.serve_forever()
     except KeyboardInterrupt:
         pass

@@ -32,6 +32,7 @@ import tempfile
 import time
 
 from procs import Desktop, app_windows, spawn
+from settle import watcher
 from vm_rules import (ENTRY_BYTES, HOME_QUOTA, MAX_BODY, BadRequest, all_unicode, check_number, check_object,
                       check_program, check_regex, check_str, desktop_entry, harmless, inside, resolve, runnable,
                       visible_in_home, writes)
@@ -43,7 +44,6 @@ MAX_MATCH = 2000         # longest 'text' / 'stdout' a check looks for
 MAX_ITEMS = 64           # setup steps / evaluator checks per request
 MAX_READ = 10 << 20      # file_contains reads at most this much of a file
 MAX_OUTPUT = 64 << 10    # command stdout kept (it goes to a temp file, never into our memory)
-APP_SETTLE = 1.0         # seconds /setup waits at its end when it started an app
 REGEX_SECONDS = 2.0      # an evaluator regex that runs longer than this fails its check (see _search)
 REQUEST_SECONDS = 120.0  # one /setup's sleeps and command timeouts together (and one /evaluate's run time)
 TEXT_EXTS = (".txt", ".md", ".csv", ".json", ".log", ".py", ".sh", ".conf", ".ini", ".xml", ".html")
@@ -302,15 +302,20 @@ def setup(desk: Desktop, body) -> dict:
     """POST /setup: every step checked, and the request as a whole planned, before any step runs."""
     steps = [check_step(desk, s) for s in _items(body, "/setup", "steps")]
     plan(desk, steps, "step")
-    deadline = time.monotonic() + REQUEST_SECONDS
+    apps = any(s["type"] in ("launch", "open") for s in steps)
+    if apps:
+        watcher(desk).arm()
+    started = time.monotonic()
+    deadline = started + REQUEST_SECONDS
     results = [_guarded(desk, s, k, "step", lambda s=s: run_step(desk, s, deadline)) for k, s in enumerate(steps)]
-    if any(s["type"] in ("launch", "open") for s in steps):
-        # A mapped window is not yet a ready one: the file manager lists its folder and takes
-        # the keyboard focus a moment later. The episode (and its first screenshot) should
-        # start with the app as a person would find it. (Without the wait, a file name typed at
-        # once can land in a pcmanfm whose listing is still empty.)
-        time.sleep(APP_SETTLE)
-    return {"ok": True, "results": results}
+    if not apps:
+        return {"ok": True, "results": results}
+    # A mapped window is not yet a ready one: the file manager lists its folder and takes the
+    # keyboard focus a moment later. The episode (and its first screenshot) should start with the
+    # app as a person would find it, so a setup that started one returns once the desktop has
+    # settled (settle.py; this was a fixed second). (Without it, a file name typed at once can
+    # land in a pcmanfm whose listing is still empty.)
+    return {"ok": True, "results": results, "settle": watcher(desk).settle(started)}
 
 
 def run_command(desk: Desktop, argv: list[str], timeout: float) -> tuple[int | None, str]:

@@ -9,7 +9,7 @@ them, each of 2 ranks half. Printed: seconds per update (the median of the steps
 one), samples per second, and the ratio. On a 2-core CPU the two ranks share the cores the one
 process had to itself (torchrun gives each OMP_NUM_THREADS=1), so the ratio measures the overhead
 of the collectives more than a speed-up; on GPUs each rank has its own device. (The GPU half of
-issue 14's bench, memory per rank of the 3B update under FSDP2 vs data parallel, is not written:
+this bench, memory per rank of the 3B update under FSDP2 vs data parallel, is not written:
 no GPU was lent to the session that wrote this.)
 """
 import argparse

@@ -12,8 +12,10 @@ world model and update see real valid steps; the untrained tiny model would fail
 every step and skip most of that work.
 
 Columns (seconds per iteration, median over the iterations after the first, which pays warm-ups):
-  vm        screenshots + actions + the --settle wait + desktop reset: time spent waiting on VMs
-  generate  one batched generate per step          features  screen features + OCR + embedder
+  vm        the learner idle, waiting on the desktops (time/vm_wait: they step on their own threads,
+            rollout.py, so this is what their screenshots, actions, settle and resets cost the
+            learner, not their sum)
+  generate  the batched generates                   features  screen features + OCR + embedder
   wm        world-model training (3 epochs)        update    GRPO update          save  trajectories + checkpoint
 vm share = vm / iteration. On a GPU, generate and update shrink by orders of magnitude while vm and
 OCR do not, so the share printed here (CPU, tiny model) understates how much a real run waits on
@@ -39,7 +41,7 @@ from tests.test_train_explore import speaking_tiny  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
 
-PHASES = {"vm": ("time/screenshot", "time/act", "time/reset"), "generate": ("time/generate",),
+PHASES = {"vm": ("time/vm_wait",), "generate": ("time/generation",),
           "features": ("time/features",), "wm": ("time/world_model",), "rewards": ("time/rewards",),
           "update": ("time/update", "time/sync"), "save": ("time/save",)}
 
@@ -65,7 +67,7 @@ def main():
     p.add_argument("--ns", default="2,8", help="desktop counts to compare")
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--settle", type=float, default=1.0)
+    p.add_argument("--settle", default="watch", help="watch, or seconds of a fixed sleep (the release: 1)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--max-pixels", type=int, default=12544,
                    help="screenshot size for the model (the tiny model is taught to speak at this size)")

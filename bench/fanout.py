@@ -3,9 +3,9 @@
     python bench/fanout.py                        # N = 1, 2, 4, 8; table; last line = headline
     python bench/fanout.py --ns 1,4 --steps 20    # other sizes / more steps
 
-One lockstep step is what a rollout step costs the trainer apart from the model: a screenshot from
-every desktop (PNG, decoded to a PIL image), one action on every desktop (a mouse move), and a
-fixed 0.5 s settle (the time a real trainer waits for the screen to react). With N desktops
+One lockstep step (VMPool.map: every desktop at once; the trainers no longer step in lockstep, see
+rollout.py and bench/arpo_iter.py) is a screenshot from every desktop (PNG, decoded to a PIL
+image), one action on every desktop (a mouse move), and a fixed 0.5 s settle. With N desktops
 driven in threads the N waits overlap, so ideally a step takes as long with 8 desktops as with 1.
 
 Columns: t(N) = median seconds per lockstep step; speedup = N * t(1) / t(N) (env-steps per second

@@ -153,14 +153,14 @@ def stalled(vm) -> float:
 
 
 def old_server(rev: str, into: str) -> str:
-    """vm_server.py (with vm_tasks.py and desktop.py, where the revision has them) of git `rev`."""
-    for name in ("vm_server.py", "vm_tasks.py", "desktop.py"):
-        r = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{name}"], capture_output=True)
-        if r.returncode == 0:
-            with open(os.path.join(into, name), "wb") as f:
-                f.write(r.stdout)
-        elif name == "vm_server.py":
-            sys.exit(f"hostile_vm: git cannot show {rev}:vm_server.py ({r.stderr.decode().strip()}).")
+    """vm_server.py of git `rev`, with the revision's other top-level .py files (what it imports)."""
+    names = subprocess.run(["git", "-C", ROOT, "ls-tree", "--name-only", rev], capture_output=True, text=True)
+    if "vm_server.py" not in names.stdout.split():
+        sys.exit(f"hostile_vm: git finds no vm_server.py in {rev} ({names.stderr.strip()}).")
+    for name in (n for n in names.stdout.split() if n.endswith(".py")):
+        r = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{name}"], capture_output=True, check=True)
+        with open(os.path.join(into, name), "wb") as f:
+            f.write(r.stdout)
     return os.path.join(into, "vm_server.py")
 
 
@@ -181,8 +181,8 @@ def main():
         modes[f"before {a.before}"] = (old_server(a.before, old_dir), [])
     vms = {}
     try:
-        for name, (server, args) in modes.items():
-            vms[name] = start_vm_server(*args, server=server)
+        for name, (server, args) in modes.items():  # an older server takes --port 0 and --token
+            vms[name] = start_vm_server(*args, server=server, legacy=name.startswith("before"))
             os.symlink(outside, os.path.join(vms[name].home, "out_link"))
             os.symlink("/etc", os.path.join(vms[name].home, "etc_link"))
         # 1. idle, interleaved

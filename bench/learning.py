@@ -1,7 +1,9 @@
 """Benchmark: does it learn? A Qwen2.5-VL trained from scratch on real desktops, before vs after RL.
 
-    python bench/learning.py --method arpo                   # 2 seeds, 20 minutes each, on a 2-core CPU
+    python bench/learning.py --method arpo                   # 2 seeds, one step a task
     python bench/learning.py --method arpo --seeds 1 --minutes 8
+    python bench/learning.py --method arpo-multi             # 2 seeds, two steps on two screens a task
+    python bench/learning.py --method arpo-multi --seeds 2 --first-seed 10   # development seeds
     python bench/learning.py --method explore                # ScreenExplorer (bench/learning_explore.py)
     python bench/learning.py --warm-start-only runs/warm     # only the ARPO warm start (the quickstart)
 
@@ -29,8 +31,25 @@ No weights can be downloaded, so the policy is the tiny random Qwen2.5-VL of the
    metrics.jsonl, replayed members excluded). Parse rate: the share of answers that parsed, in
    both evals and in every quarter of training; "throughout" = the lowest of these.
 
+--method arpo-multi: the same five stages on tasks that take two actions on two screens, where
+the right second action depends on what the first did: files-open-documents, -downloads,
+-pictures ("Open my Downloads folder in the file manager."). The first action is the file
+manager's desktop icon for every task (the window it opens is the only one with folders); the
+second, a double-click on the task's folder in that window. Episodes of 2 steps with both
+screenshots in the prompt (--max-steps 2 --max-images 2), trained with ARPO's trajectory-level
+advantage (one reward per episode, on every answer of it), replay on. The warm start
+(warm_start_multi) knows no task: per prompt, the first answer is each of the 7 icons equally
+often, and the second, on the screen that icon opened, each thing that screen affords equally
+often (`affordances`: the file manager's 5 items; the desktop icons after any other app). No
+task selection: a random episode succeeds 1 time in 35, so 16 rollouts would drop most tasks;
+every task is trained and evaluated. The table adds per step, before -> after: how often the
+first action was right (a double-click on the file manager's icon) and how often the second was,
+among the episodes whose first was (the task's folder opened), so it shows that the second step
+was learned and not only the first.
+
 Last line, one verdict over all seeds (the worst seed: the smallest gain, the largest p, the lowest parse):
     learning_arpo: before 0.18 after 0.71 gain +0.53 p 0.0000 parse 0.99 seeds 2: pass
+    (learning_arpo_multi: ... for --method arpo-multi)
 Pass = in every seed: gain >= 0.25, p < 0.01, parse >= 0.85, wall time <= --minutes.
 Also written: <out>/learning_arpo.png (fresh success per iteration, every seed) and
 <out>/learning_arpo.json (every number of the table). `python view.py <out>/seed0/train` shows a run.
@@ -45,6 +64,7 @@ Interface for --method explore (bench/learning_explore.py, the ScreenExplorer ha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -62,8 +82,17 @@ if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
     sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 TASK_IDS = "calc-open,clock-open,terminal-open,editor-open"
+# arpo-multi: two actions on two screens. The first (the file manager's desktop icon) is the same for
+# every task; the second (a folder in the window it opened) is the one the task names.
+MULTI_TASK_IDS = "files-open-documents,files-open-downloads,files-open-pictures"
+# pcmanfm opens HOME in a window openbox centres on the 1280x720 screen, its items in name order
+# along the first row (measured on pcmanfm 1.3.2; tests/test_learning.py replays them).
+FM_ITEMS = {"Desktop": (528, 215), "Documents": (621, 215), "Downloads": (715, 215), "Pictures": (810, 215),
+            "notes.txt": (903, 215)}
+FM_ICON = "File Manager"
 MAX_PIXELS = 12544  # 1280x720 -> 140x84: 15 visual tokens a screenshot
 SUCCESS = 0.1       # ARPO's success threshold (train_arpo --success-threshold)
+MULTI_ITERATIONS = 200  # arpo-multi's default budget (fewer if --minutes leaves less)
 
 # ------------------------------------------------------------------------------------------------
 # Statistics (pure functions; tests/test_learning.py checks them by hand)
@@ -123,6 +152,7 @@ def warm_start(out: str, seed: int, task_ids: list[str], epochs: int, lr: float,
     """SFT the tiny model on (task prompt, real desktop screenshot) -> left_double on an icon, each
     prompt with each icon once per epoch, in a seeded order. Saved to `out` (save_policy)."""
     import torch
+    import transformers
 
     from chat import encode_chat, uitars_messages
     from actions import smart_resize
@@ -164,9 +194,130 @@ def warm_start(out: str, seed: int, task_ids: list[str], epochs: int, lr: float,
             batch = [samples[k] for k in order[i:i + len(points)]]
             m = distill_step(policy, opt, batch, micro_batch_size=len(points))
             nll.append(m["nll"] * m["tokens"] / len(batch))  # per answer, not per token
+    transformers.utils.logging.disable_progress_bar()  # the save's shard bar would land in the table
     save_policy(policy, out)
     return {"seconds": time.perf_counter() - t0, "nll_first": nll[0], "nll_last": sum(nll[-4:]) / len(nll[-4:]),
             "pairs": len(pairs), "epochs": epochs, "image": [w, h]}
+
+
+def first_screens(screen=(1280, 720)) -> tuple:
+    """The reset desktop, and the screen after double-clicking each desktop icon on it (the app's
+    window up, settled by the server's watch), from one real local desktop. -> (desktop image,
+    {icon label: image})."""
+    from env import VMPool
+    from desktop import desktop_icons
+    pool = VMPool(1, timeout=60, screen=screen)
+    try:
+        pool.reset()
+        shot = pool.screenshots()[0]
+        if not shot.ok:
+            raise SystemExit(f"the desktop did not give a screenshot ({shot.error}); run `bash setup.sh` first.")
+        after = {}
+        for label, (x, y) in desktop_icons(screen).items():
+            pool.reset()
+            after[label] = pool.clients[0].act({"type": "double_click", "x": x, "y": y}, settle="watch",
+                                                screenshot="png").image
+        return shot.value, after
+    finally:
+        pool.close()
+
+
+def affordances(label: str, screen=(1280, 720)) -> list[tuple[int, int]]:
+    """What the warm start double-clicks on the screen after double-clicking icon `label`, in screen
+    pixels: the items of the window that opened when it shows any (the file manager: its folders
+    and its file), else the desktop icons (every other app's window shows none of its own). The
+    same list for every task: a prior over what the screen affords, not over what a task wants."""
+    from desktop import desktop_icons
+    return list(FM_ITEMS.values()) if label == FM_ICON else list(desktop_icons(screen).values())
+
+
+def answer(instruction: str, point: tuple[int, int]) -> str:
+    """UI-TARS answer: the thought restates the instruction (see warm_start), then the double-click."""
+    return f"Thought: {instruction}\nAction: left_double(start_box='({point[0]},{point[1]})')"
+
+
+def second_answers(label: str, epoch: int, screen=(1280, 720), per_icon: int = len(FM_ITEMS)) -> list:
+    """The step-2 points the warm start trains after icon `label` in this epoch: `per_icon` of the
+    screen's affordances, the same number after every icon, so the step-1 answers stay uniform over
+    the icons. A screen with more (the 7 desktop icons) takes them in turn: over 7 epochs each of
+    them equally often (5 times)."""
+    points = affordances(label, screen)
+    start = epoch * per_icon
+    return [points[(start + k) % len(points)] for k in range(per_icon)]
+
+
+def last_turn_only(sample):
+    """The sample with only its last assistant turn as a target (the earlier turns are history)."""
+    mask, start, prev = list(sample.target_mask), 0, 0
+    for i, m in enumerate(mask):
+        if m and not prev:
+            start = i
+        prev = m
+    return dataclasses.replace(sample, target_mask=[0] * start + mask[start:])
+
+
+def warm_start_multi(out: str, seed: int, task_ids: list[str], epochs: int, lr: float, screen=(1280, 720),
+                     screens: tuple | None = None, batch: int = 16, fm_extra: int = 4) -> dict:
+    """SFT the tiny model on two-step episodes in the UI-TARS format with 2 screenshots of history,
+    with NO task knowledge. Per task prompt and epoch: step 1 (the reset desktop) answered with a
+    double-click on each of the 7 icons, each 5 times; step 2 (the screen that click opened) with a
+    double-click on 5 of what that screen affords (`affordances`, `second_answers`: the file
+    manager's 5 items, or the desktop icons in turn). Both answers of an episode are targets, as in
+    ARPO's trajectories. The file manager's screen is 1 of the 7 that step 2 sees but the only one
+    whose affordances differ from the desktop's, and the 2-layer model learned to answer it with
+    desktop icons; so each of its 5 items also comes `fm_extra` more times per epoch with only the
+    step-2 answer as a target (step 1 stays uniform, every item and every task equally often).
+    Every prompt gets the same uniform prior on every screen; the learning rate
+    decays linearly to 10%, so the last steps settle on that prior. Saved to `out` (save_policy)."""
+    import torch
+    import transformers
+
+    from actions import smart_resize
+    from chat import encode_chat, uitars_messages
+    from desktop import desktop_icons
+    from env import load_tasks
+    from grpo import distill_step, trajectory_sample
+    from model import load_policy, save_policy
+
+    t0 = time.perf_counter()
+    tasks = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
+    desk, after = screens or first_screens(screen)
+    policy = load_policy("tiny", seed=seed, max_pixels=MAX_PIXELS)
+    h, w = smart_resize(desk.height, desk.width, max_pixels=MAX_PIXELS)
+
+    def seen(p):  # screen pixels -> the image the model sees (its coordinates live there)
+        return round(p[0] * w / screen[0]), round(p[1] * h / screen[1])
+    cache = {}
+
+    def sample(tid, label, q, last_only=False):
+        if (tid, label, q, last_only) not in cache:
+            ins = tasks[tid].instruction
+            msgs = uitars_messages(ins, [desk, after[label]], [answer(ins, seen(icons[label])), answer(ins, seen(q))],
+                                   max_images=2)
+            s = trajectory_sample(encode_chat(policy, msgs, add_generation_prompt=False))
+            cache[(tid, label, q, last_only)] = last_turn_only(s) if last_only else s
+        return cache[(tid, label, q, last_only)]
+    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    rng = random.Random(seed)
+    icons = desktop_icons(screen)
+    per_epoch = [[(tid, label, q, False) for tid in task_ids for label in icons for q in second_answers(label, e, screen)]
+                 + [(tid, FM_ICON, q, True) for tid in task_ids for q in FM_ITEMS.values() for _ in range(fm_extra)]
+                 for e in range(epochs)]
+    steps = sum(math.ceil(len(x) / batch) for x in per_epoch)
+    nll, step = [], 0
+    for e in range(epochs):
+        order = list(per_epoch[e])
+        rng.shuffle(order)
+        for i in range(0, len(order), batch):
+            for g in opt.param_groups:
+                g["lr"] = lr * (1 - 0.9 * step / max(1, steps - 1))
+            part = [sample(*k) for k in order[i:i + batch]]
+            nll.append(distill_step(policy, opt, part, micro_batch_size=batch)["nll"])
+            step += 1
+    transformers.utils.logging.disable_progress_bar()  # the save's shard bar would land in the table
+    save_policy(policy, out)
+    return {"seconds": time.perf_counter() - t0, "samples": len(per_epoch[0]), "epochs": epochs, "image": [w, h],
+            "steps": steps, "nll_first": nll[0], "nll_last": sum(nll[-5:]) / len(nll[-5:])}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,9 +325,10 @@ def warm_start(out: str, seed: int, task_ids: list[str], epochs: int, lr: float,
 
 
 def common_flags(a) -> list[str]:
-    return ["--vms", str(a.vms), "--group-size", str(a.group_size), "--max-steps", "1",
-            "--max-new-tokens", "40", "--settle", str(a.settle), "--max-pixels", str(MAX_PIXELS),
-            "--temperature", "1.0", "--vm-timeout", "60"]
+    steps = 2 if a.method == "arpo-multi" else 1
+    return ["--vms", str(a.vms), "--group-size", str(a.group_size), "--max-steps", str(steps),
+            "--max-images", str(steps), "--max-new-tokens", str(a.max_new_tokens), "--settle", str(a.settle),
+            "--max-pixels", str(MAX_PIXELS), "--temperature", "1.0", "--vm-timeout", "60"]
 
 
 def train_arpo(flags: list[str], log: str, timeout: float | None = None) -> int:
@@ -204,6 +356,34 @@ def eval_numbers(path: str, task_ids: list[str]) -> dict:
                          max(1, sum(e["task"] == t for e in d)) for t in task_ids}}
 
 
+def first_right(action: dict | None, screen=(1280, 720)) -> bool:
+    """Step 1 of arpo-multi was right: a double-click on the file manager's desktop icon (inside the
+    icon's cell on pcmanfm's desktop grid)."""
+    from desktop import ICON_PITCH, desktop_icons, ICON_CENTRE
+    if not action or action.get("type") != "double_click":
+        return False
+    cx, cy = desktop_icons(screen)[FM_ICON]
+    left, top = cx - ICON_CENTRE[0], cy - ICON_CENTRE[1]
+    return left <= action["x"] < left + ICON_PITCH[0] and top <= action["y"] < top + ICON_PITCH[1]
+
+
+def step_rates(path: str, task_ids: list[str]) -> dict:
+    """Per step of an arpo-multi eval (an --eval-only JSON): how often the first action was right
+    (first_right), how often the second was, among episodes whose first was (the task's folder
+    opened: the evaluator's score, the first action having opened the file manager), and the
+    success rate; with the counts, per task too."""
+    with open(path) as f:
+        d = [e for e in json.load(f)["details"] if e["task"] in task_ids]
+
+    def rates(es):
+        first = [e for e in es if e["actions"] and first_right(e["actions"][0])]
+        second = [e for e in first if e["score_hard"] > SUCCESS]
+        return {"n": len(es), "first": len(first) / max(1, len(es)), "n_first": len(first),
+                "second": len(second) / max(1, len(first)), "n_second": len(second),
+                "success": sum(e["score_hard"] > SUCCESS for e in es) / max(1, len(es))}
+    return {"all": rates(d), "per_task": {t: rates([e for e in d if e["task"] == t]) for t in task_ids}}
+
+
 def run_seed(a, seed: int) -> dict:
     """Warm start, before, train, after for one seed; every number of the table."""
     t0 = time.perf_counter()
@@ -212,15 +392,24 @@ def run_seed(a, seed: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     log = os.path.join(out, "console.log")
-    ids = TASK_IDS.split(",")
+    multi = a.method == "arpo-multi"
+    task_ids = MULTI_TASK_IDS if multi else TASK_IDS
+    ids = task_ids.split(",")
     r = {"seed": seed}
     warm = os.path.join(out, "warm_start")
-    r["warm"] = warm_start(warm, seed, ids, a.warm_epochs, a.warm_lr)
-    print(f"seed {seed}: warm start {r['warm']['seconds']:.0f}s, NLL per answer {r['warm']['nll_first']:.2f} -> "
-          f"{r['warm']['nll_last']:.2f} (the floor, a uniform choice of 7 icons: ln 7 = {math.log(7):.2f})", flush=True)
+    if multi:
+        r["warm"] = warm_start_multi(warm, seed, ids, a.warm_epochs, a.warm_lr)
+        print(f"seed {seed}: warm start {r['warm']['seconds']:.0f}s, {r['warm']['samples']} samples x "
+              f"{r['warm']['epochs']} epochs, NLL per token {r['warm']['nll_first']:.2f} -> {r['warm']['nll_last']:.3f}",
+              flush=True)
+    else:
+        r["warm"] = warm_start(warm, seed, ids, a.warm_epochs, a.warm_lr)
+        print(f"seed {seed}: warm start {r['warm']['seconds']:.0f}s, NLL per answer {r['warm']['nll_first']:.2f} -> "
+              f"{r['warm']['nll_last']:.2f} (the floor, a uniform choice of 7 icons: ln 7 = {math.log(7):.2f})",
+              flush=True)
     # Before: the warm start at T=1 on every task (the selected ones are read out of it later).
     before_json = os.path.join(out, "eval_before.json")
-    rc = train_arpo(["--eval-only", "--model", warm, "--task-ids", TASK_IDS, *common_flags(a),
+    rc = train_arpo(["--eval-only", "--model", warm, "--task-ids", task_ids, *common_flags(a),
                      "--eval-episodes", str(a.eval_episodes), "--eval-temperature", "1.0",
                      "--sample-seed", str(1000 + seed), "--runs-dir", out, "--run-name", "before",
                      "--eval-out", before_json], log)
@@ -239,7 +428,7 @@ def run_seed(a, seed: int) -> dict:
     r["iterations"] = iterations
     print(f"seed {seed}: eval before {before_eval['seconds']:.0f}s ({per_wave:.1f}s a wave); "
           f"training {iterations} iterations", flush=True)
-    flags = ["--model", warm, "--task-ids", TASK_IDS, *common_flags(a), "--iterations", str(iterations),
+    flags = ["--model", warm, "--task-ids", task_ids, *common_flags(a), "--iterations", str(iterations),
              "--lr", str(a.lr), "--lr-warmup", str(max(1, iterations // 10)), "--lr-schedule", "linear",
              "--epochs", str(a.epochs), "--seed", str(seed), "--runs-dir", out, "--run-name", "train",
              "--ckpt-every", str(max(1, iterations // 4))]
@@ -280,6 +469,8 @@ def run_seed(a, seed: int) -> dict:
              curve=[sum(s > SUCCESS for g in m["groups"] for s in g["scores"]) /
                     max(1, sum(len(g["scores"]) for g in m["groups"])) for m in metrics],
              seconds=time.perf_counter() - t0)
+    if multi:
+        r["steps_before"], r["steps_after"] = step_rates(before_json, selected), step_rates(after_json, selected)
     return r
 
 
@@ -297,10 +488,23 @@ def table(rs: list[dict]) -> str:
                     f"{r['p_train']:>8.4f} | {r['parse']:>9.2f} | {r['seconds'] / 60:>5.1f}m")
         per = ", ".join(f"{t} {r['per_task_before'][t]:.2f}->{r['per_task_after'][t]:.2f}" for t in r["selected"])
         rows.append(f"     per task (eval): {per}")
+        if "steps_before" in r:
+            rows.extend(step_rows(r))
     return "\n".join(rows)
 
 
-def curve_png(rs: list[dict], path: str, smooth: int = 5) -> None:
+def step_rows(r: dict) -> list[str]:
+    """arpo-multi: per step, before -> after (step_rates), overall and per task."""
+    def cell(b, a):
+        return (f"first {b['first']:.2f}->{a['first']:.2f} ({b['n_first']}/{b['n']} -> {a['n_first']}/{a['n']}), "
+                f"second | first {b['second']:.2f}->{a['second']:.2f} ({b['n_second']}/{b['n_first']} -> "
+                f"{a['n_second']}/{a['n_first']})")
+    b, a = r["steps_before"], r["steps_after"]
+    return [f"     per step (eval): {cell(b['all'], a['all'])}"] + [
+        f"       {t}: {cell(b['per_task'][t], a['per_task'][t])}" for t in r["selected"]]
+
+
+def curve_png(rs: list[dict], path: str, smooth: int = 5, title: str = "ARPO") -> None:
     """Fresh success per iteration (moving mean over `smooth` iterations), one line per seed, with
     each seed's eval before and after as dots at the ends. PIL only (no matplotlib here)."""
     from PIL import Image, ImageDraw
@@ -313,7 +517,7 @@ def curve_png(rs: list[dict], path: str, smooth: int = 5) -> None:
     for v in (0, 0.25, 0.5, 0.75, 1.0):
         d.line([xy(0, v), xy(n - 1, v)], fill=(225, 225, 225))
         d.text((8, xy(0, v)[1] - 6), f"{v:.2f}", fill="black")
-    d.text((L, 8), "ARPO, tiny Qwen2.5-VL from a warm start: success of fresh rollouts (T=1)", fill="black")
+    d.text((L, 8), f"{title}, tiny Qwen2.5-VL from a warm start: success of fresh rollouts (T=1)", fill="black")
     d.text((L, H - 22), f"iteration (0..{n - 1}); dots: desktop eval before / after", fill="black")
     colours = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189)]
     for r, c in zip(rs, colours * 4):
@@ -329,45 +533,59 @@ def curve_png(rs: list[dict], path: str, smooth: int = 5) -> None:
 
 
 def main_arpo(a) -> int:
+    name = a.method.replace("-", "_")  # arpo, arpo_multi
+    title = "ARPO, 2 steps a task" if a.method == "arpo-multi" else "ARPO"
     os.makedirs(a.out, exist_ok=True)
     rs, failed = [], []
-    for seed in range(a.seeds):
+    for seed in seed_list(a):
         try:
             rs.append(run_seed(a, seed))
         except SystemExit as e:  # one seed's failure is a FAIL line, not a traceback
             failed.append(seed)
             print(f"seed {seed}: {e}", flush=True)
-    with open(os.path.join(a.out, "learning_arpo.json"), "w") as f:
+    with open(os.path.join(a.out, f"learning_{name}.json"), "w") as f:
         json.dump(rs, f, indent=1)
     if rs:
         print(table(rs))
-        curve_png(rs, os.path.join(a.out, "learning_arpo.png"))
-        print(f"curves: {os.path.join(a.out, 'learning_arpo.png')}")
+        curve_png(rs, os.path.join(a.out, f"learning_{name}.png"), title=title)
+        print(f"curves: {os.path.join(a.out, f'learning_{name}.png')}")
     if failed or not rs:
-        print(f"learning_arpo: seeds {a.seeds} ran {len(rs)}, failed {failed}: FAIL")
+        print(f"learning_{name}: seeds {a.seeds} ran {len(rs)}, failed {failed}: FAIL")
         return 1
     line, ok = verdict(rs, max_seconds=a.minutes * 60)
-    print(final_line("arpo", line, a.seeds, ok))
+    print(final_line(name, line, a.seeds, ok))
     return 0 if ok else 1
+
+
+def seed_list(a) -> list[int]:
+    """--first-seed, --first-seed + 1, ... (--seeds of them): development runs take other seeds
+    (e.g. --first-seed 10) than the reported ones (0, 1)."""
+    return list(range(a.first_seed, a.first_seed + a.seeds))
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--method", choices=["arpo", "explore"], default="arpo")
-    p.add_argument("--seeds", type=int, default=2, help="independent runs (warm start, train, evals), seeds 0..N-1")
+    p.add_argument("--method", choices=["arpo", "arpo-multi", "explore"], default="arpo",
+                   help="arpo: one step a task; arpo-multi: two steps on two screens; explore: ScreenExplorer")
+    p.add_argument("--seeds", type=int, default=2, help="independent runs (warm start, train, evals)")
+    p.add_argument("--first-seed", type=int, default=0, help="seeds --first-seed .. + --seeds - 1 (develop on others)")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-time budget per seed; sets the iterations")
     p.add_argument("--out", default="", help="where the runs go (default: runs/learning/<method>)")
     p.add_argument("--vms", type=int, default=4, help="local desktops")
     p.add_argument("--group-size", type=int, default=4, help="rollouts per task (one GRPO group)")
-    p.add_argument("--settle", type=float, default=2.0, help="seconds a window gets to appear after acting")
+    p.add_argument("--settle", default="watch",
+                   help="after each action: watch (the server waits until the screen settles) or seconds of a fixed sleep")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="answer length cap (default: 40; arpo-multi 48)")
     p.add_argument("--iterations", type=int, default=None,
                    help="training iterations, fewer if --minutes leaves less time; 0 = as many as it leaves "
                         "(default: 120 for arpo; explore decides its own)")
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (warm-up 10%%, then linear decay)")
     p.add_argument("--epochs", type=int, default=1, help="train_arpo.py --epochs")
-    p.add_argument("--select-tasks", type=int, default=16, help="ARPO's task selection: K rollouts a task; 0 = off")
+    p.add_argument("--select-tasks", type=int, default=None,
+                   help="ARPO's task selection: K rollouts a task; 0 = off (default: 16 for arpo, 0 for arpo-multi)")
     p.add_argument("--eval-episodes", type=int, default=24, help="episodes per task in each eval (T=1)")
-    p.add_argument("--warm-epochs", type=int, default=16, help="passes of the warm start over prompts x icons")
+    p.add_argument("--warm-epochs", type=int, default=None,
+                   help="passes of the warm start over prompts x icons (default: 16; arpo-multi 8)")
     p.add_argument("--warm-lr", type=float, default=6e-3, help="learning rate of the warm start")
     p.add_argument("--warm-start-only", default="", metavar="DIR",
                    help="only build the ARPO warm start (seed 0) into DIR, for `train_arpo.py --model DIR`")
@@ -380,6 +598,16 @@ def resolve(a):
     a.out = a.out or os.path.join(ROOT, "runs", "learning", a.method)
     if a.method == "arpo" and a.iterations is None:
         a.iterations = 120
+    if a.method == "arpo-multi" and a.iterations is None:
+        a.iterations = MULTI_ITERATIONS
+    if a.select_tasks is None:
+        # arpo-multi: a random 2-step episode succeeds 1 time in 35 (1/7 icons x 1/5 items), so 16
+        # rollouts would drop a task 63% of the time: every task is trained and evaluated instead.
+        a.select_tasks = 0 if a.method == "arpo-multi" else 16
+    if a.warm_epochs is None:
+        a.warm_epochs = 8 if a.method == "arpo-multi" else 16
+    if a.max_new_tokens is None:
+        a.max_new_tokens = 48 if a.method == "arpo-multi" else 40
     return a
 
 

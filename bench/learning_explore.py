@@ -5,11 +5,14 @@
 
 Per seed, every number from real rollouts on real local desktops:
 1. Warm start, with NO knowledge of the desktop: the tiny random Qwen2.5-VL (its weights drawn from
-   the seed) fine-tuned on real desktop screenshots answered in the explore JSON format with
-   uniformly random actions: every action type of the random baseline (Click, DoubleClick,
-   RightClick, Move, ScrollUp, ScrollDown) equally often, x and y stratified uniform over the image
-   the model sees, a neutral intent. It learns the format and a flat prior over the screen, nothing
-   about where the icons are. Saved as an ordinary model folder (`--model <folder>` loads it).
+   the seed) fine-tuned on real desktop screenshots answered in the explore JSON format: every
+   action type of the random baseline (Click, DoubleClick, RightClick, Move, ScrollUp, ScrollDown)
+   equally often, a neutral intent, and each point drawn uniformly from the pixels where that
+   screen shows something (`drawn_pixels`: icons, labels, windows, menus, text alike), so a thing
+   gets clicks in proportion to its area, whatever it is, an icon no more than a label or a menu
+   entry of the same size. It learns the format and a flat prior over what is clickable, nothing
+   about which thing opens a window. (--warm-points uniform: points anywhere on the image.) Saved
+   as an ordinary model folder (`--model <folder>` loads it).
 2. Before: `train_explore.py --eval-only` of the warm start (T = 1, the training temperature), with
    its random-action baseline on the same desktops.
 3. RL: `train_explore.py --model <warm start>` as a subprocess, as a user runs it, with the paper's
@@ -27,9 +30,13 @@ the exploration reward's image terms (immediate change, sequence diversity) per 
 start, the trained policy and random actions, and the reward components the run logged (which terms
 drove it).
 
+Second metric, the windows the policy opened per episode (X window ids the eval saw appear, from
+the VM's GET /windows), tested the same way after > warm start and after > random actions.
+
 Last line: `learning_explore: before X after Y gain +Z p P parse Q seeds 2: pass` (or `: FAIL`):
 X, Y the means over seeds of distinct screens per episode, Z = Y - X, P the worst seed's p, Q the
-lowest parse rate (format-valid answers) of the after-evals. pass = every seed p < 0.05.
+lowest parse rate (format-valid answers) of the after-evals. pass = in every seed p < 0.05 for
+distinct screens, and for windows opened against both the warm start and random actions.
 """
 from __future__ import annotations
 
@@ -64,7 +71,7 @@ HEADLINE = "distinct_screens"  # per episode; see the docstring for why this one
 
 
 # -----------------------------------------------------------------------------------------------
-# Warm start: the explore format with uniformly random actions
+# Warm start: the explore format with random actions on what is drawn
 
 
 def warm_answers(n: int, size: tuple[int, int], rng: random.Random) -> list[str]:
@@ -72,13 +79,50 @@ def warm_answers(n: int, size: tuple[int, int], rng: random.Random) -> list[str]
     stratified (x in each of n equal slices of [0, w) once, likewise y, paired at random), intents
     cycling. So the answers carry a flat prior over action types and the screen, nothing more."""
     w, h = size
-    kinds = [KINDS[k % len(KINDS)] for k in range(n)]
-    rng.shuffle(kinds)
     xs = [int((k + rng.random()) * w / n) for k in range(n)]
     ys = [int((k + rng.random()) * h / n) for k in range(n)]
     rng.shuffle(xs), rng.shuffle(ys)
-    return ['{"intent": "%s", "action": "%s(%d, %d)"}' % (INTENTS[k % len(INTENTS)], kinds[k], xs[k], ys[k])
-            for k in range(n)]
+    return answers_at(list(zip(xs, ys)), rng)
+
+
+def answers_at(points: list[tuple[int, int]], rng: random.Random) -> list[str]:
+    """One explore answer per point: the action types balanced (each len(points)/len(KINDS) times,
+    shuffled), intents cycling."""
+    n = len(points)
+    kinds = [KINDS[k % len(KINDS)] for k in range(n)]
+    rng.shuffle(kinds)
+    return ['{"intent": "%s", "action": "%s(%d, %d)"}' % (INTENTS[k % len(INTENTS)], kinds[k], x, y)
+            for k, (x, y) in enumerate(points)]
+
+
+def drawn_pixels(image, size: tuple[int, int], tolerance: int = 24) -> np.ndarray:
+    """(k, 2) array of the (x, y) pixels, in the image the model sees (`size`), where something is
+    drawn: colour farther than `tolerance` (sum over RGB) from the screen's most common colour (the
+    wallpaper, or a window that fills the screen). Every icon, label, window, menu, panel and its
+    text alike: a click drawn from these lands on what is there, each pixel equally likely, so a
+    thing gets clicks in proportion to its size on screen, not for what it is."""
+    im = np.asarray(image.convert("RGB").resize(size), dtype=np.int32)
+    flat = im.reshape(-1, 3)
+    colours, counts = np.unique(flat, axis=0, return_counts=True)
+    bg = colours[counts.argmax()]
+    ys, xs = np.nonzero(np.abs(im - bg).sum(axis=2) > tolerance)
+    return np.stack([xs, ys], axis=1)
+
+
+def drawn_point(px: np.ndarray, size: tuple[int, int], rng: random.Random) -> tuple[int, int]:
+    """One point drawn uniformly from `px` (drawn_pixels of a screen), or uniformly over the image
+    when nothing is drawn there."""
+    if len(px) == 0:
+        return rng.randrange(size[0]), rng.randrange(size[1])
+    x, y = px[rng.randrange(len(px))]
+    return int(x), int(y)
+
+
+def drawn_answers(n: int, image, size: tuple[int, int], rng: random.Random) -> list[str]:
+    """n explore answers whose points are drawn uniformly from `drawn_pixels` of this screenshot,
+    action types balanced as in answers_at."""
+    px = drawn_pixels(image, size)
+    return answers_at([drawn_point(px, size, rng) for _ in range(n)], rng)
 
 
 def desktop_screens(n: int, seed: int) -> list:
@@ -95,9 +139,7 @@ def desktop_screens(n: int, seed: int) -> list:
             act = {"type": kind, "x": rng.randrange(w), "y": rng.randrange(h)}
             if kind == "scroll":
                 act["direction"] = rng.choice(("up", "down"))
-            pool.act([act])
-            time.sleep(1.0)
-            shots.append(pool.map("screenshot", ["png"])[0].value)
+            shots.append(pool.clients[0].act(act, settle="watch", screenshot="png").image)
     return shots
 
 
@@ -114,10 +156,15 @@ def build_warm_start(path: str, seed: int, screens: list, a) -> dict:
     opt = torch.optim.AdamW(policy.model.parameters(), lr=a.warm_lr, betas=(0.9, 0.95), weight_decay=0.0)
     nll = []
     n = len(KINDS) * a.warm_batch
+    drawn = [drawn_pixels(im, size) for im in screens]
     for step in range(a.warm_steps):
-        answers = warm_answers(n, size, rng)
-        samples = [grpo.step_sample(encs[k % len(encs)], policy.tokenizer(t, add_special_tokens=False).input_ids + [im_end])
-                   for k, t in enumerate(answers)]
+        if a.warm_points == "drawn":  # each screen's points on what it shows; action types balanced over all
+            ks = [j % len(encs) for j in range(n)]
+            pairs = list(zip(ks, answers_at([drawn_point(drawn[k], size, rng) for k in ks], rng)))
+        else:
+            pairs = [(k % len(encs), t) for k, t in enumerate(warm_answers(n, size, rng))]
+        samples = [grpo.step_sample(encs[k], policy.tokenizer(t, add_special_tokens=False).input_ids + [im_end])
+                   for k, t in pairs]
         for g in opt.param_groups:  # linear decay to 10%: the last steps settle on the flat prior
             g["lr"] = a.warm_lr * (1 - 0.9 * step / max(1, a.warm_steps - 1))
         nll.append(grpo.distill_step(policy, opt, samples, micro_batch_size=len(samples))["nll"])
@@ -232,11 +279,15 @@ def run_seed(seed: int, a) -> dict:
     after = evaluate(os.path.join(rl, "models", "E1"), os.path.join(root, "after"), 1000 + seed, a, log, baseline=False)
     x = [e[HEADLINE] for e in before["policy"]["episodes"]]
     y = [e[HEADLINE] for e in after["policy"]["episodes"]]
+    # Windows opened per episode: the RL policy against the warm start and against random actions.
+    wx, wy = ([e["windows"] for e in ev["policy"]["episodes"]] for ev in (before, after))
+    wr = [e["windows"] for e in before["random"]["episodes"]]
     return {"seed": seed, "warm": info, "iterations": iterations, "train_seconds": t_train,
             "seconds": time.perf_counter() - t0, "load": os.getloadavg(),
             "random": before["random"]["summary"], "before": before["policy"]["summary"],
             "after": after["policy"]["summary"], "x": x, "y": y, "p": permutation_p(y, x, seed=seed),
-            "terms": reward_terms(rl), "run": rl}
+            "wx": wx, "wy": wy, "wr": wr, "p_windows": permutation_p(wy, wx, seed=seed),
+            "p_windows_random": permutation_p(wy, wr, seed=seed), "terms": reward_terms(rl), "run": rl}
 
 
 def curve_png(results: list[dict], path: str, smooth: int = 5) -> None:
@@ -293,11 +344,17 @@ def report(results: list[dict], a) -> int:
     print("\nPer seed: " + "; ".join(
         f"seed {r['seed']} {HEADLINE} {np.mean(r['x']):.3f} -> {np.mean(r['y']):.3f} p {r['p']:.4f}, "
         f"{r['iterations']} iterations, {r['seconds'] / 60:.1f} min (load {r['load'][0]:.1f})" for r in results))
+    print("Windows opened per episode: " + "; ".join(
+        f"seed {r['seed']} random {np.mean(r['wr']):.3f}, warm {np.mean(r['wx']):.3f} -> RL {np.mean(r['wy']):.3f} "
+        f"(p vs warm {r['p_windows']:.4f}, vs random {r['p_windows_random']:.4f})" for r in results))
     before = float(np.mean([np.mean(r["x"]) for r in results]))
     after = float(np.mean([np.mean(r["y"]) for r in results]))
     p = max(r["p"] for r in results)
     parse = min(r["after"]["format"] for r in results)
-    ok = all(r["p"] < 0.05 and r["seconds"] <= a.minutes * 60 for r in results) and len(results) == a.seeds
+    # pass: in every seed, distinct screens and windows opened both rose over the warm start, and
+    # windows opened is above random actions (each one-sided, p < 0.05), within the time budget.
+    ok = all(max(r["p"], r["p_windows"], r["p_windows_random"]) < 0.05 and r["seconds"] <= a.minutes * 60
+             for r in results) and len(results) == a.seeds
     with open(os.path.join(a.out, "learning_explore.json"), "w") as fh:
         json.dump({"headline": HEADLINE, "results": results, "pass": ok}, fh, indent=1)
     print(f"learning_explore: before {before:.2f} after {after:.2f} gain {after - before:+.2f} p {p:.4f} "
@@ -307,12 +364,14 @@ def report(results: list[dict], a) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seeds", type=int, default=2, help="independent runs (warm start, evals, RL), seeds 0..N-1")
+    p.add_argument("--seeds", type=int, default=2, help="independent runs (warm start, evals, RL)")
+    p.add_argument("--first-seed", type=int, default=0, help="seeds --first-seed .. + --seeds - 1 (develop on others)")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-time budget per seed (sets --iterations when 0)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "learning", "explore"),
                    help="where the runs go: <out>/seed<k>/{warm,before,rl,after}, learning_explore.json/.png")
     p.add_argument("--vms", type=int, default=4, help="local desktops")
-    p.add_argument("--settle", type=float, default=2.0, help="seconds the screen gets to react after acting")
+    p.add_argument("--settle", default="watch",
+                   help="after each action: watch (the server waits until the screen settles) or seconds of a fixed sleep")
     p.add_argument("--iterations", type=int, default=0, help="RL iterations; 0 = what --minutes leaves")
     p.add_argument("--steps", type=int, default=3, help="steps per episode (training and eval)")
     p.add_argument("--eval-episodes", type=int, default=24, help="episodes per eval and policy")
@@ -327,6 +386,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-batch", type=int, default=4, help="answers per action type per warm-start step")
     p.add_argument("--warm-lr", type=float, default=3e-3, help="warm-start learning rate (decays linearly to 10%%)")
     p.add_argument("--warm-screens", type=int, default=6, help="real screenshots the warm-start prompts show")
+    p.add_argument("--warm-points", choices=["drawn", "uniform"], default="drawn",
+                   help="where the warm start's actions point: drawn = uniformly over the pixels where something "
+                        "is drawn on each screen (drawn_pixels); uniform = anywhere on the image")
     p.add_argument("--max-iterations", type=int, default=24,
                    help="cap of the planned iterations (the exploratory runs learned in ~10; more is time)")
     p.add_argument("--seconds-per-iteration", type=float, default=25.0,
@@ -336,7 +398,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 # What bench/learning.py's namespace decides for both methods; everything else is this file's own.
-SHARED = ("seeds", "minutes", "out", "vms", "settle", "iterations")
+SHARED = ("seeds", "first_seed", "minutes", "out", "vms", "settle", "iterations")
 
 
 def main(args=None) -> int:
@@ -347,7 +409,7 @@ def main(args=None) -> int:
             setattr(a, k, getattr(args, k))
     os.makedirs(a.out, exist_ok=True)
     results = []
-    for seed in range(a.seeds):
+    for seed in range(a.first_seed, a.first_seed + a.seeds):
         try:
             results.append(run_seed(seed, a))
         except SystemExit as e:  # one seed's failure is a FAIL line at the end, not a traceback

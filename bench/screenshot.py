@@ -32,14 +32,17 @@ sys.path.insert(0, ROOT)
 from vm_server import encode_png  # noqa: E402  the server's own PNG encoder
 
 
-def start(screen: str) -> tuple[subprocess.Popen, str, str]:
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "vm_server.py"), "--xvfb", "--port", "0",
+def start(screen: str) -> tuple[subprocess.Popen, str, str, str]:
+    """A desktop -> (process, URL, display, its Xauthority). --no-sandbox: this process grabs the
+    same screen, which a sandboxed display (in a network namespace of its own) keeps out; the
+    sandbox does not touch the screenshot path (bench/isolation.py measures what it costs)."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "vm_server.py"), "--xvfb", "--no-sandbox", "--port", "0",
                              "--screen", screen], stdout=subprocess.PIPE, text=True)
-    m = re.match(r"vm_server: serving (\S+) display (\S+)", proc.stdout.readline())
+    m = re.match(r"vm_server: serving (\S+) display (\S+) .* home (\S+)", proc.stdout.readline())
     if not m:
         proc.kill()
         sys.exit("bench: vm_server.py did not start; run `bash setup.sh` first.")
-    return proc, m[1], m[2]
+    return proc, m[1], m[2], os.path.join(os.path.dirname(m[3]), "Xauthority")
 
 
 def median_ms(fns, reps: int) -> list[tuple[float, float]]:
@@ -82,9 +85,9 @@ def main() -> None:
     args = p.parse_args()
     rows, overheads = [], []
     for screen in ("1280x720", "1920x1080"):
-        proc, url, display = start(screen)
+        proc, url, display, auth = start(screen)
         try:
-            os.environ["DISPLAY"] = display  # ImageGrab in this process grabs the same screen
+            os.environ.update(DISPLAY=display, XAUTHORITY=auth)  # ImageGrab in this process grabs the same screen
             session = requests.Session()
             for fmt in ("png", "jpeg"):
                 local, remote = median_ms([lambda: in_process(fmt), lambda: over_http(session, url, fmt)], args.reps)

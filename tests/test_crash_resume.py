@@ -170,7 +170,7 @@ TOKEN = "crash-resume-token"
 @pytest.fixture(scope="module")
 def desktops():
     from conftest import start_vm_server
-    vms = [start_vm_server(token=TOKEN) for _ in range(2)]
+    vms = [start_vm_server(secret=TOKEN) for _ in range(2)]  # each its own token, derived from TOKEN and its URL
     yield [v.url for v in vms]
     for v in vms:
         v.stop()

@@ -166,7 +166,9 @@ def test_a_killed_rank_stops_the_job_and_the_resume_loses_nothing(tmp_path):
                          start_new_session=True)
     try:
         wait_for(lambda: (run / "ckpt" / "COMPLETE").exists(), "the first checkpoint", timeout=300)
-        ranks = [pid for pid in proc_descendants(p.pid) if "train_arpo.py" in _cmdline(pid) and pid != p.pid]
+        # the ranks run the script (python -u train_arpo.py ...); a desktop's sandbox only names it among
+        # the files it mounts
+        ranks = [pid for pid in proc_descendants(p.pid) if "train_arpo.py" in _cmdline(pid).split("\0")[:3]]
         assert len(ranks) == 2, ranks
         os.kill(ranks[1], signal.SIGKILL)  # one rank dies mid-run
         p.wait(timeout=120)  # torchrun stops the other one and exits

@@ -44,8 +44,9 @@ def test_client_round_trip(client, vm):
     img = client.screenshot()
     assert isinstance(img, Image.Image) and img.size == (1280, 720) and img.mode == "RGB"
     assert client.screenshot(format="jpeg", quality=50).size == (1280, 720)
-    assert client.act(Action("move", x=10, y=10)) == {"ok": True}
-    assert client.act({"type": "wait", "amount": 0}) == {"ok": True}
+    none = {"seconds": 0.0, "until": "none", "first_change": None}  # no settle asked for: none done
+    assert client.act(Action("move", x=10, y=10)) == {"ok": True, "settle": none}
+    assert client.act({"type": "wait", "amount": 0}) == {"ok": True, "settle": none}
     ev = client.evaluate({"conj": "and", "checks": [{"type": "file_exists", "path": "notes.txt"}]})
     assert ev["score"] == 1.0
     ev = client.evaluate({"conj": "and", "checks": [{"type": "file_exists", "path": "nope.txt"}]})
@@ -169,7 +170,7 @@ def test_pool_survives_killed_and_frozen_vms():
 
 def test_pool_of_urls_with_one_dead(vm):
     dead = f"http://127.0.0.1:{free_port()}"
-    pool = VMPool(f"{vm.url}, {dead}", token=vm.token, timeout=5)  # what --vms URL,URL gives
+    pool = VMPool(f"{vm.url}, {dead}", token=vm.secret, timeout=5)  # what --vms URL,URL --token SECRET gives
     try:
         assert pool.urls == [vm.url, dead] and pool.local is None
         res = pool.screenshots()
@@ -219,6 +220,20 @@ def test_load_tasks_good(tmp_path):
     assert load_tasks(tmp_path / "a.json")[0].id == "calc-open"
 
 
+def test_load_tasks_reads_the_solution(tmp_path):
+    # The scripted solution is checked as the server checks actions and kept as Action dicts;
+    # the notes are for people and go nowhere.
+    solution = [{"type": "double_click", "x": 74, "y": 246, "text": None}, {"type": "wait", "amount": 1},
+                {"type": "key", "keys": ["alt", "f4"]}, {"type": "done"}]
+    (tmp_path / "a.json").write_text(json.dumps({**GOOD, "solution": solution, "notes": "The calculator icon."}))
+    [task] = load_tasks(tmp_path)
+    assert task.solution == [{"type": "double_click", "x": 74, "y": 246}, {"type": "wait", "amount": 1},
+                             {"type": "key", "keys": ["alt", "f4"]}, {"type": "done"}]
+    assert task == Task("calc-open", "Open the calculator.", GOOD["setup"], GOOD["evaluator"], max_steps=10,
+                        apps=("galculator",), solution=task.solution)
+    assert "notes" not in vars(task)
+
+
 def _with(**changes):
     d = json.loads(json.dumps(GOOD))
     for k, v in changes.items():
@@ -251,6 +266,13 @@ def _with(**changes):
      "'evaluator.checks[0].exit_code'"),
     (_with(apps="galculator"), "'apps'"),
     (_with(infeasible="yes"), "'infeasible'"),
+    (_with(solution="double-click the icon"), "'solution'"),
+    (_with(solution=[{"type": "teleport"}]), "'solution[0]'"),   # the server's action schema (actions.py)
+    (_with(solution=[{"type": "click", "x": 5}]), "'solution[0]'"),
+    (_with(solution=[{"type": "key", "keys": []}]), "'solution[0]'"),
+    (_with(solution=[{"type": "done"}, {"type": "key", "keys": ["a"]}]), "'solution[0]'"),  # nothing after an end
+    (_with(solution=[{"type": "wait"}] * 11), "'solution'"),  # more actions than max_steps (10)
+    (_with(notes=["why"]), "'notes'"),
 ])
 def test_load_tasks_names_file_and_field(tmp_path, task, field):
     f = tmp_path / "broken.json"

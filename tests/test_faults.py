@@ -7,7 +7,8 @@ the tiny real Qwen2.5-VL on 4 local desktops in 2 groups of 2. In the middle of 
 the model answers step 1) desktop 1 is killed (SIGKILL to its vm_server's process group) and
 desktop 2 is frozen (SIGSTOP to its process group: it accepts connections and never answers). Must
 hold: the frozen desktop costs the iteration one --vm-timeout and no more (one call to it expires,
-every later call skips it; the killed one fails on its broken connection, no timeout at all); both
+no call goes to it after that; the killed one fails on its broken connection, no timeout at all;
+each desktop's calls run in its own thread, so the others' episodes never wait for them); both
 drop out of their groups and nothing of theirs is trained on; the update still runs on the other
 two; the next iteration restarts both desktops (the frozen one is woken and stopped, no process
 left behind) and plays on all 4. The figures (clean / faulty / restarted iteration times against
@@ -78,18 +79,22 @@ def test_a_killed_and_a_frozen_vm_mid_iteration(trainer):
             faults["at"] = time.perf_counter()
         return model_fn(observations)
     tr.policy_fn = faulty
-    calls, pool_map = [], pool.map  # every VM call of the iteration: (call, each VM's error or None)
+    calls, pool_call = [], pool.call  # every VM call of the iteration: (call, VM, its error or None)
 
-    def logged_map(fn_name, *args, **kwargs):
-        res = pool_map(fn_name, *args, **kwargs)
-        calls.append((fn_name, [r.error for r in res]))
+    def logged_call(i, fn_name, *args, **kwargs):
+        try:
+            res = pool_call(i, fn_name, *args, **kwargs)
+        except Exception as e:
+            calls.append((fn_name, i, str(e)))
+            raise
+        calls.append((fn_name, i, None))
         return res
-    pool.map = logged_map
+    pool.call = logged_call
     t = time.perf_counter()
     m1, eps = T.run_iteration(tr, 2, pick)
     faulty_s = time.perf_counter() - t
     tr.policy_fn = model_fn
-    del pool.map
+    del pool.call
     assert faults, "the faults never fired: the rollout did not reach step 1"
     assert eps[1].end == "dropped" and eps[2].end == "dropped", [(e.vm, e.end, e.error) for e in eps]
     assert "frozen" in eps[2].error or "within" in eps[2].error, eps[2].error  # dropped by the deadline
@@ -99,12 +104,17 @@ def test_a_killed_and_a_frozen_vm_mid_iteration(trainer):
     assert [(g["group"], g["n"]) for g in m1["groups"]] == [(0, 1), (1, 1)]
     assert sorted(b["vm"] for b in m1["batch"]) == [0, 3] and m1["actor/tokens"] > 0
     assert steps(tr.optimizer) == 3
-    # One call waited out the timeout, the frozen VM's ("<url> did not finish/answer ... within");
-    # later calls skipped it ("<url> is down (...)"), and none waited on the killed one.
-    expired = [(fn, i) for fn, errors in calls for i, e in enumerate(errors)
-               if e and e.split(" ", 1)[1].startswith("did not")]
-    assert len(expired) == 1 and expired[0][1] == 2, calls
+    # One call waited out the timeout, the frozen VM's ("<url> did not answer within ..."), and no
+    # call went to it after that; the killed one failed at once (a refused connection) and was not
+    # called again either. Each VM's thread did its own calls: nobody else waited for them.
+    expired = [(fn, i) for fn, i, e in calls if e and "did not answer within" in e]
+    assert expired and [i for _, i in expired] == [2], calls
+    for vm in (1, 2):
+        mine = [e for _, i, e in calls if i == vm]
+        assert mine[-1] is not None and all(e is None for e in mine[:-1]), (vm, mine)
+    assert "did not answer within" not in next(e for _, i, e in calls if i == 1 and e)
     assert not pool.alive[1] and not pool.alive[2]
+    assert m1["env_failures"] == 2 and sorted(m1["env_errors"]) == ["1", "2"]
 
     # 2. the next iteration restarts both desktops and plays on all 4
     t = time.perf_counter()

@@ -52,6 +52,24 @@ def test_advantages_with_tensor_or_numpy_group_ids():
                           want, atol=1e-5)
 
 
+def test_dr_grpo_advantages_are_mean_centred_only():
+    # scale=False (Dr. GRPO): A = r - mean_g, no division by the std.
+    # a = [1, 3]: mean 2 -> -1, +1 (GRPO: -0.707107, +0.707107)
+    # b = [0, 0, 1]: mean 1/3 -> -0.333333 (twice), 0.666667 (GRPO: -0.57735, 1.154701)
+    # c = [5, 5]: 0, 0;  d = [7]: one member -> 0
+    rewards = [1.0, 0.0, 5.0, 3.0, 0.0, 7.0, 5.0, 1.0]
+    groups = ["a", "b", "c", "a", "b", "d", "c", "b"]
+    adv = group_advantages(rewards, groups, scale=False)
+    want = torch.tensor([-1.0, -1 / 3, 0.0, 1.0, -1 / 3, 0.0, 0.0, 2 / 3])
+    assert torch.allclose(adv, want, atol=1e-6)
+    # the two differ exactly by each group's std + eps: b's std 0.577350 -> -0.333333 / 0.577351 = -0.577350
+    assert torch.allclose(group_advantages(rewards, groups)[[1, 4, 7]], adv[[1, 4, 7]] / (0.5773503 + 1e-6), atol=1e-5)
+    # a reward scale survives Dr. GRPO (x10 rewards, x10 advantages) and not GRPO
+    assert torch.allclose(group_advantages([10.0, 30.0], scale=False), torch.tensor([-10.0, 10.0]))
+    assert torch.allclose(group_advantages([10.0, 30.0]), group_advantages([1.0, 3.0]), atol=1e-5)
+    assert torch.equal(group_advantages([0.1] * 7, scale=False), torch.zeros(7))  # equal rewards: exactly 0
+
+
 def test_advantages_equal_floats_are_exactly_zero():
     # float32 mean([0.1] * 7) is 0.1 + 7.45e-9, and std is ~1e-9, so the plain formula would give
     # (-7.45e-9) / (1e-9 + 1e-6) = -0.0074 for every member instead of 0.

@@ -37,7 +37,7 @@ import uuid
 import pytest
 import requests
 
-from conftest import SERVER, vm_call
+from conftest import SERVER, start_vm_server, vm_call
 from conftest import mouse
 
 N_MIN = 500
@@ -533,13 +533,9 @@ def test_a_non_loopback_bind_needs_a_token(host):
 def test_a_client_that_hangs_up_leaves_no_traceback(vm_desktop, tmp_path):
     """A trainer that times out (or dies) closes its connection before the answer: the server must
     shrug, not print a BrokenPipeError traceback into its log for every such request."""
-    err = tmp_path / "stderr.txt"
-    env = {**os.environ, "DISPLAY": vm_desktop.display, "HOME": str(tmp_path)}
-    with open(err, "w") as f:
-        p = subprocess.Popen([sys.executable, SERVER, "--port", "0", "--token", "t0k"], env=env, stdout=subprocess.PIPE,
-                             stderr=f, text=True, start_new_session=True)
+    own = start_vm_server(xvfb=False, token="t0k", env={**os.environ, "HOME": str(tmp_path)}, display_of=vm_desktop)
     try:
-        url = p.stdout.readline().split()[2]
+        url = own.url
         host, port = url.split("//")[1].split(":")
         for _ in range(10):
             s = socket.create_connection((host, int(port)))
@@ -549,9 +545,8 @@ def test_a_client_that_hangs_up_leaves_no_traceback(vm_desktop, tmp_path):
         time.sleep(1.0)
         assert requests.get(url + "/health", headers={"Authorization": "Bearer t0k"}, timeout=10).status_code == 200
     finally:
-        p.terminate()
-        p.wait(10)
-    assert "Traceback" not in err.read_text(), err.read_text()[-1500:]
+        own.stop()
+    assert "Traceback" not in own.stderr(), own.stderr()[-1500:]
 
 
 def test_every_default_program_has_an_argument_rule():

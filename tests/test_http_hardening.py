@@ -13,8 +13,8 @@ Run: python -m pytest -q tests/test_http_hardening.py     (~20 s)
   With a token the bearer check stays the gate (a browser cannot attach it cross-origin).
 - Hundreds of idle connections cost at most MAX_CONNECTIONS threads, and /health still answers.
 
-The servers here drive the shared test desktop's display without --xvfb (they start in a second)
-and use a HOME of their own in tmp_path.
+The servers here drive the shared test desktop's display without --xvfb (they start in a second),
+from inside its network namespace with its X cookie, and use a HOME of their own in tmp_path.
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def served(vm_desktop, tmp_path):
 
     def start(*args, token=""):
         env = {k: v for k, v in os.environ.items() if k != "VM_TOKEN"}
-        env.update(DISPLAY=vm_desktop.display, HOME=str(tmp_path))
-        started.append(start_vm_server(*args, xvfb=False, token=token, env=env, timeout=30))
+        env.update(HOME=str(tmp_path))
+        started.append(start_vm_server(*args, xvfb=False, token=token, env=env, timeout=30, display_of=vm_desktop))
         return started[-1]
     yield start
     for vm in started:

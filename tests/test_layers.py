@@ -1,13 +1,23 @@
-"""The import layers of DESIGN.md ("Layers (imports point down only)"), read off the source.
+"""The import layers (imports point down only), read off the source.
 
 Run: python -m pytest -q tests/test_layers.py      (~1 s; parses the files, imports nothing)
 
 Every top-level .py of the project is parsed with ast; every import of one of our own modules,
 at the top or inside a function, is an edge. Then: no cycle; nothing imports vm_server.py (it is
-the program a VM runs); the bottoms (actions.py, procs.py, qwen_vl.py) import nothing of ours, and
-chat.py nothing but qwen_vl.py (the model family's tokens and chat format); qwen_vl.py and
-warm_start.py sit below model.py, and the model side reaches nothing of the VM side; no
-`from X import _name` across our files; no module `__getattr__`; no `sys.modules` assignment or
+the program a VM runs) or a trainer (train_*.py are the tops: nothing imports them, and they take
+plain values, never each other's Args); each trainer's own files sit right below it and apart
+from the other's:
+
+    train_arpo.py     -> arpo_eval.py (evaluation, task selection) -> arpo_episode.py (one episode)
+    train_explore.py  -> explore_eval.py (exploration eval) -> explore_episode.py (one episode)
+                      -> explore_distill.py (the distillation data)
+    both              -> rollout.py, rundir.py, grpo.py, model.py, ... (rewards.py: ScreenExplorer's)
+
+rollout.py, the stepper both trainers play episodes with, sits below both and knows no model (no
+torch: generation is the caller's policy_fn); the bottoms (actions.py, procs.py, qwen_vl.py) import
+nothing of ours, and chat.py nothing but qwen_vl.py (the model family's tokens and chat format);
+qwen_vl.py and warm_start.py sit below model.py, and the model side reaches nothing of the VM side;
+no `from X import _name` across our files; no module `__getattr__`; no `sys.modules` assignment or
 setdefault.
 
 The graph itself: `python -c "import sys; sys.path[:0] = ['tests', '.']; import test_layers as L;
@@ -85,6 +95,34 @@ def test_no_cycle():
 
 def test_nothing_imports_vm_server():
     assert [m for m in OURS if "vm_server" in GRAPH[m]] == []
+
+
+def test_trainers_are_the_tops():
+    trainers = [m for m in OURS if m.startswith("train_")]
+    assert trainers == ["train_arpo", "train_explore"]
+    assert [m for m in OURS if set(trainers) & set(GRAPH[m])] == []
+
+
+OWN = {"train_arpo": ["arpo_episode", "arpo_eval"],
+       "train_explore": ["explore_distill", "explore_episode", "explore_eval"]}
+
+
+def test_each_trainers_own_files_are_below_it_and_apart_from_the_other():
+    assert sorted(m for ms in OWN.values() for m in ms) == sorted(m for m in OURS if m.startswith(("arpo_", "explore_")))
+    for trainer, mine in OWN.items():
+        theirs = [m for t, ms in OWN.items() if t != trainer for m in [t, *ms]]
+        assert set(mine) <= set(GRAPH[trainer]), (trainer, GRAPH[trainer])
+        for mod in mine:
+            assert not set(GRAPH[mod]) & set(theirs), (mod, GRAPH[mod])  # nothing of the other trainer's
+            assert set(GRAPH[mod]) <= set(mine) | set(OURS) - set(theirs) - {trainer}
+
+
+def test_rollout_is_below_both_trainers_and_knows_no_model():
+    assert all("rollout" in GRAPH[t] for t in ("train_arpo", "train_explore"))
+    assert set(GRAPH["rollout"]) <= {"env", "progress", "actions", "vm_tasks"}, GRAPH["rollout"]
+    names = [a.name for node in ast.walk(tree("rollout")) if isinstance(node, ast.Import) for a in node.names]
+    names += [node.module for node in ast.walk(tree("rollout")) if isinstance(node, ast.ImportFrom) and node.module]
+    assert names and not [n for n in names if n.split(".")[0] in ("torch", "transformers")], names
 
 
 def test_bottoms_import_nothing_of_ours():

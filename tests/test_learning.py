@@ -7,6 +7,10 @@
 - smoke: `bench/learning.py --method arpo` end to end on a tiny budget (one seed, 2 desktops, 2
   iterations, one eval rollout a task): real desktops, train_arpo.py as subprocesses, and the last
   line in its documented form. The numbers of so short a run mean nothing; their form and files do.
+- arpo-multi: which first action is right, the per-step rates by hand, the warm start's balance
+  over icons and items, the two-click path on a real desktop (the file manager's icon, then the
+  folder: the evaluator scores 1, another item 0), and the method's smoke with the per-step table
+  recomputed from the evals it saved.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 from PIL import Image
@@ -69,6 +74,11 @@ def test_per_method_defaults():
     assert arpo.iterations == 120 and explore.iterations is None  # explore's own default stays
     assert arpo.out.endswith(os.path.join("learning", "arpo")) and explore.out.endswith(os.path.join("learning", "explore"))
     assert L.resolve(L.parse_args(["--method", "explore", "--iterations", "3"])).iterations == 3
+    multi = L.resolve(L.parse_args(["--method", "arpo-multi"]))
+    assert multi.iterations == L.MULTI_ITERATIONS and multi.out.endswith(os.path.join("learning", "arpo-multi"))
+    # arpo keeps ARPO's task selection; arpo-multi trains every task (see resolve); both settle by watching
+    assert (arpo.select_tasks, multi.select_tasks) == (16, 0) and arpo.settle == multi.settle == "watch"
+    assert L.seed_list(L.parse_args(["--seeds", "2", "--first-seed", "10"])) == [10, 11]
 
 
 def test_warm_start_balances_prompts_and_icons():
@@ -118,3 +128,109 @@ def test_smoke_the_bench_end_to_end(tmp_path):
     with open(out / "seed0" / "eval_after.json") as f:
         assert all("actions" in d for d in json.load(f)["details"])
     assert (out / "seed0" / "eval_after" / "trajectories").is_dir()
+
+
+# ------------------------------------------------------------------------------------------------
+# arpo-multi
+
+MULTI_LINE = re.compile(r"learning_arpo_multi: before \d\.\d\d after \d\.\d\d gain [+-]\d\.\d\d p \d\.\d{4} "
+                        r"parse \d\.\d\d seeds \d+: (pass|FAIL)")
+
+
+def test_first_right_is_a_double_click_in_the_file_managers_cell():
+    # File Manager's icon centre (74, 346): its cell on the desktop grid is x 16..135, y 316..415
+    assert L.first_right({"type": "double_click", "x": 74, "y": 346})
+    assert L.first_right({"type": "double_click", "x": 16, "y": 316}) and L.first_right({"type": "double_click", "x": 135, "y": 415})
+    assert not L.first_right({"type": "double_click", "x": 136, "y": 346})  # the next column (XCalc's row)
+    assert not L.first_right({"type": "double_click", "x": 74, "y": 315})   # the Calculator's cell
+    assert not L.first_right({"type": "click", "x": 74, "y": 346})          # one click opens nothing
+    assert not L.first_right(None)                                           # an answer that did not parse
+
+
+def test_step_rates_by_hand(tmp_path):
+    fm, term = {"type": "double_click", "x": 74, "y": 346}, {"type": "double_click", "x": 74, "y": 46}
+    item = {"type": "double_click", "x": 715, "y": 215}
+    def ep(task, actions, score):
+        return {"task": task, "actions": actions, "score_hard": score, "format_ok": [a is not None for a in actions]}
+    details = [ep("a", [fm, item], 1.0), ep("a", [fm, item], 0.0), ep("a", [term, item], 0.0), ep("a", [None], 0.0),
+               ep("b", [fm, item], 1.0), ep("b", [term, term], 0.0), ep("other", [fm, item], 1.0)]
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({"details": details}))
+    r = L.step_rates(str(path), ["a", "b"])
+    # a and b: 6 episodes, first right in 3 (a, a, b), of which 2 succeeded; "other" is left out
+    assert r["all"] == {"n": 6, "first": 0.5, "n_first": 3, "second": pytest.approx(2 / 3), "n_second": 2,
+                        "success": pytest.approx(2 / 6)}
+    assert r["per_task"]["a"] == {"n": 4, "first": 0.5, "n_first": 2, "second": 0.5, "n_second": 1, "success": 0.25}
+    assert r["per_task"]["b"]["first"] == 0.5 and r["per_task"]["b"]["second"] == 1.0
+    row = L.step_rows({"selected": ["a", "b"], "steps_before": r, "steps_after": r})[0]
+    assert "first 0.50->0.50 (3/6 -> 3/6), second | first 0.67->0.67 (2/3 -> 2/3)" in row
+
+
+def test_multi_warm_start_is_uniform_over_icons_and_items():
+    """Per epoch, every desktop icon is the first answer equally often (5 times: 5 second answers
+    each); after the file manager the 5 items once each; after any other app 5 of the 7 icons,
+    each icon 5 times in any 7 epochs. The same lists for every task (no task in the function)."""
+    from desktop import desktop_icons
+    icons = desktop_icons((1280, 720))
+    for e in range(7):
+        assert all(len(L.second_answers(label, e)) == 5 for label in icons)
+        assert sorted(L.second_answers(L.FM_ICON, e)) == sorted(L.FM_ITEMS.values())
+    seen = Counter(q for e in range(7) for q in L.second_answers("Terminal", e))
+    assert seen == {p: 5 for p in icons.values()}
+    # the arpo-multi answers parse onto the items the warm start meant
+    from actions import parse_action
+    for name, (x, y) in L.FM_ITEMS.items():
+        q = (round(x * 140 / 1280), round(y * 84 / 720))
+        a = parse_action(L.answer("Open it.", q), "uitars", (1280, 720), (140, 84)).action
+        assert a.type == "double_click" and abs(a.x - x) <= 5 and abs(a.y - y) <= 5, name
+
+
+def test_last_turn_only_keeps_the_last_answer_as_the_target():
+    from grpo import Sample
+    s = Sample([1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 1, 0, 0, 1, 1, 0], None, None)
+    assert L.last_turn_only(s).target_mask == [0, 0, 0, 0, 0, 1, 1, 0]
+
+
+def test_the_two_click_path_on_a_real_desktop(vm_desktop):
+    """What arpo-multi's tasks need, on a real desktop: the file manager's desktop icon opens HOME
+    with the items at FM_ITEMS, and a double-click on the task's folder there solves the task;
+    on another item (or after another icon) it does not."""
+    from desktop import desktop_icons
+    from env import VMClient, load_tasks
+    vm = VMClient(vm_desktop.url, vm_desktop.token, timeout=60)
+    tasks = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
+    fm = desktop_icons((1280, 720))[L.FM_ICON]
+    for tid in L.MULTI_TASK_IDS.split(","):
+        folder = tasks[tid].evaluator["checks"][0]["title"].strip("^$")
+        for first, second, want in ((fm, L.FM_ITEMS[folder], 1.0), (fm, L.FM_ITEMS["Desktop"], 0.0)):
+            vm.reset()
+            vm.setup(tasks[tid].setup)
+            for x, y in (first, second):
+                vm.act({"type": "double_click", "x": x, "y": y}, settle="watch")
+            assert vm.evaluate(tasks[tid].evaluator)["score"] == want, (tid, second)
+
+
+def test_smoke_arpo_multi_end_to_end(tmp_path):
+    out = tmp_path / "multi"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "learning.py"), "--method", "arpo-multi", "--seeds", "1",
+           "--iterations", "2", "--eval-episodes", "1", "--warm-epochs", "1", "--vms", "2", "--group-size", "2",
+           "--out", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    lines = p.stdout.strip().splitlines()
+    assert lines and MULTI_LINE.fullmatch(lines[-1]), p.stdout[-2000:] + p.stderr[-3000:]
+    with open(out / "learning_arpo_multi.json") as f:
+        (r,) = json.load(f)
+    assert r["selected"] == L.MULTI_TASK_IDS.split(",")  # no task selection: every task, trained and evaluated
+    assert r["n_before"] == r["n_after"] == 3 and len(r["curve"]) == 2
+    with open(out / "seed0" / "train" / "args.json") as f:
+        cfg = json.load(f)
+    assert cfg["max_steps"] == 2 and cfg["max_images"] == 2 and cfg["settle"] == "watch"
+    # the per-step table recomputed from the evals the run saved
+    for when in ("before", "after"):
+        with open(out / "seed0" / f"eval_{when}.json") as f:
+            d = json.load(f)["details"]
+        first = [e for e in d if e["actions"] and L.first_right(e["actions"][0])]
+        assert r[f"steps_{when}"]["all"]["n_first"] == len(first)
+        assert r[f"steps_{when}"]["all"]["n_second"] == sum(e["score_hard"] > L.SUCCESS for e in first)
+    assert "per step (eval): first" in p.stdout
+    assert Image.open(out / "learning_arpo_multi.png").size == (640, 360)

@@ -37,6 +37,26 @@ def test_warm_answers_are_balanced_and_parse():
     assert set(t.split('"intent": "')[1].split('"')[0] for t in answers) == set(L.INTENTS)  # no screen content
 
 
+def test_drawn_answers_point_at_what_is_drawn():
+    """The warm start's points lie on drawn pixels only, every drawn pixel alike: a 140x84 screen
+    (the size the model sees) of wallpaper with a 20x10 white box and a 10x5 dark one has
+    200 + 50 = 250 drawn pixels, 200 of them in the white box."""
+    from PIL import Image, ImageDraw
+    im = Image.new("RGB", (140, 84), (47, 95, 143))
+    d = ImageDraw.Draw(im)
+    d.rectangle([10, 20, 29, 29], fill="white")
+    d.rectangle([100, 50, 109, 54], fill="black")
+    px = L.drawn_pixels(im, (140, 84))
+    assert len(px) == 250 and ((px[:, 0] < 30) & (px[:, 1] < 30)).sum() == 200
+    answers = L.drawn_answers(600, im, (140, 84), random.Random(0))
+    pts = [tuple(map(int, t.split("(")[1].split(")")[0].split(", "))) for t in answers]
+    assert all((10 <= x <= 29 and 20 <= y <= 29) or (100 <= x <= 109 and 50 <= y <= 54) for x, y in pts)
+    in_white = sum(x < 30 for x, _ in pts) / len(pts)
+    assert 0.72 < in_white < 0.88  # 200/250 = 0.8: by area, not one box per thing
+    assert Counter(t.split('"action": "')[1].split("(")[0] for t in answers) == {k: 100 for k in L.KINDS}
+    assert all(parse_action(t, "explore", (1280, 720), (140, 84)) is not None for t in answers)
+
+
 def test_permutation_p_by_hand():
     # after [1, 1] vs before [0, 0]: of the C(4, 2) = 6 ways to pick the "after" pair from the pooled
     # [1, 1, 0, 0], only {1, 1} reaches the observed difference 1 -> p = 1/6.
@@ -55,7 +75,8 @@ def test_report_line_and_verdict(tmp_path, capsys):
     def seed(s, x, y, p, minutes):
         return {"seed": s, "x": x, "y": y, "p": p, "seconds": minutes * 60, "iterations": 30, "load": (2.0, 2.0, 2.0),
                 "random": summary, "before": summary, "after": dict(summary, format=0.8 + s / 10),
-                "terms": {"total": (1.0, 1.5)}}
+                "terms": {"total": (1.0, 1.5)}, "wx": [0, 0], "wy": [1, 2], "wr": [0, 1], "p_windows": 0.02,
+                "p_windows_random": 0.04}
     # Means over seeds: before (1.5 + 1.0) / 2 = 1.25, after (2.5 + 3.0) / 2 = 2.75; the worst p; the lowest parse.
     results = [seed(0, [1, 2], [2, 3], 0.01, 15), seed(1, [1, 1], [3, 3], 0.03, 19)]
     assert L.report(results, a) == 0
@@ -65,6 +86,9 @@ def test_report_line_and_verdict(tmp_path, capsys):
     # One seed not significant, or over the time budget: FAIL.
     assert L.report([results[0], dict(results[1], p=0.2)], a) == 1
     assert L.report([results[0], dict(results[1], seconds=21 * 60)], a) == 1
+    # Windows opened not above the warm start, or not above random actions, in one seed: FAIL.
+    assert L.report([results[0], dict(results[1], p_windows=0.06)], a) == 1
+    assert L.report([dict(results[0], p_windows_random=0.05), results[1]], a) == 1
     assert capsys.readouterr().out.strip().endswith("seeds 2: FAIL")
 
 
@@ -76,7 +100,7 @@ def test_bench_end_to_end_smallest(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "learning_explore.py"), "--seeds", "1",
                         "--out", str(tmp_path), "--vms", "1", "--steps", "1", "--eval-episodes", "1",
                         "--iterations", "1", "--update-actor-delay", "0", "--warm-steps", "2", "--warm-screens", "2",
-                        "--settle", "0.3", "--rewards", "none,image,immediate"],
+                        "--rewards", "none,image,immediate"],
                        cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert p.returncode in (0, 1), p.stdout[-2000:] + p.stderr[-2000:]  # 1: FAIL, as expected of 1 iteration
     last = p.stdout.strip().splitlines()[-1]

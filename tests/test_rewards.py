@@ -170,6 +170,61 @@ def test_parse_reward_flags():
             parse_reward_flags(bad)
 
 
+def test_the_table_is_the_reward():
+    # "all" is the paper's reward: every term of TERMS that is on by default, nothing else.
+    paper = [n for n, t in R.TERMS.items() if t.default]
+    assert R.terms_on(parse_reward_flags("all")) == paper and "windows" not in paper and len(paper) == 9
+    assert R.COMPONENTS == tuple(R.TERMS) and set(R.REWARD_FLAGS) < set(R.SWITCHES) and "windows" in R.SWITCHES
+    # an off-by-default term joins by its switch, and only then
+    assert R.terms_on(parse_reward_flags("all,windows")) == paper + ["windows"]
+    assert R.terms_on(parse_reward_flags("none,windows")) == ["windows"]
+    assert R.terms_on(parse_reward_flags("windows,all")) == paper  # left to right: "all" resets
+    assert R.terms_on(parse_reward_flags("all,no_image")) == [n for n in paper if not n.startswith("image")]
+    # what the terms that are on read, beyond the screen features (what the trainer computes)
+    assert R.reads(parse_reward_flags("all")) == {"text", "world_model"}
+    assert R.reads(parse_reward_flags("all,windows")) == {"text", "world_model", "windows"}
+    assert R.reads(parse_reward_flags("none,image,immediate,sequence")) == set()
+    assert R.reads(parse_reward_flags("all,no_text,no_intent,no_intent_click")) == {"world_model"}
+    # without OCR the switches that only feed text terms go off; "windows" stays as asked
+    assert R.effective_flags(parse_reward_flags("all,windows"), None) == {
+        **dict.fromkeys(R.REWARD_FLAGS, True), "text": False, "intent": False, "intent_click": False, "windows": True}
+
+
+def test_windows_term_counts_the_windows_a_step_opened():
+    # step 0: windows {1, 2} before, {1, 2, 3, 4} after: 2 new (3 and 4)
+    # step 1: {1, 2} -> {2, 5}: window 1 closed, 5 opened: 1 (closing earns nothing, nor costs)
+    # step 2: {7} -> {7}: 0; step 3 opened 9 but was malformed: 0, like every term of it
+    # total with only this term on: format * windows = [2, 1, 0, 0]
+    before = [{1: "a", 2: "b"}, {1: "a", 2: "b"}, {7: "x"}, {}]
+    after = [{1: "a", 2: "b", 3: "c", 4: "d"}, {2: "b", 5: "e"}, {7: "x"}, {9: "z"}]
+    scr = t((1, 0), (1, 0), (1, 0), (1, 0))
+    steps = R.Steps([0, 0, 1, 1], [1, 1, 1, 0], scr, scr, windows_before=before, windows_after=after)
+    r = R.reward(steps, parse_reward_flags("none,windows"))
+    assert close(r.windows, [2, 1, 0, 0]) and close(r.total, [2, 1, 0, 0]) and close(r.format, [1, 1, 1, 0])
+    # with the paper's reward it is logged as 0 (off), and the total is the paper's
+    x = _random_inputs(n=4)
+    paper = exploration_rewards(ALL, **{k: v[:4] for k, v in x.items()})
+    both = exploration_rewards(parse_reward_flags("all,windows"), **{k: v[:4] for k, v in x.items()},
+                               windows_before=before, windows_after=after)
+    assert torch.count_nonzero(paper.windows) == 0
+    valid = torch.tensor([1.0, 1, 1, 0])  # _random_inputs' first four valid flags
+    assert close(both.total, paper.total + valid * torch.tensor([2.0, 1, 0, 0]))
+    assert R.summarize_rewards(r)["reward/windows"] == 1.0  # mean over the 3 valid steps: (2 + 1 + 0) / 3
+    # on without the window lists: one sentence that says how to switch it off
+    with pytest.raises(ValueError, match="no_windows"):
+        R.reward(R.Steps([0], [1], t((1, 0)), t((1, 0))), parse_reward_flags("none,windows"))
+
+
+def test_record_keeps_valid_as_a_tensor_and_trajectories_in_time_order():
+    s = R.Steps(["a", "b", "a", "a"], [1, 1, 0, 1], t((1, 0), (1, 0), (1, 0), (1, 0)), t((1, 0), (1, 0), (1, 0), (1, 0)))
+    assert s.valid.dtype == torch.float32 and s.valid.tolist() == [1, 1, 0, 1]
+    assert s.trajectories() == [[0, 3], [1]]  # the malformed step 2 of "a" is left out
+    z = R.scatter(R.reward(R.Steps([0], [1], t((1, 0)), t((0, 1))), parse_reward_flags("none,image,immediate")), [2], 4)
+    assert close(z.total, [0, 0, 1, 0]) and close(z.image_immediate, [0, 0, 1, 0]) and close(z.format, [0, 0, 1, 0])
+    both = R.cat([z, R.zeros(2)])
+    assert close(both.total, [0, 0, 1, 0, 0, 0]) and set(both.parts) == set(R.TERMS)
+
+
 def _random_inputs(n=6, d=5, e=4):
     g = torch.Generator().manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=g)
@@ -361,9 +416,10 @@ def real_transitions(vm_desktop):
     import time
 
     from env import VMClient
-    from task_solutions import ICONS
+    from desktop import desktop_icons
     vm = VMClient(vm_desktop.url, vm_desktop.token, timeout=60)
-    (tx, ty), (cx, cy) = ICONS["Terminal"], ICONS["Calculator"]
+    icons = desktop_icons()
+    (tx, ty), (cx, cy) = icons["Terminal"], icons["Calculator"]
     plan = [({"type": "click", "x": 700, "y": 400}, 0.3),           # empty desktop: nothing happens
             ({"type": "right_click", "x": 700, "y": 400}, 0.5),     # the desktop's context menu
             ({"type": "key", "keys": ["escape"]}, 0.3),             # ... closed again

@@ -7,8 +7,9 @@ Run: python -m pytest -q tests/test_sandbox.py     (~40 s; needs bwrap, `bash se
   HOME, read a file in /root, then write into HOME. Nothing appears on the host, nothing is read;
   the HOME file appears; the desktop still works. What /dev, /proc, /sys and `id` look like from that terminal is checked too.
 - From the host's side (/proc/<pid>/...): every process of the desktop, the server included, is in
-  its own PID namespace, without capabilities, not root, with the host read-only, /tmp private,
-  /root hidden, HOME writable, /proc/sys read-only.
+  its own PID and network namespaces, without capabilities, not root (inside, nor on the host),
+  sees only the host's system folders (read-only) and the project's .py files, /tmp private, HOME
+  writable, /proc/sys read-only. (tests/test_containment.py types the attacks this stops.)
 - A crash of the server inside takes the whole sandbox with it and the launcher removes the folder;
   a `kill -9` of the launcher is tests/test_vm_server.py::test_parallel_desktops_are_isolated_and_stop_cleanly.
 - The modes: the server says once on stderr which one it runs in; without bwrap it stops with one
@@ -29,8 +30,8 @@ import uuid
 
 from PIL import Image, ImageChops
 
-from conftest import SERVER, proc_alive, proc_descendants, start_vm_server, vm_call
-from conftest import wait_for
+from conftest import ROOT, SERVER, proc_alive, proc_descendants, start_vm_server, vm_call
+from conftest import mouse, wait_for, x11
 
 sys.path.insert(0, os.path.dirname(SERVER))
 import desktop  # noqa: E402
@@ -68,8 +69,7 @@ def comm(pid: int) -> str:
 
 def window_rect(vm, title: str) -> tuple[int, int, int, int]:
     """(x, y, w, h) of the window called `title`, from xwininfo on the desktop's display."""
-    out = subprocess.run(["xwininfo", "-name", title], env={**os.environ, "DISPLAY": vm.display},
-                         capture_output=True, text=True, timeout=10).stdout
+    out = x11(vm, "xwininfo", "-name", title).stdout
     info = dict(line.strip().split(":", 1) for line in out.splitlines() if line.count(":") == 1)
     return tuple(int(info[k]) for k in ("Absolute upper-left X", "Absolute upper-left Y", "Width", "Height"))
 
@@ -135,22 +135,32 @@ def test_every_process_of_the_desktop_is_confined(vm_desktop):
     procs = inside(vm)
     names = {comm(p) for p in procs}
     assert {"python", "Xvfb", "openbox", "tint2", "pcmanfm"} <= names, names  # the server runs inside too
+    shown = (*desktop.SYSTEM, "/dev", "/proc", "/sys", "/tmp", "/var/tmp", sys.prefix, sys.base_prefix,
+             *[p for p in sys.path if p.startswith("/") and p != ROOT])
     for p in procs:
         status = dict(line.split(":", 1) for line in open(f"/proc/{p}/status").read().splitlines() if ":" in line)
         assert len(status["NSpid"].split()) == 2, (comm(p), status["NSpid"])  # a PID namespace of its own
+        assert os.readlink(f"/proc/{p}/ns/net") != os.readlink("/proc/self/ns/net"), comm(p)  # and a network one
         assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0, comm(p)
         assert open(f"/proc/{p}/uid_map").read().split()[0] != "0", comm(p)  # not root inside
+        assert "0" not in status["Uid"].split() and "0" not in status["Gid"].split(), comm(p)  # nor on the host
         m = mounts(p)
         assert "ro" in m["/"][0] and "ro" in m["/proc/sys"][0] and "ro" in m["/sys"][0], comm(p)
         assert m["/tmp"][1] == "tmpfs" and "rw" in m["/tmp"][0]
         assert m["/dev"][1] == "tmpfs"
         assert "rw" in m[vm.home][0] and "ro" in m[os.path.dirname(vm.home)][0]
-        assert m["/root"][1] == "tmpfs" and "ro" in m["/root"][0]  # the users' homes: hidden
-    # and the X server works: the host's xdotool reaches it, and it moves the pointer we asked for
+        # Nothing of the host but its system folders and what the server runs from: no /root,
+        # /home, /run, /srv; of this project its .py files, not tasks/ (the evaluators) or runs/.
+        folder = os.path.dirname(os.path.dirname(vm.home))  # where every desktop's folder lives: emptied
+        extra = [d for d in m if not d.startswith(os.path.dirname(vm.home)) and d not in ("/", folder)
+                 and not any(d == s or d.startswith(s + "/") for s in shown)]
+        ours = [d for d in extra if os.path.dirname(d) == ROOT and d.endswith(".py")]
+        assert sorted(set(extra) - set(ours)) == [], comm(p)
+        assert not {"/root", "/home", "/run", "/srv", "/mnt", "/opt"} & set(m), comm(p)
+    # and the X server works: the host's xdotool reaches it (in its network namespace, with its
+    # cookie), and it moves the pointer we asked for
     assert vm_call(vm, "POST", "/action", {"type": "move", "x": 77, "y": 55}).status_code == 200
-    out = subprocess.run(["xdotool", "getmouselocation", "--shell"], env={**os.environ, "DISPLAY": vm.display},
-                         capture_output=True, text=True, timeout=10).stdout
-    assert "X=77" in out and "Y=55" in out
+    assert mouse(vm) == (77, 55)
 
 
 def test_a_crashed_server_takes_its_sandbox_along():
@@ -166,6 +176,17 @@ def test_a_crashed_server_takes_its_sandbox_along():
         assert not os.path.exists(os.path.dirname(vm.home))  # the launcher removed the folder
     finally:
         vm.stop(signal.SIGKILL)
+
+
+def test_removing_a_desktops_folder_leaves_the_folder_around_it_alone(tmp_path):
+    """The desktop's folder sits in /tmp: removing it, even after it is gone or with a folder the agent
+    locked (chmod 000) inside, must never loosen /tmp's own mode (1777 -> 0755 broke every user's /tmp)."""
+    tmp_path.chmod(0o1777)
+    desktop.remove_tree(str(tmp_path / "gone"))
+    (tmp_path / "t" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "t" / "a").chmod(0)
+    desktop.remove_tree(str(tmp_path / "t"))
+    assert not (tmp_path / "t").exists() and oct(tmp_path.stat().st_mode & 0o7777) == oct(0o1777)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -190,6 +211,11 @@ def test_no_sandbox_runs_unconfined_and_says_so():
         status = open(f"/proc/{kids[0]}/status").read()
         assert len(status.split("NSpid:")[1].split("\n")[0].split()) == 1  # the host's PID namespace
         assert vm_call(vm, "GET", "/health").status_code == 200
+        # It still serves as documented: the screen, and an action that lands (its display, in our
+        # network namespace, wants its cookie too)
+        assert vm_call(vm, "GET", "/screenshot").headers["Content-Type"] == "image/png"
+        assert vm_call(vm, "POST", "/action", {"type": "move", "x": 33, "y": 44}).status_code == 200
+        assert mouse(vm) == (33, 44)
     finally:
         vm.stop()
 

@@ -4,6 +4,7 @@
 
 - smoke: `python train_arpo.py --vms 4 --group-size 2 --model tiny --iterations 2 --max-steps 3` end to
   end as a subprocess, then `--resume` for one more iteration, then `--eval-only` (both protocols);
+- a desktop that dies (killed) or whose X server dies (503) mid-episode: the environment's failure;
 - replay in a real iteration: a stored success of the forced task is injected into the tiny random
   policy's all-failed group and trained on; `--no-replay` leaves the group alone; a success is never
   injected into another group of the SAME iteration; the buffer survives a real `--resume`;
@@ -13,7 +14,8 @@
   exactly the tasks it solved at least once;
 - standard vs hard evaluation (OSWorld's rule): a timeout passes an infeasible task and fails a
   feasible one under standard only; the rule itself by hand for every ending;
-- the reward, task order and VM grouping rules with hand-computed numbers.
+- the reward, task order and VM grouping rules with hand-computed numbers; GRPO's and Dr. GRPO's
+  advantages in a real update; a lone desktop plays its group in turns and learns.
 """
 from __future__ import annotations
 
@@ -25,21 +27,24 @@ import sys
 
 import pytest
 import torch
+from PIL import Image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+import arpo_episode as E  # noqa: E402
+import arpo_eval  # noqa: E402
 import rundir  # noqa: E402
 import train_arpo as T  # noqa: E402
 from env import VMPool, load_tasks  # noqa: E402
 from grpo import ReplayBuffer  # noqa: E402
 from model import load_policy  # noqa: E402
-from task_solutions import SOLUTIONS  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import free_port, kill_x_server  # noqa: E402
 
 SMALL = 64 * 28 * 28  # screenshots of ~64 visual tokens for the tiny model: fast on CPU
 TASKS = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
+SOLUTIONS = {i: t.solution for i, t in TASKS.items()}  # each task file's scripted solution
 
 
 def small_args(**kw) -> T.Args:
@@ -89,18 +94,13 @@ def uitars_text(a: dict, image_size, screen) -> str:
 
 
 def scripted(plans):
-    """policy_fn that follows, per episode, the action list plans(task_id, attempt) (attempt counts
-    this task's episodes so far), then says finished(). Episodes are told apart by their VM."""
-    attempts, current = {}, {}
-
+    """policy_fn that follows, per episode, the action list plans(task_id, job) (job: the episode's
+    index among those played together, Observation.job), then says finished(). Desktops step on
+    their own, so the order episodes start in is timing's; the job index is not."""
     def fn(observations):
         out = []
         for o in observations:
-            if o.step == 0:
-                n = attempts.get(o.task.id, 0)
-                attempts[o.task.id] = n + 1
-                current[o.vm] = plans(o.task.id, n)
-            acts = current[o.vm]
+            acts = plans(o.task.id, o.job)
             a = acts[o.step] if o.step < len(acts) else {"type": "done"}
             out.append(uitars_text(a, o.image_size, o.screen))
         return out
@@ -126,13 +126,14 @@ def test_rewards_and_protocols_by_hand():
     task = TASKS["infeasible-email"]
 
     def ep(end, actions, ok):
-        return T.Episode(task, 0, end=end, actions=actions, format_ok=ok)
+        return E.Episode(task, 0, end=end, actions=actions, format_ok=ok)
     timed_out = ep("max_steps", [{"type": "wait"}, None], [True, False])
     gave_up = ep("fail", [{"type": "wait"}, {"type": "fail"}], [True, True])
     bad_fail = ep("fail", [None, {"type": "fail"}], [False, True])
     formatted = ep("format", [None], [False])
     eps = [timed_out, gave_up, bad_fail, formatted]
-    T.score_episodes(None, eps, args, 5)  # infeasible only: scored client side, no VM is asked
+    for e in eps:
+        E.score_episode(e, None, args)  # infeasible: scored client side, no evaluator score
     # timed out: hard 0 (last action wait), standard 1 (FAIL substituted); reward 0 - 0.5 = -0.5
     assert (timed_out.score, timed_out.score_standard, timed_out.reward) == (0.0, 1.0, -0.5)
     # call_user at the end, all answers parsed: 1 under both; reward 1 - 0 = 1
@@ -160,9 +161,9 @@ def test_rewards_and_protocols_by_hand():
     (True, [], None, None, 0.0, 0.0),                         # did nothing
 ])
 def test_outcome_scores_by_hand(infeasible, actions, end, checks, hard, standard):
-    # The pure rule score_episodes (and tests/test_tasks.py) use: (hard, standard).
+    # The pure rule score_episode (and tests/test_tasks.py) use: (hard, standard).
     acts = [None if a is None else {"type": a} for a in actions]
-    assert T.outcome_scores(infeasible, acts, end, checks) == (hard, standard)
+    assert E.outcome_scores(infeasible, acts, end, checks) == (hard, standard)
 
 
 def test_flat_groups_are_the_ones_the_update_learns_nothing_from():
@@ -173,6 +174,27 @@ def test_flat_groups_are_the_ones_the_update_learns_nothing_from():
     adv = group_advantages(rewards, groups).tolist()
     assert adv[:2] == pytest.approx([0.707, -0.707], abs=1e-3) and adv[2:] == [0.0, 0.0, 0.0]
     assert T.flat_groups(groups, adv) == 2
+
+
+def test_dr_grpo_advantages_in_a_real_update(tmp_path):
+    """--no-scale-rewards (Dr. GRPO): the advantages are reward - group mean, not divided by the std.
+    Group 0 rewards [1.0, -0.5]: mean 0.25 -> +0.75 / -0.75 (GRPO: +-0.7071); group 1 [0.5, 0.5]: 0."""
+    policy = load_policy("tiny", seed=0, max_pixels=SMALL)
+    task = TASKS["calc-open"]
+    eps = []
+    for g, (r0, r1) in enumerate([(1.0, -0.5), (0.5, 0.5)]):
+        for vm, r in enumerate((r0, r1)):  # one-step episodes of the blank screen, answered "finished()"
+            e = E.Episode(task, vm, g, screenshots=[Image.new("RGB", (1280, 720))], assistant=["Thought: done.\nAction: finished()"],
+                          logprobs=[None], reward=r)
+            eps.append(e)
+    for scale, want in ((False, [0.75, -0.75, 0.0, 0.0]), (True, [0.70711, -0.70711, 0.0, 0.0])):
+        args = small_args(scale_rewards=scale, lr=0.0)
+        opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=0.0)
+        tr = T.Trainer(args, None, policy, opt, None, None, str(tmp_path), [task])
+        adv, pieces, upd = T.update(tr, eps, 0, {})
+        assert adv == pytest.approx(want, abs=1e-4) and [p[0].advantage for p in pieces] == adv
+        assert upd["steps"] == 2 and upd["adv_mean"] == pytest.approx(0.0, abs=1e-6)  # ARPO: 2 optimizer steps
+    assert rundir.parse_args(T.Args, ["--no-scale-rewards"], T.PROG)[0].scale_rewards is False
 
 
 def test_lr_schedule_by_hand():
@@ -206,9 +228,10 @@ def test_task_order_and_groups():
     again = {"epoch": 0, "pos": 0}
     assert T.pick_tasks(ids, again, 3, seed=7) == first  # seeded: the same order again
     assert len(T.pick_tasks(ids, state, 5, seed=7)) == 5 and state == {"epoch": 2, "pos": 2}
-    # 7 live VMs in groups of 3: two groups, VM 9 idle; fewer than a group: one smaller group
-    assert T.plan_groups([0, 1, 2, 4, 5, 8, 9], 3) == [[0, 1, 2], [4, 5, 8]]
-    assert T.plan_groups([3], 8) == [[3]] and T.plan_groups([], 8) == []
+    # 7 desktops in groups of 3: two groups, one desktop idle; fewer than a group (even a lone
+    # desktop): one group, played in turns; none: nothing
+    assert T.n_groups(7, 3) == 2 and T.n_groups(6, 3) == 2 and T.n_groups(2, 8) == 1
+    assert T.n_groups(1, 8) == 1 and T.n_groups(0, 8) == 0
 
 
 def test_flags():
@@ -228,13 +251,13 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     task = TASKS["calc-open"]
     args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1)  # the solution, then finished()
     # A stored success of calc-open, from an "earlier iteration": the scripted solution on a desktop.
-    eps, _ = T.run_jobs(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args, {})
+    eps, _ = E.run_jobs(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args)
     assert eps[0].score == 1.0
-    stored = T.to_record(eps[0])
+    stored = E.to_record(eps[0])
     buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
     assert buffer.add(task.id, stored, eps[0].score)
     # Its tokens as a training sample: what the update must see for the replayed member.
-    want_tokens = sum(sum(p.target_mask) for p in T.episode_samples(tiny, T.from_record(stored), args))
+    want_tokens = sum(sum(p.target_mask) for p in T.episode_samples(tiny, E.from_record(stored), args))
 
     # No weight decay: any change of the weights below comes from the GRPO gradient.
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
@@ -265,7 +288,7 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     state, _ = rundir.load_checkpoint(str(tmp_path))
     back = ReplayBuffer()
     back.load_state_dict(state["replay"])
-    again = T.from_record(back.sample(task.id))
+    again = E.from_record(back.sample(task.id))
     assert sum(sum(p.target_mask) for p in T.episode_samples(tiny, again, args)) == want_tokens
 
     # --no-replay: the same all-failed group trains as it is, with zero advantages.
@@ -282,8 +305,9 @@ def test_epochs_and_the_lr_schedule_in_a_real_iteration(pool, tmp_path):
     task = TASKS["calc-open"]
     policy = load_policy("tiny", seed=1, max_pixels=SMALL)  # its own: this test trains it
     args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1, epochs=3, mini_batch=1, lr=1e-3, lr_warmup=4)
-    # VM 0 solves, VM 1 says finished() at once: rewards 1 and 0, so both advantages are nonzero
-    fn = scripted(lambda tid, n: SOLUTIONS[tid] if n == 0 else [])
+    # job 0 (VM 0) solves, job 1 (VM 1) says finished() at once: rewards 1 and 0, so both advantages
+    # are nonzero
+    fn = scripted(lambda tid, job: SOLUTIONS[tid] if job == 0 else [])
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=args.lr)
     tr = T.Trainer(args, pool, policy, opt, None, fn, str(tmp_path), [task])
     m, _ = T.run_iteration(tr, 1, lambda n: [task.id] * n)
@@ -335,8 +359,8 @@ def test_a_success_is_not_replayed_into_a_group_of_the_same_iteration(pool, tiny
     get A's success (stored only after this iteration's injections); the next iteration it may."""
     task = TASKS["calc-open"]
     args = small_args(group_size=1, max_steps=len(SOLUTIONS["calc-open"]) + 1)
-    # attempt 0 (VM 0, iteration 1) solves; every later attempt says finished() at once and fails
-    fn = scripted(lambda tid, n: SOLUTIONS[tid] if n == 0 else [])
+    # iteration 1: job 0 (VM 0) solves, job 1 (VM 1) says finished() at once and fails
+    fn = scripted(lambda tid, job: SOLUTIONS[tid] if job == 0 else [])
     buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
     tr = T.Trainer(args, pool, tiny, opt, buffer, fn, str(tmp_path), [task])
@@ -345,6 +369,7 @@ def test_a_success_is_not_replayed_into_a_group_of_the_same_iteration(pool, tiny
     assert m["n_injections"] == 0 and not any(b["replayed"] for b in m["batch"])
     assert len(buffer) == 1  # A's success is stored, after the injections
     # Iteration 2: both groups fail; each now gets the success of iteration 1.
+    tr.policy_fn = scripted(lambda tid, job: [])
     m, _ = T.run_iteration(tr, 2, lambda n: [task.id] * n)
     assert m["n_injections"] == 2
     assert [(i["group"], i["from_iteration"], i["from_vm"]) for i in m["replay_injections"]] == [(0, 1, 0), (1, 1, 0)]
@@ -356,10 +381,10 @@ def test_replay_buffer_survives_a_real_resume(pool, tiny, tmp_path):
     all-failed group, and its own checkpoint holds the very same buffer."""
     task = TASKS["calc-open"]
     args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1, iterations=2)
-    eps, _ = T.run_jobs(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args, {})
+    eps, _ = E.run_jobs(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args)
     assert eps[0].score == 1.0
     buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
-    buffer.add(task.id, T.to_record(eps[0]), eps[0].score)
+    buffer.add(task.id, E.to_record(eps[0]), eps[0].score)
     run = rundir.make_run_dir(str(tmp_path / "run"), args)
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
     T.checkpoint(T.Trainer(args, pool, tiny, opt, buffer, None, run, [task], {"epoch": 0, "pos": 1}), 1)
@@ -384,14 +409,14 @@ def test_replay_buffer_survives_a_real_resume(pool, tiny, tmp_path):
 def test_select_tasks_keeps_exactly_the_solved_ones(pool, tmp_path):
     tasks = [TASKS["calc-open"], TASKS["clock-open"], TASKS["infeasible-email"]]
 
-    def plans(tid, attempt):
+    def plans(tid, job):  # the jobs: calc-open twice (0, 1), clock-open twice, infeasible-email twice
         if tid == "calc-open":  # solved on the second try only: "at least once" must keep it
-            return SOLUTIONS[tid] if attempt == 1 else []
+            return SOLUTIONS[tid] if job == 1 else []
         if tid == "clock-open":
             return []  # finished() at once: never solved
         return SOLUTIONS[tid]  # call_user(): the right answer to an infeasible task
     args = small_args(select_tasks=2)
-    kept = T.select_and_record(pool, tasks, scripted(plans), args, str(tmp_path))
+    kept = arpo_eval.select_and_record(pool, tasks, scripted(plans), args, str(tmp_path))
     assert [t.id for t in kept] == ["calc-open", "infeasible-email"]
     with open(tmp_path / "selected_tasks.json") as f:
         sel = json.load(f)
@@ -407,7 +432,7 @@ def test_a_timeout_passes_an_infeasible_task_and_fails_a_feasible_one_under_stan
     plans = {"infeasible-browser": [{"type": "wait"}] * 5, "infeasible-email": [{"type": "fail"}],
              "calc-open": SOLUTIONS["calc-open"] + [{"type": "wait"}] * 5}
     steps = len(SOLUTIONS["calc-open"]) + 1
-    res = T.evaluate_policy(pool, tasks, scripted(lambda tid, n: plans[tid]), small_args(max_steps=steps),
+    res = arpo_eval.evaluate_policy(pool, tasks, scripted(lambda tid, n: plans[tid]), small_args(max_steps=steps),
                             save_to=str(tmp_path / "eval"))
     assert res["standard"]["per_task"] == {"infeasible-browser": 1.0, "infeasible-email": 1.0, "calc-open": 0.0}
     assert res["hard"]["per_task"] == {"infeasible-browser": 0.0, "infeasible-email": 1.0, "calc-open": 1.0}
@@ -415,7 +440,7 @@ def test_a_timeout_passes_an_infeasible_task_and_fails_a_feasible_one_under_stan
     ends = {d["task"]: (d["end"], d["steps"]) for d in res["details"]}
     assert ends == {"infeasible-browser": ("max_steps", steps), "infeasible-email": ("fail", 1),
                     "calc-open": ("max_steps", steps)}
-    assert "overall" in T.eval_table(res) and json.dumps(res)
+    assert "overall" in arpo_eval.eval_table(res) and json.dumps(res)
     # What each episode did: its actions, whether each answer parsed, the answers themselves
     acts = {d["task"]: [a["type"] for a in d["actions"]] for d in res["details"]}
     assert acts == {"infeasible-browser": ["wait"] * steps, "infeasible-email": ["fail"],
@@ -428,6 +453,31 @@ def test_a_timeout_passes_an_infeasible_task_and_fails_a_feasible_one_under_stan
     assert sorted(trajs) == [0, 1, 2] and [len(t[0]["steps"]) for t in trajs.values()] == [steps, 1, steps]
     assert trajs[1][0]["steps"][0]["action"]["type"] == "fail" and trajs[1][0]["final"]["score"] == 1.0
     assert os.path.exists(view.build_report(str(tmp_path / "eval")))
+
+
+def test_a_lone_desktop_plays_its_group_in_turns_and_learns(tiny, tmp_path):
+    """One desktop in service, groups of 2: the one task's two rollouts are played one after the
+    other on it (a group of one would have advantage 0 and train nothing). Job 0 solves the task,
+    job 1 says finished() at once: rewards 1 and 0 -> advantages +-0.7071, both trained on, and both
+    episodes saved, numbered by job (trajectories/it000001/vm00 and vm01, each played on VM 0)."""
+    task = TASKS["calc-open"]
+    args = small_args(vms="1", max_steps=len(SOLUTIONS["calc-open"]) + 1)
+    lone = VMPool(1, timeout=30)
+    try:
+        opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
+        tr = T.Trainer(args, lone, tiny, opt, None, scripted(lambda tid, job: SOLUTIONS[tid] if job == 0 else []),
+                       str(tmp_path), [task])
+        m, eps = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    finally:
+        lone.close()
+    assert [(e.vm, e.job, e.score) for e in eps] == [(0, 0, 1.0), (0, 1, 0.0)]
+    assert m["groups"][0]["scores"] == [1.0, 0.0] and m["flat_groups"] == 0
+    assert [b["advantage"] for b in m["batch"]] == pytest.approx([0.70711, -0.70711], abs=1e-4)
+    assert m["actor/grad_norm"] > 0
+    E.save_episodes(str(tmp_path), 1, eps)
+    finals = [json.loads(open(tmp_path / "trajectories" / "it000001" / f"vm{k:02d}.jsonl").read().splitlines()[-1])
+              for k in (0, 1)]
+    assert [(f["vm"], f["score"]) for f in finals] == [(0, 1.0), (0, 0.0)]
 
 
 def test_a_dead_vm_drops_out_of_its_group_and_the_run_goes_on(pool, tiny):
@@ -451,6 +501,29 @@ def test_a_dead_vm_drops_out_of_its_group_and_the_run_goes_on(pool, tiny):
     # The next iteration's reset restarts the dead desktop: both VMs play again.
     m, eps = T.run_iteration(tr, 1, lambda n: [task.id] * n)
     assert (m["episodes"], m["dropped"]) == (2, 0) and all(e.score == 1.0 for e in eps)
+
+
+def test_a_desktop_whose_x_server_dies_is_the_environments_failure(pool, tiny):
+    """The desktop's server lives on and answers 503 to everything: the episode is dropped as the
+    environment's failure (env_failures), never charged to the model as a format failure."""
+    task = TASKS["calc-open"]
+    solve, killed = scripted(lambda tid, n: SOLUTIONS[tid]), []
+
+    def fn(observations):  # VM 1's X server dies while its first answer is being generated
+        if not killed and any(o.vm == 1 and o.step == 0 for o in observations):
+            killed.append(kill_x_server(pool.local[1].proc.pid))
+        return solve(observations)
+    args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1)
+    opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
+    tr = T.Trainer(args, pool, tiny, opt, None, fn, None, [task])
+    m, eps = T.run_iteration(tr, 0, lambda n: [task.id] * n)
+    assert killed and eps[1].end == "dropped" and "503" in eps[1].error and eps[1].format_ok == [True]
+    assert eps[0].end == "done" and eps[0].score == 1.0
+    assert (m["episodes"], m["dropped"], m["env_failures"]) == (1, 1, 1) and "503" in m["env_errors"]["1"]
+    assert m["format_rate"] == 1.0 and [b["vm"] for b in m["batch"]] == [0]
+    # The next iteration restarts it (its health check fails) in its own thread: both play again.
+    m, eps = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    assert (m["episodes"], m["env_failures"]) == (2, 0) and all(e.score == 1.0 for e in eps)
 
 
 # ------------------------------------------------------------------------------------------------

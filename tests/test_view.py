@@ -176,7 +176,7 @@ def test_explore_report_renders_every_step_image_action_and_curve(explore_run, t
     assert any(a != "none" for a in s["acts"]), "the fine-tuned tiny model should have acted at least once"
     c = curves(dom)
     for key in ("reward/total", "reward/format", "reward/image_immediate", "wm/loss", "actor/kl",
-                "actor/clip_low", "actor/clip_high", "time/iteration"):
+                "actor/clip_low", "actor/clip_high", "time/iteration", "time/vm_wait", "vm_wait_share"):
         assert c.get(key) == 2, (key, c.get(key))  # one point per logged iteration
 
     # Default view: the last iteration only; the hash picks an iteration and a desktop.
@@ -296,6 +296,26 @@ def test_chart_and_series_by_hand():
     assert 'd="M46.0,85.0 L332.0,85.0"' in view.chart_svg("t", {"a": [(0, 5.0), (10, 5.0)]})
     m = [{"iteration": 3, "a": 1, "b": None, "c": [1], "d": {"e": 2}, "f": "x", "g": float("nan"), "h": True}]
     assert view.numeric_series(m) == {"a": [(3, 1.0)], "d/e": [(3, 2.0)]}
+
+
+def test_reward_charts_follow_what_the_run_logged_and_old_keys_are_read(tmp_path):
+    # The "reward components" chart holds every reward/<term> of the metrics, in the order logged
+    # (a term added to rewards.TERMS shows up with no edit here); total and format have their own.
+    m = [{"iteration": 0, "reward/total": 1.0, "reward/format": 1.0, "reward/image_immediate": 0.5,
+          "reward/windows": 2.0, "wm/loss": 0.1}]
+    heads = dict(view.headline("explore", view.numeric_series(m)))
+    assert heads["reward components"] == ["reward/image_immediate", "reward/windows"]
+    assert heads["total reward"] == ["reward/total"] and heads["format reward"] == ["reward/format"]
+    html = view.charts_html("explore", m)
+    assert 'data-key="reward/windows"' in html and "every other metric (0)" in html
+    # an ARPO run written before the groups with no learning signal were called flat_groups
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "args.json").write_text(json.dumps({"group_size": 2}))
+    (run / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "zero_std_groups": 1, "success_rate": 0.5}) + "\n")
+    loaded = view.load_run(str(run))
+    assert loaded["metrics"][0]["flat_groups"] == 1 and "zero_std_groups" not in loaded["metrics"][0]
+    assert 'data-key="flat_groups"' in view.charts_html("arpo", loaded["metrics"])
 
 
 def test_cli_one_sentence_errors(tmp_path):

@@ -7,6 +7,7 @@ Run: python -m pytest -q tests/test_vm_server.py   (~1 min; needs the packages o
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import shutil
@@ -20,7 +21,7 @@ import requests
 from PIL import Image, ImageChops
 
 from conftest import SERVER, proc_alive, proc_descendants, start_vm_server, vm_call
-from conftest import mouse, wait_for
+from conftest import mouse, netns_of, wait_for, x11 as on_display
 
 sys.path.insert(0, os.path.dirname(SERVER))
 import vm_server  # noqa: E402
@@ -44,8 +45,7 @@ def reset(vm):
 
 
 def x11(vm, *argv) -> str:
-    env = {**os.environ, "DISPLAY": vm.display}
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=10).stdout
+    return on_display(vm, *argv).stdout
 
 
 def windows(vm) -> list[str]:
@@ -266,6 +266,70 @@ def test_reset_restores_files_windows_and_mouse(vm):
     assert not is_bg(shot(vm), (66, 38, 82, 54))  # the icons are back
 
 
+def home_snapshot(path: str) -> dict:
+    """Every entry below `path` -> (mode, size, mtime in ns, sha256 of a file / target of a link)."""
+    out = {}
+    for d, dirs, files in os.walk(path):
+        for name in dirs + files:
+            p = os.path.join(d, name)
+            st = os.lstat(p)
+            what = os.readlink(p) if os.path.islink(p) else (
+                hashlib.sha256(open(p, "rb").read()).hexdigest() if os.path.isfile(p) else "")
+            out[os.path.relpath(p, path)] = (st.st_mode, st.st_size if not os.path.isdir(p) else 0,
+                                             st.st_mtime_ns, what)
+    return out
+
+
+def without_clock(img: Image.Image) -> Image.Image:
+    """The screen with tint2's clock and date blanked: a minute may turn between two screenshots."""
+    img = img.copy()
+    img.paste((0, 0, 0), (img.width - 160, img.height - 34, img.width, img.height))
+    return img
+
+
+def test_reset_is_a_fresh_desktop():
+    """After an episode that opened apps, moved and selected icons, switched the workspace, set a
+    root window property (X resources), and wrote, deleted, chmod-ed, linked and back-dated files,
+    /reset gives the desktop of a fresh server: the same pixels (the clock aside), HOME equal to
+    the template byte for byte (modes and mtimes too), the root window's properties gone."""
+    vm = start_vm_server()
+    try:
+        template = os.path.join(os.path.dirname(vm.home), "template")
+        fresh, fresh_home = shot(vm), home_snapshot(vm.home)
+        assert fresh_home == home_snapshot(template)
+        term, clock, xcalc = ICONS["Terminal"], ICONS["Clock"], ICONS["XCalc"]
+        act(vm, type="double_click", x=term[0], y=term[1])
+        wait_for(lambda: any("xterm" in w for w in windows(vm)), "the terminal")
+        vm_call(vm, "POST", "/action?settle=watch", {"type": "type", "text": (
+            "cd; echo x > new.txt; mkdir -p d/e; rm Documents/todo.txt; chmod 000 Pictures; chmod 600 notes.txt; "
+            "touch -d 2001-01-01 Documents/report.txt; ln -s /etc etc; ln notes.txt hard.txt; "
+            "printf more >> Documents/budget.csv; "
+            "xprop -root -f RESOURCE_MANAGER 8s -set RESOURCE_MANAGER 'XTerm*background: red'\n")})
+        wait_for(lambda: "red" in x11(vm, "xprop", "-root", "RESOURCE_MANAGER"), "the command line to run")
+        assert os.stat(os.path.join(vm.home, "Documents/report.txt")).st_mtime < 1e9
+        assert os.path.islink(os.path.join(vm.home, "etc")) and os.stat(os.path.join(vm.home, "notes.txt")).st_nlink == 2
+        act(vm, type="double_click", x=ICONS["Text Editor"][0], y=ICONS["Text Editor"][1])
+        wait_for(lambda: any("Mousepad" in w for w in windows(vm)), "the editor")
+        act(vm, type="type", text="unsaved words")
+        act(vm, type="drag", x=clock[0], y=clock[1], x2=700, y2=400)  # an icon moved (and saved in HOME)
+        act(vm, type="click", x=xcalc[0], y=xcalc[1])                  # an icon selected
+        act(vm, type="key", keys=["ctrl", "alt", "right"])             # openbox: the next workspace
+        assert x11(vm, "xprop", "-root", "_NET_CURRENT_DESKTOP").strip().endswith("= 1")
+        assert changed(fresh, shot(vm)) > 0.001
+        os.chmod(vm.home, 0)  # and HOME locked (chmod 000 ~)
+        for _ in range(2):  # a reset, and a reset of a reset desktop
+            r = vm_call(vm, "POST", "/reset")
+            assert r.status_code == 200 and set(r.json()["seconds"]) == {"kill", "home", "root", "session", "mouse"}
+            after = shot(vm)
+            assert ImageChops.difference(without_clock(fresh), without_clock(after)).getbbox() is None
+            assert home_snapshot(vm.home) == fresh_home
+            assert "RESOURCE_MANAGER:  not found" in x11(vm, "xprop", "-root", "RESOURCE_MANAGER")
+            assert x11(vm, "xprop", "-root", "_NET_CURRENT_DESKTOP").strip().endswith("= 0")
+            assert windows(vm) == [] and mouse(vm) == (640, 360)
+    finally:
+        vm.stop()
+
+
 def test_setup_steps(vm):
     steps = [{"type": "write_file", "path": "~/a/b/ü.txt", "content": "grüße\n"},
              {"type": "open", "path": "Documents/todo.txt"}, {"type": "open", "path": "Documents"},
@@ -452,7 +516,8 @@ def test_non_loopback_without_token_is_refused():
 def test_parallel_desktops_are_isolated_and_stop_cleanly(vm):
     other = start_vm_server()
     try:
-        assert other.display != vm.display and other.home != vm.home
+        # A display of its own: both may be :0, each in the network namespace of its sandbox.
+        assert other.home != vm.home and os.readlink(netns_of(other)) != os.readlink(netns_of(vm))
         # Single-instance apps (pcmanfm, mousepad) must open on the desktop that asked.
         vm_call(vm, "POST", "/setup", {"steps": [{"type": "open", "path": "notes.txt"}, {"type": "open", "path": "Pictures"}]})
         wait_for(lambda: {"notes.txt - Mousepad", "Pictures"} <= set(windows(vm)), "the first desktop's windows")
@@ -482,8 +547,8 @@ def test_parallel_desktops_are_isolated_and_stop_cleanly(vm):
 def test_inside_your_own_vm_mode(vm, tmp_path):
     """Without --xvfb the server drives the existing DISPLAY and the real HOME, and /reset closes
     only what it launched (here the shared test desktop plays the VM's display)."""
-    env = {**os.environ, "DISPLAY": vm.display, "HOME": str(tmp_path)}
-    own = start_vm_server(xvfb=False, env=env, timeout=30)
+    env = {**os.environ, "HOME": str(tmp_path)}
+    own = start_vm_server(xvfb=False, env=env, timeout=30, display_of=vm)
     try:
         assert vm_call(own, "GET", "/health").json()["screen"] == [1280, 720]
         assert own.home == str(tmp_path)

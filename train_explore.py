@@ -144,8 +144,10 @@ class Args:
     max_grad_norm: float = arg(1.0, "gradient clipping of the actor")
     update_actor_delay: int = arg(5, "iterations of world-model warm-up before the actor is updated")
     # rewards + world model
-    rewards: str = arg("all", "reward terms (rewards.TERMS), e.g. all | all,no_world_model | none,image,immediate | "
-                              "all,windows (all = the paper's terms)")
+    rewards: str = arg("all", "reward terms (rewards.TERMS), e.g. all | all,no_world_model | none,image,immediate "
+                              "(all = the paper's terms); the switches: " + ", ".join(R.SWITCHES) + "; off by "
+                              "default, joined by name (all,<switch>): " + ", ".join(
+                                  n for n, t in R.TERMS.items() if not t.default))
     wm_epochs: int = arg(3, "world-model epochs per iteration (paper: 3)")
     wm_lr: float = arg(1e-3, "world-model learning rate")
     wm_batch_size: int = arg(16, "world-model batch size")

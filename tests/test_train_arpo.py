@@ -610,3 +610,15 @@ def test_smoke_train_resume_eval(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "not a train_explore.py run" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and open(os.path.join(run, "args.json")).read() == saved
+
+
+def test_the_console_says_kl_n_a_when_no_kl_is_computed():
+    """--beta 0 computes no KL: `kl n/a`, not a measured-looking 0.0000; with a beta, the number."""
+    m = {"iteration": 3, "tasks": ["calc-open"], "reward_mean": 0.5, "reward_std": 0.5, "success_rate": 0.5,
+         "format_rate": 1.0, "n_injections": 0, "replay_injections": [], "replay_size": 0, "flat_groups": 0,
+         "groups": [0], "actor/kl": 0.0123, "actor/clip_low": 0.0, "actor/clip_high": 0.0, "actor/clip_dual": 0.0,
+         "actor/steps": 2, "time/iteration": 1.0, "time/generation": 0.2, "rollout/batches": 3, "time/update": 0.1,
+         "vm_wait_share": 0.3, "time/reset": 0.3, "time/env": 0.4, "time/evaluate": 0.0, "env_failures": 0}
+    assert "| kl n/a clip" in T.summary_line(m, beta=0.0)
+    assert "| kl 0.0123 clip" in T.summary_line(m, beta=0.04)
+    assert "env failures" not in T.summary_line(m) and "env failures 2" in T.summary_line({**m, "env_failures": 2})

@@ -107,7 +107,8 @@ PROG = "train_explore.py"
 class Args:
     vms: str = arg("8", "N local Xvfb desktops, or comma-separated vm_server.py URLs")
     token: str = arg("", "secret each remote VM's token is derived from (or VM_TOKEN); local desktops make their own")
-    model: str = arg("Qwen/Qwen2.5-VL-3B-Instruct", "HF id, a local checkpoint folder, 'tiny-explore' (tiny, answer format taught; CPU) or 'tiny' (random)")
+    model: str = arg("Qwen/Qwen2.5-VL-3B-Instruct", "HF id, a local checkpoint folder, 'tiny-explore' "
+                     "(tiny, answer format taught; CPU) or 'tiny' (random weights)")
     engine: str = arg("hf", "generation engine: hf (transformers generate) or vllm (GPU)")
     device: str = arg("", "torch device; empty = cuda if available else cpu")
     lora_rank: int = arg(64, "LoRA rank (paper: 64); 0 = full fine-tuning")

@@ -11,11 +11,12 @@ What is here, top to bottom:
          click/left_double/right_single/drag/hotkey/type/scroll/wait/finished/call_user.
   3. `cursor_after`: where the pointer is after an action (the start of the next DragTo).
 
-Coordinates. Qwen2.5-VL sees the screenshot resized by `smart_resize` (both sides multiples of 28,
-the pixel count capped), and answers in the pixels of THAT image. `to_screen` maps them back:
-x_screen = x * screen_w / image_w (same for y), rounded half up and clamped into the screen.
-`rel1000=True` instead reads 0..1000 relative coordinates (UI-TARS-1.0 style). A box (four
-numbers) stands for its centre.
+Coordinates. A Qwen-VL model sees the screenshot resized by `smart_resize` (both sides multiples
+of `factor`: 28 for Qwen2/2.5-VL, the default, 32 for Qwen3-VL, which the model side passes as
+`policy.resize_factor`; the pixel count capped), and answers in the pixels of THAT image.
+`to_screen` maps them back: x_screen = x * screen_w / image_w (same for y), rounded half up and
+clamped into the screen. `rel1000=True` instead reads 0..1000 relative coordinates (UI-TARS-1.0
+style). A box (four numbers) stands for its centre.
 
 Anything unparseable -- garbage, truncated, huge, an unknown action -- is None: a format failure
 for the reward, never an exception. vm_server.py checks POST /action against the same table and
@@ -144,8 +145,9 @@ MAX_INPUT_CHARS = 16_000  # longer model outputs are runaway generations: a form
 
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = MIN_PIXELS,
                  max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
-    """The (height, width) Qwen2.5-VL resizes an image to: both sides multiples of `factor` (28 =
-    14-pixel patches merged 2x2), total pixels within [min_pixels, max_pixels], aspect ratio kept
+    """The (height, width) a Qwen-VL model resizes an image to: both sides multiples of `factor`
+    (28 = 14-pixel patches merged 2x2, Qwen2/2.5-VL; 32 = 16-pixel patches, Qwen3-VL: pass
+    model.Policy.resize_factor), total pixels within [min_pixels, max_pixels], aspect ratio kept
     as far as rounding allows. The model's coordinates live in this resized image."""
     if height < 1 or width < 1 or max(height, width) / min(height, width) > 200:
         raise ValueError(f"cannot resize a {width}x{height} image (aspect ratio must stay below 200).")

@@ -1,16 +1,18 @@
-"""chat.py: what the policy is shown. Qwen's special tokens and chat format, the two prompts, and
-chat messages -> token ids, target mask, pixels.
+"""chat.py: what the policy is shown. The two prompts, and chat messages -> token ids, target
+mask, pixels.
 
     from model import load_policy; from chat import explore_messages, encode_chat
     enc = encode_chat(policy, explore_messages(screenshot))   # .input_ids, .target_mask, .pixel_values
     python -m pytest -q tests/test_model.py                   # exact masks, chat template, image tokens
 
-The bottom of the learner side: this file imports nothing of ours. model.py loads, saves and
-samples from the policy and imports the constants and encoding from here. A `policy` argument
-below is a model.Policy, used through three attributes only: .tokenizer, .image_processor and
-.pixels (the cache of processed screenshots). We do the Qwen2.5-VL processor's job ourselves:
-Qwen2VLImageProcessorPil for the pixels and our own <|image_pad|> expansion, because the processor
-class needs torchvision, which cannot load beside CPU torch.
+The bottom of the learner side, on top of qwen_vl.py only: the model family's special tokens, turn
+markers, image placeholder and default system turn come from there, so this file holds what does not
+change with the family (the prompts, the target mask, the screenshot cache). model.py loads, saves
+and samples from the policy and imports the encoding from here. A `policy` argument below is a
+model.Policy, used through four attributes only: .tokenizer, .image_processor, .family (its
+qwen_vl.FAMILIES row) and .pixels (the cache of processed screenshots). We do the Qwen-VL
+processor's job ourselves: the image processor for the pixels and our own <|image_pad|> expansion,
+because the processor class needs torchvision, which cannot load beside CPU torch.
 
 Screenshots are processed once: a policy keeps the processed pixels of every image object that is
 still alive (Policy.pixels; an entry goes when its image is garbage-collected). ARPO re-sends each
@@ -36,31 +38,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-# --------------------------------------------------------------------------------------------
-# Constants: Qwen's special tokens and chat format
-
-# The special tokens of Qwen2/2.5-VL, in their vocabulary order (151643 ... 151656 in the real one).
-SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-]
-# Tokens a policy must never sample: they mean "an image goes here" to the model's forward pass.
-VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
-DEFAULT_SYSTEM = "You are a helpful assistant."
-
-# Qwen's ChatML template (what the real checkpoints ship, written out for the tiny tokenizer).
-# encode_chat builds the same token sequence piece by piece so it can mark the assistant tokens;
-# a test checks that the two agree.
-CHAT_TEMPLATE = (
-    "{%- for m in messages -%}{%- if loop.first and m['role'] != 'system' -%}"
-    "{{ '<|im_start|>system\\n" + DEFAULT_SYSTEM + "<|im_end|>\\n' }}{%- endif -%}"
-    "{{ '<|im_start|>' + m['role'] + '\\n' }}{%- if m['content'] is string -%}{{ m['content'] }}"
-    "{%- else -%}{%- for p in m['content'] -%}{%- if p['type'] == 'image' -%}"
-    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{%- elif p['type'] == 'text' -%}{{ p['text'] }}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}{{ '<|im_end|>\\n' }}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
-)
+from qwen_vl import IMAGE_END, IMAGE_PAD, IMAGE_START, TURN_END, TURN_START, VISION_TOKENS, expand_image_tokens
 
 
 def special_id(tokenizer, token: str) -> int:
@@ -68,12 +46,11 @@ def special_id(tokenizer, token: str) -> int:
     return tokenizer.convert_tokens_to_ids(token)
 
 
-
 @dataclass
 class Encoded:
     input_ids: list[int]
     target_mask: list[int]                # 1 on assistant tokens (content + <|im_end|>), else 0
-    pixel_values: torch.Tensor | None     # (N_patches, 3 * 2 * 14 * 14) for all images, in order
+    pixel_values: torch.Tensor | None     # (N_patches, 3 * 2 * patch**2) for all images, in order
     image_grid_thw: torch.Tensor | None   # (N_img, 3): patches along time, height, width
     image_sizes: list[tuple[int, int]]    # (w, h) of each image as the model saw it (resized)
 
@@ -151,29 +128,6 @@ def uitars_messages(instruction: str, screenshots: list, thoughts_actions: list,
 # Encoding: messages -> ids, target mask, pixels
 
 
-def expand_image_tokens(ids: list[int], mask: list[int], grid_thw: torch.Tensor, pad_id: int,
-                        merge_size: int) -> tuple[list[int], list[int]]:
-    """Replace the i-th single <|image_pad|> by one pad per visual token of image i.
-
-    The vision tower cuts the resized image into grid_t * grid_h * grid_w patches of 14x14 px and
-    its merger fuses each merge_size x merge_size block into one token for the language model, so
-    the language model reserves grid_t * grid_h * grid_w // merge_size**2 positions per image.
-    """
-    out_ids, out_mask, image = [], [], 0
-    for tok, m in zip(ids, mask):
-        if tok == pad_id:
-            t, h, w = grid_thw[image].tolist()
-            n = t * h * w // merge_size**2
-            out_ids += [pad_id] * n
-            out_mask += [0] * n  # image tokens are never targets
-            image += 1
-        else:
-            out_ids.append(tok)
-            out_mask.append(m)
-    assert image == len(grid_thw), "one <|image_pad|> per image"
-    return out_ids, out_mask
-
-
 def _text_ids(policy, text: str) -> list[int]:
     ids = policy.tokenizer(text, add_special_tokens=False).input_ids
     # A vision token written as text ("<|image_pad|>" in a thought) would desynchronise images
@@ -184,7 +138,7 @@ def _text_ids(policy, text: str) -> list[int]:
 
 def encode_chat(policy, messages: list[dict], add_generation_prompt: bool = True,
                 processed: tuple | None = None) -> Encoded:
-    """Token ids of a chat in Qwen's ChatML format, with images processed and expanded.
+    """Token ids of a chat in the family's ChatML format, with images processed and expanded.
 
     target_mask is 1 on each assistant turn's content tokens and its <|im_end|>: exactly what the
     model would have sampled. Assistant content may be a list of token ids (the sampled ones),
@@ -193,16 +147,17 @@ def encode_chat(policy, messages: list[dict], add_generation_prompt: bool = True
     _process_images returned for this chat's images, if the caller already ran it (encode_chats).
     """
     tok = policy.tokenizer
-    im_start, im_end = special_id(tok, "<|im_start|>"), special_id(tok, "<|im_end|>")
-    pad = special_id(tok, "<|image_pad|>")
+    im_start, im_end = special_id(tok, TURN_START), special_id(tok, TURN_END)
+    pad = special_id(tok, IMAGE_PAD)
     ids, mask, images = [], [], []
 
     def add(tokens, target=0):
         ids.extend(tokens)
         mask.extend([target] * len(tokens))
 
-    if not messages or messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": DEFAULT_SYSTEM}] + list(messages)
+    system = policy.family.default_system  # the template's own system turn (Qwen3-VL has none)
+    if system and (not messages or messages[0]["role"] != "system"):
+        messages = [{"role": "system", "content": system}] + list(messages)
     for msg in messages:
         target = 1 if msg["role"] == "assistant" else 0
         add([im_start] + _text_ids(policy, msg["role"] + "\n"))  # the turn header is never a target
@@ -217,7 +172,7 @@ def encode_chat(policy, messages: list[dict], add_generation_prompt: bool = True
         for part in parts:
             if part["type"] == "image":
                 images.append(part["image"])
-                add([special_id(tok, "<|vision_start|>"), pad, special_id(tok, "<|vision_end|>")])
+                add([special_id(tok, IMAGE_START), pad, special_id(tok, IMAGE_END)])
             elif part["type"] == "text":
                 add(_text_ids(policy, part["text"]), target)
         add([im_end], target)
@@ -238,18 +193,19 @@ def encode_chat(policy, messages: list[dict], add_generation_prompt: bool = True
 
 def _process_images(policy, images: list) -> tuple:
     """Resize under the pixel caps, normalise, cut into patches: (pixel_values, image_grid_thw),
-    (N_patches, 1176) and (N_img, 3). An image object processed before comes from Policy.pixels."""
+    (N_patches, D) and (N_img, 3), D = 3 * 2 * patch**2 (1176 for 14-pixel patches, 1536 for 16).
+    An image object processed before comes from Policy.pixels."""
     done = []
     for im in images:
         hit = policy.pixels.get(id(im))  # plain dict get/set/pop: atomic, safe from encode_chats' threads
         if hit is None or hit[0]() is not im:
             out = policy.image_processor(images=[im.convert("RGB")], return_tensors="pt")
-            hit = (weakref.ref(im), out["pixel_values"], out["image_grid_thw"])  # (n, 1176), (1, 3)
+            hit = (weakref.ref(im), out["pixel_values"], out["image_grid_thw"])  # (n, D), (1, 3)
             policy.pixels[id(im)] = hit
             # The entry goes with the image (before its id can be reused by another object).
             weakref.finalize(im, policy.pixels.pop, id(im), None)
         done.append(hit)
-    return torch.cat([h[1] for h in done]), torch.cat([h[2] for h in done])  # (N_patches, 1176), (N_img, 3)
+    return torch.cat([h[1] for h in done]), torch.cat([h[2] for h in done])  # (N_patches, D), (N_img, 3)
 
 
 def image_parts(messages: list[dict]) -> list[dict]:
@@ -276,5 +232,5 @@ def encode_chats(policy, batch_messages: list[list[dict]]) -> list[Encoded]:
         with ThreadPoolExecutor(min(len(unique), os.cpu_count() or 1)) as pool:
             done = dict(zip(map(id, unique), pool.map(lambda im: _process_images(policy, [im]), unique)))
     processed = [(torch.cat([done[id(im)][0] for im in ims]), torch.cat([done[id(im)][1] for im in ims]))
-                 if ims else None for ims in chats]  # per chat: (N_patches, 1176), (N_img, 3)
+                 if ims else None for ims in chats]  # per chat: (N_patches, D), (N_img, 3)
     return [encode_chat(policy, m, processed=p) for m, p in zip(batch_messages, processed)]

@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 import dist
+import qwen_vl  # the image tensors and forward inputs of the model family
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,14 +223,11 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
                 raise ValueError(f"sample {b} has {int(on.sum())} target tokens but {len(s.old_logps)} old log-probs; "
                                  "pass one log-prob per completion token (Generation.logprobs).")
             old_logps[b, on] = torch.tensor(s.old_logps, dtype=torch.float32)  # (n_target,) into (T,)
-    pix = [s.pixel_values for s in samples if s.pixel_values is not None]
-    thw = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "completion_mask": completion_mask,
-        "pixel_values": torch.cat(pix) if pix else None,  # (sum N_patches, D)
-        "image_grid_thw": torch.cat(thw) if thw else None,  # (N_img, 3)
+        **qwen_vl.image_inputs(samples),  # pixel_values (sum N_patches, D), image_grid_thw (N_img, 3)
         "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),  # (B,)
         "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),  # (B,)
         "weights": torch.tensor([s.weight for s in samples], dtype=torch.float32),  # (B,)
@@ -256,19 +254,14 @@ def per_token_logps(model, batch: dict, temperature: float | None = None) -> tor
     GPU image has, cannot, so we do it by hand and work on both.) Works through peft's LoRA wrapper:
     its adapters sit inside the body's Linear layers.
     """
-    ids = batch["input_ids"]  # (B, T)
     dev = next(model.parameters()).device
     target = batch["completion_mask"].bool().to(dev)  # (B, T)
     target[:, 0] = False  # the first token has no context to be predicted from
     keep = torch.zeros_like(target)  # (B, T)
     keep[:, :-1] = target[:, 1:]  # position t - 1 predicts token t
-    kwargs = dict(input_ids=ids.to(dev), attention_mask=batch["attention_mask"].to(dev), use_cache=False)
-    if batch.get("pixel_values") is not None:
-        kwargs["pixel_values"] = batch["pixel_values"].to(dev, getattr(model, "dtype", None))  # (sum N_patches, D)
-        kwargs["image_grid_thw"] = batch["image_grid_thw"].to(dev)  # (N_img, 3)
-        # Qwen2.5-VL only builds its 3-D (time, height, width) rotary positions for image tokens when
-        # told which tokens are image tokens; without this it silently falls back to 1-D positions.
-        kwargs["mm_token_type_ids"] = (kwargs["input_ids"] == model.config.image_token_id).int()  # (B, T)
+    # ids, mask, the images and the token types that give image tokens their 3-D (time, height,
+    # width) rotary positions (without them Qwen2/2.5-VL silently fall back to 1-D positions)
+    kwargs = dict(qwen_vl.forward_inputs(model, batch, dev), use_cache=False)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # unwrap peft
     if dist.is_sharded(base):
         # FSDP2 gathers the root's weights (embeddings, lm_head) only in the root's own forward, and

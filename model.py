@@ -1,25 +1,34 @@
-"""The policy: a Qwen2.5-VL that looks at screenshots and writes actions.
+"""The policy: a Qwen-VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) that reads screenshots and acts.
 
     from chat import explore_messages; from model import load_policy, generate
     policy = load_policy("tiny")                      # random weights, CPU, no download
+    policy = load_policy("tiny-explore")              # the same, taught the answer format (built once, cached)
     policy = load_policy("Qwen/Qwen2.5-VL-3B-Instruct", lora_rank=64)   # a real checkpoint (GPU)
     gens = generate(policy, [explore_messages(img)] * 8, max_new_tokens=128)
 
-Tests: `python -m pytest -q tests/test_model.py`. Benchmarks: `python bench/generate.py` (one
-batched generate vs N sequential calls), `python bench/logprobs.py` (per_token_logps vs the full
-log_softmax), `python bench/gpu_update.py` (one GRPO update of a random Qwen2.5-VL-3B on a GPU;
-`--dry-run` tests it on CPU).
+Tests: `python -m pytest -q tests/test_model.py tests/test_families.py tests/test_warm_start.py`.
+Benchmarks: `python bench/generate.py` (one batched generate vs N sequential calls),
+`python bench/logprobs.py` (per_token_logps vs the full log_softmax), `python bench/gpu_update.py`
+(one GRPO update of a random Qwen2.5-VL-3B on a GPU; `--dry-run` tests it on CPU).
 
-Top to bottom: load_policy/save_policy (transformers + peft LoRA, or "tiny": a random-weight
-Qwen2.5-VL of the REAL class from a small config, with a byte-level BPE tokenizer trained in
-milliseconds on an embedded corpus; every test and CPU run uses it); generate (one batched,
-left-padded HF generate for N prompts, with sampling log-probs) and sync_weights (push new
-weights to a generation engine). Where the other names live: Qwen's special tokens, the chat
-template, the prompts and encode_chat (messages -> ids, target mask, pixels) in chat.py, which
-this file builds on; the image size caps in actions.py (smart_resize uses the same ones); the vLLM
-engine (VLLMEngine) in vllm_engine.py, which builds on this file and is imported only when an
-engine is built (GPU only, untested on this CPU machine); the vision tower's batched window
-attention in vision_windows.py.
+Top to bottom: load_policy/save_policy (transformers' AutoModelForImageTextToText + peft LoRA);
+generate (one batched, left-padded HF generate for N prompts, with sampling log-probs) and
+sync_weights (push new weights to a generation engine). Model names besides checkpoints:
+  tiny, tiny-qwen2-vl, tiny-qwen3-vl   random weights of the REAL class from a small config
+                  (qwen_vl.tiny_config), with a byte-level BPE tokenizer trained in milliseconds on
+                  an embedded corpus; every test and CPU run uses one
+  tiny-uitars, tiny-explore   the tiny Qwen2.5-VL after a short supervised warm start on the
+                  UI-TARS / ScreenExplorer answer FORMAT (uniform coordinates, no task knowledge),
+                  built on first use (a minute or two on a CPU) and cached on disk (warm_start.py)
+What is specific to the Qwen-VL family (tokens, chat format, 3D rope, LoRA targets, resize factor,
+which vision attention to batch) is in qwen_vl.py, keyed by config.json's model_type: a checkpoint
+of a family it knows loads through the auto class, any other is refused in one sentence, and so is
+a folder whose weights do not all load (transformers would start the missing ones at random and
+only say so in its load report). Where the other names live: the prompts and encode_chat (messages
+-> ids, target mask, pixels) in chat.py, which this file builds on; the image size caps in
+actions.py (smart_resize uses the same ones); the vLLM engine (VLLMEngine) in vllm_engine.py,
+which builds on this file and is imported only when an engine is built (GPU only); the vision
+tower's batched window attention in vision_windows.py.
 
 Where we depart from the papers (the prompts' departures are in chat.py):
   - Sampling never emits the vision placeholder tokens (`<|image_pad|>` & co.): a random model
@@ -29,7 +38,6 @@ Where we depart from the papers (the prompts' departures are in chat.py):
 """
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +45,11 @@ from typing import Any
 import torch
 
 import dist
+import qwen_vl  # what is specific to the model family
 import vision_windows  # the vision tower's batched window attention
+import warm_start  # the tiny-uitars / tiny-explore recipes and their cache
 from actions import MAX_PIXELS, MIN_PIXELS  # the image size caps
-from chat import (CHAT_TEMPLATE, DEFAULT_SYSTEM, EXPLORE_PROMPT, SPECIAL_TOKENS, UITARS_PROMPT, VISION_TOKENS,
-                  Encoded, encode_chats, special_id)
+from chat import EXPLORE_PROMPT, UITARS_PROMPT, Encoded, encode_chats, special_id
 
 
 class ModelNotFound(SystemExit):
@@ -49,13 +58,14 @@ class ModelNotFound(SystemExit):
 
 @dataclass
 class Policy:
-    model: Any                  # Qwen2_5_VLForConditionalGeneration, or a peft PeftModel around it
+    model: Any                  # e.g. Qwen2_5_VLForConditionalGeneration, or a peft PeftModel around it
     tokenizer: Any              # a fast tokenizer with Qwen's special tokens and chat template
     image_processor: Any        # Qwen2VLImageProcessorPil (PIL + numpy, no torchvision)
     device: torch.device
     dtype: torch.dtype
     name: str
     lora: bool
+    family: qwen_vl.Family      # the model family's row of qwen_vl.FAMILIES (chat.py reads it too)
     engine: Any = None          # a VLLMEngine when generation runs on vLLM, else None (HF generate)
     # id(image) -> (weakref to it, pixel_values, grid) of live screenshots (filled by chat.encode_chat)
     pixels: dict = field(default_factory=dict, repr=False)
@@ -63,7 +73,13 @@ class Policy:
     def suppressed_ids(self) -> list[int]:
         """The ids sampling never emits (VISION_TOKENS). The trainer removes them too (grpo's
         per_token_logps), so it scores exactly the distribution the tokens were drawn from."""
-        return [special_id(self.tokenizer, t) for t in VISION_TOKENS]
+        return [special_id(self.tokenizer, t) for t in qwen_vl.VISION_TOKENS]
+
+    @property
+    def resize_factor(self) -> int:
+        """Both sides of a screenshot as this model sees it are multiples of this: pass it to
+        actions.smart_resize (28 for Qwen2/2.5-VL, 32 for Qwen3-VL)."""
+        return self.image_processor.patch_size * self.image_processor.merge_size
 
 
 @dataclass
@@ -78,27 +94,19 @@ class Generation:
 
 
 # --------------------------------------------------------------------------------------------
-# Loading: the tiny model and tokenizer, real checkpoints, LoRA
+# Loading: the tiny models, real checkpoints (refused unless every weight loads), LoRA
 
 
-def _image_processor_class():
-    # transformers 5.x names the PIL/numpy processor `...Pil`; `Qwen2VLImageProcessor` there is the
-    # torchvision one. Older versions only have the PIL one, under the plain name.
-    import transformers
-    return getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
-
-
-def qwen_image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS):
-    """Qwen2.5-VL's image processor built from its constants (14-pixel patches, 2x2 merge, 2 frames),
-    for models made from a config: the tiny one here, the random 3B in bench/."""
-    return _image_processor_class()(min_pixels=min_pixels, max_pixels=max_pixels,
-                                    patch_size=14, temporal_patch_size=2, merge_size=2)
+def qwen_image_processor(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS, model_type: str = "qwen2_5_vl"):
+    """A family's image processor built from its constants, for models made from a config: the
+    tiny ones here, the random 3B in bench/."""
+    return qwen_vl.image_processor(qwen_vl.FAMILIES[model_type], min_pixels, max_pixels)
 
 
 # A small corpus for the tiny tokenizer's BPE merges: the prompts and answers it will actually see,
 # so that prompts come out a few hundred tokens long instead of one token per byte.
 def _tiny_corpus() -> list[str]:
-    lines = [EXPLORE_PROMPT, UITARS_PROMPT, DEFAULT_SYSTEM]
+    lines = [EXPLORE_PROMPT, UITARS_PROMPT, qwen_vl.QWEN_SYSTEM]
     for x, y in [(12, 640), (300, 200), (1000, 512), (77, 33), (640, 360), (5, 715)]:
         lines += [f'{{"intent": "Open the file manager to look at the files", "action": "Click({x}, {y})"}}',
                   f'{{"intent": "Type a note", "action": "Text({x}, {y}, \\"hello world\\")"}}',
@@ -108,58 +116,9 @@ def _tiny_corpus() -> list[str]:
     return lines * 4
 
 
-def build_tiny_tokenizer():
-    """A byte-level BPE with Qwen's pre-tokenizer split and special tokens, trained in ~10 ms."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    # Qwen2's split rule (letters, single digits, punctuation runs, newlines), then bytes -> chars.
-    split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    # 256 byte tokens (any text encodes) + merges up to 1024; the BPE trainer is deterministic.
-    trainer = trainers.BpeTrainer(vocab_size=1024, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_tiny_corpus(), trainer)
-    # Special tokens go after the BPE vocabulary, in Qwen's order.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", padding_side="left")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def tiny_config(tokenizer, vocab_size: int | None = None):
-    """A Qwen2.5-VL config with the real structure at toy width: ~0.3M parameters (vocab 1088)."""
-    from transformers import Qwen2_5_VLConfig
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab = vocab_size or ((len(tokenizer) + 63) // 64 * 64)  # round up like real vocabularies
-    text = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,  # head_dim 16, grouped-query attention
-        max_position_embeddings=8192, rms_norm_eps=1e-6,
-        # mrope: the 8 rotary frequency pairs of a 16-dim head split over (time, height, width),
-        # like 3B's [16, 24, 24] for head_dim 128.
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]},
-        # Larger-than-usual init so the random model's next-token distribution is peaked: greedy
-        # decoding then has clear winners (batched vs single-prompt tests are not decided by noise).
-        initializer_range=0.2,
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
-    )
-    vision = dict(
-        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
-        spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=64,
-        fullatt_block_indexes=[1], tokens_per_second=2, initializer_range=0.2,
-    )
-    return Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, tie_word_embeddings=False,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-    )
+def build_tiny_tokenizer(model_type: str = "qwen2_5_vl"):
+    """The tiny models' tokenizer (qwen_vl.tiny_tokenizer on the corpus above), ~10 ms."""
+    return qwen_vl.tiny_tokenizer(_tiny_corpus(), qwen_vl.FAMILIES[model_type])
 
 
 def _neutral_generation_config(model, tokenizer):
@@ -167,89 +126,91 @@ def _neutral_generation_config(model, tokenizer):
     # sample from the policy itself, so every such knob is switched off here; generate() passes
     # temperature/top_p explicitly.
     from transformers import GenerationConfig
-    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
     model.generation_config = GenerationConfig(
-        eos_token_id=stop, pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0,
-        top_p=1.0, repetition_penalty=1.0)
+        eos_token_id=[special_id(tokenizer, t) for t in qwen_vl.STOP_TOKENS], pad_token_id=tokenizer.pad_token_id,
+        do_sample=True, temperature=1.0, top_p=1.0, repetition_penalty=1.0)
 
 
 def inner_model(model):
-    """The Qwen2_5_VLModel inside: model.model, or one level deeper through a peft wrapper."""
+    """The inner model (e.g. Qwen2_5_VLModel: .visual, .language_model): model.model, or one level
+    deeper through a peft wrapper."""
     return model.get_base_model().model if hasattr(model, "get_base_model") else model.model
 
 
-def mm_token_types(model, input_ids: torch.Tensor) -> dict:
-    """{"mm_token_type_ids": (B, T) 0 text / 1 image / 2 video} if this transformers wants it, else {}.
+def _from_pretrained(name: str, device, dtype, min_pixels: int, max_pixels: int):
+    """(model, tokenizer, image processor) of a checkpoint folder or Hugging Face id, through the
+    auto class, refused (ModelNotFound, one sentence) unless its family is in qwen_vl.FAMILIES and
+    EVERY weight of the model came from its files: transformers starts missing or reshaped weights
+    at random and only says so in a load report, so a Qwen3-VL folder read as Qwen2.5-VL would
+    train a half-random model."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
-    HF generate() computes the 3D rotary positions of the prompt from this argument before any
-    forward runs, so generate must be given it explicitly (the hook below only covers forwards).
-    """
-    return _mm_types(inner_model(model), input_ids)
-
-
-def _mm_types(inner, input_ids: torch.Tensor) -> dict:
-    # `inner`: the Qwen2_5_VLModel (its config has the ids; its forward says if it takes the types)
-    if "mm_token_type_ids" not in inspect.signature(inner.forward).parameters:
-        return {}
-    config = inner.config
-    types = (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()  # (B, T)
-    return {"mm_token_type_ids": types}
-
-
-def _mrope_hook(module, args, kwargs):
-    # transformers >= 5.x computes Qwen2.5-VL's 3D (time, height, width) rotary positions only when
-    # the forward is given `mm_token_type_ids`; without them every token silently gets 1D positions
-    # and log-probs no longer match generation. The Qwen processor makes them; we don't use it, so
-    # this pre-hook on the inner Qwen2_5_VLModel (which the outer model calls with keywords)
-    # derives them from input_ids for EVERY forward (grpo's log-probs, anyone's).
-    # A module-level function that reads only its `module` argument: a closure over the model
-    # would make model -> hook -> model a reference cycle, which only the cyclic garbage collector
-    # frees, and vLLM's gc.freeze() exempts whatever is alive at engine start from it, so a
-    # replaced policy would stay in GPU memory (tests/test_vllm_engine.py checks no cycle is left).
-    ids = kwargs.get("input_ids")
-    if kwargs.get("mm_token_type_ids") is None and ids is not None and kwargs.get("image_grid_thw") is not None:
-        kwargs.update(_mm_types(module, ids))
-    return args, kwargs
+    looks_local = name.startswith(("/", ".", "~")) or os.path.isdir(os.path.expanduser(name))
+    if looks_local and not os.path.isdir(os.path.expanduser(name)):
+        raise ModelNotFound(f"No model folder at '{name}'; pass a checkpoint folder or a Hugging Face "
+                            "id, or use --model tiny for the random-weight test model.")
+    name = os.path.expanduser(name)
+    try:
+        config = AutoConfig.from_pretrained(name)
+        try:
+            qwen_vl.family(config)
+        except qwen_vl.UnknownFamily as e:
+            raise ModelNotFound(f"Cannot use '{name}': {e}.") from None
+        # ignore_mismatched_sizes: report reshaped weights (below) instead of raising mid-load.
+        model, info = AutoModelForImageTextToText.from_pretrained(
+            name, dtype=dtype, device_map=str(device), ignore_mismatched_sizes=True, output_loading_info=True)
+        tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
+        # The caps are ours, not the checkpoint's: they set how many tokens a screenshot costs.
+        image_processor = qwen_vl.image_processor_class().from_pretrained(
+            name, min_pixels=min_pixels, max_pixels=max_pixels)
+    except OSError as e:  # transformers reports missing files, repos and network errors as OSError
+        reason = str(e).strip().splitlines()[0][:200]
+        raise ModelNotFound(f"Could not load model '{name}' ({reason}); download it first or pass a "
+                            "local checkpoint folder, or use --model tiny for the random-weight test model.") from None
+    # mismatched_keys: (key, checkpoint shape, model shape) tuples, or plain keys in some versions
+    bad = sorted(set(info["missing_keys"]) | {k if isinstance(k, str) else k[0] for k in info["mismatched_keys"]})
+    if bad:
+        stray = len(info["unexpected_keys"])
+        raise ModelNotFound(
+            f"Refusing '{name}': {len(bad)} of the {len(model.state_dict())} weights of the "
+            f"{type(model).__name__} its config.json asks for (model_type '{config.model_type}') are missing "
+            f"from its weight files or have another shape there (e.g. {bad[0]})"
+            + (f", and {stray} stored tensors fit no weight" if stray else "")
+            + "; they would start random, so check that config.json belongs to these weights.")
+    return model, tokenizer, image_processor
 
 
 def load_policy(name: str = "tiny", lora_rank: int = 0, lora_alpha: int = 16,
                 gradient_checkpointing: bool = False, device: str | None = None, dtype=None,
                 min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
                 seed: int = 0, vocab_size: int | None = None) -> Policy:
-    """A Hugging Face id, a local checkpoint folder (e.g. one save_policy wrote), or "tiny".
+    """A Hugging Face id, a local checkpoint folder (e.g. one save_policy wrote), or a tiny name:
+    "tiny" (random Qwen2.5-VL), "tiny-qwen2-vl", "tiny-qwen3-vl" (random weights; `seed` picks them),
+    "tiny-uitars", "tiny-explore" (warm-started from the tiny Qwen2.5-VL of `seed`, cached).
 
-    lora_rank > 0 wraps the language model's q/k/v/o/gate/up/down projections in LoRA adapters
-    (the vision tower stays frozen); 0 means full fine-tuning. bf16 on CUDA, fp32 on CPU.
-    vocab_size only applies to "tiny" (e.g. 151936 to measure memory at the real vocabulary size).
+    lora_rank > 0 wraps the language model's linear layers in LoRA adapters (qwen_vl.LORA_TARGETS;
+    the vision tower stays frozen); 0 means full fine-tuning. bf16 on CUDA, fp32 on CPU.
+    vocab_size only applies to the random tiny models (e.g. 151936 to measure memory at the real
+    vocabulary size).
     """
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    ip_class = _image_processor_class()
-    if name == "tiny":
-        tokenizer = build_tiny_tokenizer()
+    source = name
+    if name in warm_start.RECIPES:  # built on first use (on the CPU), then an ordinary checkpoint folder
+        source = warm_start.folder(name, seed, lambda: load_policy("tiny", seed=seed, device="cpu"), save_policy)
+    if name in qwen_vl.TINY:
+        fam = qwen_vl.FAMILIES[qwen_vl.TINY[name]]
+        tokenizer = build_tiny_tokenizer(fam.model_type)
         # The same seed gives the same weights (tests are reproducible), without touching the
         # caller's RNG: a resumed run has just restored it.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = Qwen2_5_VLForConditionalGeneration(tiny_config(tokenizer, vocab_size))
-        image_processor = qwen_image_processor(min_pixels, max_pixels)
+            model = AutoModelForImageTextToText.from_config(qwen_vl.tiny_config(fam, tokenizer, vocab_size))
+        image_processor = qwen_vl.image_processor(fam, min_pixels, max_pixels)
     else:
-        looks_local = name.startswith(("/", ".", "~")) or os.path.isdir(os.path.expanduser(name))
-        if looks_local and not os.path.isdir(os.path.expanduser(name)):
-            raise ModelNotFound(f"No model folder at '{name}'; pass a checkpoint folder or a Hugging Face "
-                                "id, or use --model tiny for the random-weight test model.")
-        name = os.path.expanduser(name)
-        try:
-            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(name, dtype=dtype, device_map=str(device))
-            tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
-            # The caps are ours, not the checkpoint's: they set how many tokens a screenshot costs.
-            image_processor = ip_class.from_pretrained(name, min_pixels=min_pixels, max_pixels=max_pixels)
-        except OSError as e:  # transformers reports missing files, repos and network errors as OSError
-            reason = str(e).strip().splitlines()[0][:200]
-            raise ModelNotFound(f"Could not load model '{name}' ({reason}); download it first or pass a "
-                                "local checkpoint folder, or use --model tiny for the random-weight test model.") from None
+        model, tokenizer, image_processor = _from_pretrained(source, device, dtype, min_pixels, max_pixels)
     return wrap_policy(model, tokenizer, image_processor, name, device, dtype, lora_rank, lora_alpha,
                        gradient_checkpointing)
 
@@ -259,12 +220,13 @@ def wrap_policy(model, tokenizer, image_processor, name: str, device, dtype, lor
     """The common tail of load_policy (also used by bench/gpu_update.py for a model built from a
     config): device and dtype, sampling defaults off, 3D-rope hook, batched vision windows,
     checkpointing, LoRA."""
+    fam = qwen_vl.family(model.config)
     if tokenizer.pad_token is None:
-        tokenizer.pad_token = "<|endoftext|>"
+        tokenizer.pad_token = qwen_vl.PAD_TOKEN
     tokenizer.padding_side = "left"
     _neutral_generation_config(model, tokenizer)
-    inner_model(model).register_forward_pre_hook(_mrope_hook, with_kwargs=True)  # 3D rope, see the hook
-    vision_windows.install(model)  # one attention call per window length, not per window (see file)
+    qwen_vl.install_rope_hook(model)  # 3D rope for every forward (see qwen_vl._rope_hook's comment)
+    vision_windows.install(model, fam.vision_attention)  # one attention call per window length (see file)
     model.to(device=device, dtype=dtype)
     if gradient_checkpointing:
         # Non-reentrant checkpointing also works with frozen inputs (the LoRA case). transformers
@@ -276,12 +238,10 @@ def wrap_policy(model, tokenizer, image_processor, name: str, device, dtype, lor
         model.config.use_cache = model.config.text_config.use_cache = False
     if lora_rank > 0:
         from peft import LoraConfig, get_peft_model
-        # A regex, because the vision blocks also have gate/up/down_proj and must stay frozen.
-        targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0,
-                                                 target_modules=targets, bias="none"))
+                                                 target_modules=qwen_vl.LORA_TARGETS, bias="none"))
     return Policy(model=model, tokenizer=tokenizer, image_processor=image_processor,
-                  device=torch.device(device), dtype=dtype, name=name, lora=lora_rank > 0)
+                  device=torch.device(device), dtype=dtype, name=name, lora=lora_rank > 0, family=fam)
 
 
 @torch.no_grad()
@@ -325,7 +285,7 @@ def cpu_weights(policy: Policy) -> dict:
 def save_policy(policy: Policy, path: str, state: dict | None = None) -> None:
     """save_pretrained: model (LoRA merged in), tokenizer, image processor.
 
-    A LoRA policy is saved MERGED, as a plain Qwen2.5-VL checkpoint: load_policy(path), vLLM and
+    A LoRA policy is saved MERGED, as a plain checkpoint of its family: load_policy(path), vLLM and
     `from_pretrained` all load it without peft (the adapter itself is not kept; to continue LoRA
     training from it, load it with lora_rank > 0, which starts a fresh adapter on merged weights).
     """
@@ -351,13 +311,11 @@ def _left_pad(policy: Policy, encs: list[Encoded]):
     for b, e in enumerate(encs):
         input_ids[b, T - len(e.input_ids):] = torch.tensor(e.input_ids)  # (n,) into the row's right end
         attention_mask[b, T - len(e.input_ids):] = 1  # (n,)
-    pix = [e.pixel_values for e in encs if e.pixel_values is not None]
-    grids = [e.image_grid_thw for e in encs if e.image_grid_thw is not None]
     batch = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if pix:
-        batch["pixel_values"] = torch.cat(pix)      # (sum N_patches, 1176), in batch order
-        batch["image_grid_thw"] = torch.cat(grids)  # (N_img, 3)
-        batch.update(mm_token_types(policy.model, input_ids))
+    images = qwen_vl.image_inputs(encs)  # (sum N_patches, D) and (N_img, 3), in batch order
+    if images["pixel_values"] is not None:
+        batch.update(images)
+        batch.update(qwen_vl.mm_token_types(policy.model, input_ids))  # (B, T): generate needs them up front
     return batch
 
 
@@ -379,7 +337,7 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
     encs = encode_chats(policy, batch_messages)  # screenshots processed in parallel threads
     batch = {k: v.to(policy.device) for k, v in _left_pad(policy, encs).items()}
     if "pixel_values" in batch:
-        batch["pixel_values"] = batch["pixel_values"].to(policy.dtype)  # (sum N_patches, 1176)
+        batch["pixel_values"] = batch["pixel_values"].to(policy.dtype)  # (sum N_patches, D)
     stop = list(policy.model.generation_config.eos_token_id)
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
         else dict(do_sample=False)  # top_k=0: no top-k cut (HF's default is 50)

@@ -1,7 +1,7 @@
 """ARPO: GRPO on multi-turn desktop tasks, with a replay buffer of successes (arXiv 2505.16282).
 
     python train_arpo.py --vms 16 --group-size 8 --tasks tasks/          # UI-TARS-1.5-7B, a GPU
-    python train_arpo.py --vms 4 --group-size 2 --model tiny --iterations 2 --max-steps 3   # CPU
+    python train_arpo.py --vms 4 --group-size 2 --model tiny-uitars --iterations 2 --max-steps 3   # CPU
     python train_arpo.py --resume runs/<name>                             # continue a run
     python train_arpo.py --select-tasks 16 ...                            # ARPO's task selection first
     python train_arpo.py --eval-only --resume runs/<name>                 # standard + hard success rates
@@ -120,7 +120,8 @@ class Args:
                       "nothing (no baseline: every advantage is 0), a smoke test only")
     # policy
     model: str = arg("ByteDance-Seed/UI-TARS-1.5-7B",
-                     "HF id or folder of a Qwen2.5-VL checkpoint; 'tiny' = random test model (CPU)")
+                     "HF id or folder of a Qwen-VL checkpoint; 'tiny-uitars' = tiny, UI-TARS format taught (CPU); "
+                     "'tiny' = random weights")
     engine: str = arg("hf", "generation engine: hf (any device) or vllm (GPU, pip install vllm)")
     lora_rank: int = arg(0, "LoRA rank; 0 = full fine-tuning (ARPO)")
     lora_alpha: int = arg(16, "LoRA alpha")

@@ -2,11 +2,12 @@
 
     python train_explore.py --vms 8                                  # 8 local Xvfb desktops, Qwen2.5-VL-3B
     python train_explore.py --vms http://10.0.0.5:8000,http://10.0.0.6:8000 --token T
-    python train_explore.py --vms 2 --model tiny --iterations 2 --steps 2      # CPU smoke run (*)
+    python train_explore.py --vms 2 --model tiny-explore --iterations 2 --steps 2   # CPU smoke run (*)
     python train_explore.py --vms 8 --generations 3 --iterations-per-generation 100   # E1, E2, E3
     python train_explore.py --resume runs/<name>                     # continue a run
     python train_explore.py --eval-only --model runs/<name>/models/E1 --episodes 20   # vs random actions
-(*) the random-weight tiny model almost never writes a well-formed answer: it tests the plumbing only.
+(*) tiny-explore is the tiny model taught the answer format (warm_start.py: built on first use, cached),
+so its answers parse and the rewards are real; `--model tiny` (random weights) tests the plumbing only.
 
 A run folder: args.json; metrics.jsonl (one line per iteration: every reward component, world-model
 loss, KL, clip fractions, format rate, per-phase seconds); trajectories/it<i>/vm<k>.jsonl + the PNG
@@ -106,7 +107,8 @@ PROG = "train_explore.py"
 class Args:
     vms: str = arg("8", "N local Xvfb desktops, or comma-separated vm_server.py URLs")
     token: str = arg("", "secret each remote VM's token is derived from (or VM_TOKEN); local desktops make their own")
-    model: str = arg("Qwen/Qwen2.5-VL-3B-Instruct", "HF id, a local checkpoint folder, or 'tiny' (random weights, CPU)")
+    model: str = arg("Qwen/Qwen2.5-VL-3B-Instruct", "HF id, a local checkpoint folder, 'tiny-explore' "
+                     "(tiny, answer format taught; CPU) or 'tiny' (random weights)")
     engine: str = arg("hf", "generation engine: hf (transformers generate) or vllm (GPU)")
     device: str = arg("", "torch device; empty = cuda if available else cpu")
     lora_rank: int = arg(64, "LoRA rank (paper: 64); 0 = full fine-tuning")

@@ -1,6 +1,7 @@
-"""Window attention for the Qwen2.5-VL vision tower in a handful of calls instead of thousands.
+"""Window attention for the Qwen-VL vision towers in a handful of calls instead of thousands.
 
-    import vision_windows; vision_windows.install(model)   # model.py's wrap_policy does this
+    import vision_windows; vision_windows.install(model, "Qwen2_5_VLVisionAttention")
+    # model.py's wrap_policy does this, with the class qwen_vl.FAMILIES names for the model's family
     python -m pytest -q tests/test_vision_windows.py          # same outputs and gradients as stock
 
 Why: Qwen2.5-VL's vision tower cuts every screenshot into 112x112-pixel windows (64 patches each)
@@ -20,6 +21,13 @@ edge, the bottom edge, the corner), and all screenshots of one size share them, 
 loop (tests/test_vision_windows.py checks outputs and gradients against the stock forward) and a
 GPU still gets its flash / cuDNN kernels, which a mask would rule out.
 
+The same holds, with less at stake, for Qwen2-VL's and Qwen3-VL's vision towers: they attend over
+each whole image (cu_seqlens are image boundaries) in the same per-span loop with the same module
+layout (qkv, 2D rotary, proj), so a batch of equally sized screenshots becomes one call per block
+instead of one per screenshot. qwen_vl.FAMILIES names each family's attention class; install()
+refuses a name that matches no module, so a family whose class was misnamed is not silently
+left on the slow path.
+
 Where we depart: nothing in the model changes; we replace the forward of each vision attention
 module of this one model instance (its class becomes a subclass with our forward; other instances
 keep the stock one), and only when the model is NOT using flash-attention, whose varlen kernel
@@ -32,19 +40,21 @@ version changed them.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
 
 def _windowed_forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                       position_embeddings=None, **kwargs) -> torch.Tensor:
-    """Drop-in for Qwen2_5_VLVisionAttention.forward. hidden_states: (N_patches, D), all images of
-    the batch concatenated; cu_seqlens: (W+1,) window (or image) boundaries, windows contiguous."""
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+    """Drop-in for the vision attention's forward (Qwen2_5_VLVisionAttention & co.).
+    hidden_states: (N_patches, D), all images of the batch concatenated; cu_seqlens: (W+1,) window
+    (or image) boundaries, windows contiguous."""
     n = hidden_states.shape[0]
     q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)  # 3 x (N, H, Dh)
     cos, sin = position_embeddings
-    q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)  # (N, H, Dh) each
+    q, k = self.rotary(q, k, cos, sin)  # (N, H, Dh) each: the 2D rotary of the class's own module
 
     starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]  # (W,), (W,)
     outs, order = [], []
@@ -73,21 +83,32 @@ def _windowed_class(cls):
     # would be a reference cycle (module -> method -> module) that only the cyclic garbage
     # collector frees, which vLLM's gc.freeze() stops for whatever is alive at engine start.
     if cls not in _WINDOWED:
-        _WINDOWED[cls] = type(cls.__name__, (cls,), {"forward": _windowed_forward, "stock_class": cls})
+        # The 2D rotary the stock forward applies, from the class's own modeling file.
+        rotary = getattr(sys.modules[cls.__module__], "apply_rotary_pos_emb_vision")
+        _WINDOWED[cls] = type(cls.__name__, (cls,), {"forward": _windowed_forward, "stock_class": cls,
+                                                     "rotary": staticmethod(rotary)})
     return _WINDOWED[cls]
 
 
-def install(model) -> int:
-    """Give every vision attention module of `model` (a Qwen2.5-VL, peft-wrapped or not) the batched
-    window forward. Returns how many modules were changed (0: flash-attention, or no such tower).
+def install(model, class_name: str) -> int:
+    """Give every vision attention module of `model` (peft-wrapped or not) whose class is
+    `class_name` the batched window forward. Returns how many modules were changed (0:
+    flash-attention, or a module layout this forward does not know). ValueError if the model has
+    no module of that class at all (a misnamed class in qwen_vl.FAMILIES).
     `module.__class__ = module.stock_class` puts a module's stock forward back."""
-    changed = 0
+    changed = found = 0
     for module in model.modules():
-        if type(module).__name__ != "Qwen2_5_VLVisionAttention":
+        cls = getattr(module, "stock_class", type(module))
+        if cls.__name__ != class_name:
             continue
+        found += 1
         impl = getattr(module.config, "_attn_implementation", "sdpa") or "sdpa"
-        if "flash" in impl or not all(hasattr(module, a) for a in ("qkv", "proj", "num_heads", "scaling")):
+        if "flash" in impl or not all(hasattr(module, a) for a in ("qkv", "proj", "num_heads", "scaling")) \
+                or not hasattr(sys.modules[cls.__module__], "apply_rotary_pos_emb_vision"):
             continue
-        module.__class__ = _windowed_class(getattr(module, "stock_class", type(module)))
+        module.__class__ = _windowed_class(cls)
         changed += 1
+    if not found:
+        raise ValueError(f"the model has no {class_name} module to batch; fix the family's vision_attention "
+                         "in qwen_vl.FAMILIES.")
     return changed

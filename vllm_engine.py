@@ -62,7 +62,8 @@ import torch
 from PIL import Image
 
 import dist
-from chat import VISION_TOKENS, encode_chats, image_parts, special_id
+import qwen_vl
+from chat import encode_chats, image_parts, special_id
 from model import Generation, Policy, merged_weights
 
 VLLM_VERSION = "0.32.0"  # its wheel pins torch==2.13.0, the torch of requirements.txt
@@ -81,11 +82,12 @@ def flag_errors(engine: str, *temperatures: float) -> list[tuple[bool, str]]:
 
 
 def needed_model_len(max_images: int, max_pixels: int, answer_tokens: int, prompt_tokens: int = 2048,
-                     limit: int | None = None) -> int:
+                     limit: int | None = None, factor: int = 28) -> int:
     """The longest prompt + answer a run can send vLLM, in tokens, from its flags.
 
-    A screenshot costs at most max_pixels / (28 * 28) tokens (one per 28x28 px after the 2x2
-    merge; smart_resize keeps h * w <= max_pixels) plus its <|vision_start|>, <|vision_end|> and
+    A screenshot costs at most max_pixels / factor**2 tokens (one per factor x factor px after the
+    2x2 merge: Policy.resize_factor, 28 for Qwen2/2.5-VL, 32 for Qwen3-VL; smart_resize keeps
+    h * w <= max_pixels) plus its <|vision_start|>, <|vision_end|> and
     the turn's 5 ChatML tokens; answer_tokens is every answer the context can hold (ARPO: all
     max_steps answers of max_new_tokens, plus 6 ChatML tokens per turn); prompt_tokens covers the
     system prompt, the instruction and the rest. ARPO's setting (15 screenshots of 1920x1080 at
@@ -93,7 +95,7 @@ def needed_model_len(max_images: int, max_pixels: int, answer_tokens: int, promp
     47,104, well above a fixed 32,768. Rounded up to a multiple of 1024. Over `limit` (the
     model's position embeddings), ValueError in one sentence.
     """
-    per_image = max_pixels // (28 * 28) + 2 + 5
+    per_image = max_pixels // (factor * factor) + 2 + 5
     need = max_images * per_image + answer_tokens + prompt_tokens
     need = math.ceil(need / 1024) * 1024
     if limit is not None and need > limit:
@@ -129,7 +131,7 @@ def engine_folder(policy: Policy, owner) -> str:
     base = policy.model.get_base_model() if policy.lora else policy.model
     config = copy.deepcopy(base.config)
     # vLLM picks its model class from this; a model built from a config (the tiny one) has none.
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config.architectures = [policy.family.architecture]
     config.save_pretrained(folder)
     base.generation_config.save_pretrained(folder)
     policy.tokenizer.save_pretrained(folder)
@@ -210,7 +212,7 @@ def sampling_args(policy: Policy, max_new_tokens: int, temperature: float, top_p
                 logprobs=0,  # the sampled token's log-prob only
                 stop_token_ids=list(policy.model.generation_config.eos_token_id), skip_special_tokens=True,
                 # the vision placeholders are never sampled (model.py's docstring): -100 is 1e-43 odds
-                logit_bias={special_id(policy.tokenizer, t): -100.0 for t in VISION_TOKENS})
+                logit_bias={special_id(policy.tokenizer, t): -100.0 for t in qwen_vl.VISION_TOKENS})
 
 
 def engine_prompts(policy: Policy, batch_messages: list[list[dict]]) -> tuple[list, list[dict]]:
@@ -218,7 +220,7 @@ def engine_prompts(policy: Policy, batch_messages: list[list[dict]]) -> tuple[li
     expands it from the image), and the images resized to exactly what our processor saw, so that
     vLLM's own resize is a no-op and its prompt equals the one the trainer will score."""
     encs = encode_chats(policy, batch_messages)
-    pad = special_id(policy.tokenizer, "<|image_pad|>")
+    pad = special_id(policy.tokenizer, qwen_vl.IMAGE_PAD)
     prompts = []
     for messages, enc in zip(batch_messages, encs):
         images = [p["image"].convert("RGB").resize(size, Image.BICUBIC)
@@ -294,7 +296,8 @@ def attach(policy: Policy, max_images: int, answer_tokens: int) -> VLLMEngine:
     max_pixels = getattr(ip, "max_pixels", None) or getattr(ip.size, "longest_edge", None) or ip.size["longest_edge"]
     try:
         length = needed_model_len(max_images, int(max_pixels), answer_tokens,
-                                  limit=policy.model.config.text_config.max_position_embeddings)
+                                  limit=policy.model.config.text_config.max_position_embeddings,
+                                  factor=policy.resize_factor)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     policy.engine = VLLMEngine(policy, max_model_len=length, max_images=max_images)

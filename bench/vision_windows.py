@@ -73,7 +73,7 @@ def main():
 
     attn = [b.attn for b in tower.blocks]
     ways = {"stock loop": lambda: [setattr(a, "__class__", getattr(a, "stock_class", type(a))) for a in attn],
-            "batched windows": lambda: vision_windows.install(tower)}
+            "batched windows": lambda: vision_windows.install(tower, "Qwen2_5_VLVisionAttention")}
     best, outs = {w: float("inf") for w in ways}, {}
     for w, use in ways.items():  # warm-up both
         use()

@@ -48,7 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
 import model as M  # noqa: E402
 import vllm_engine as V  # noqa: E402
-from chat import SPECIAL_TOKENS, explore_messages, uitars_messages  # noqa: E402
+from chat import explore_messages, uitars_messages  # noqa: E402
+from qwen_vl import SPECIAL_TOKENS  # noqa: E402
 
 MEAN_TOL, MAX_TOL = 0.05, 1.0  # nats
 SMALL = dict(

@@ -14,9 +14,11 @@ from the other's:
     both              -> rollout.py, rundir.py, grpo.py, model.py, ... (rewards.py: ScreenExplorer's)
 
 rollout.py, the stepper both trainers play episodes with, sits below both and knows no model (no
-torch: generation is the caller's policy_fn); the bottoms (actions.py, procs.py, chat.py) import
-nothing of ours; no `from X import _name` across our files; no module `__getattr__`; no
-`sys.modules` assignment or setdefault.
+torch: generation is the caller's policy_fn); the bottoms (actions.py, procs.py, qwen_vl.py) import
+nothing of ours, and chat.py nothing but qwen_vl.py (the model family's tokens and chat format);
+qwen_vl.py and warm_start.py sit below model.py, and the model side reaches nothing of the VM side;
+no `from X import _name` across our files; no module `__getattr__`; no `sys.modules` assignment or
+setdefault.
 
 The graph itself: `python -c "import sys; sys.path[:0] = ['tests', '.']; import test_layers as L;
 [print(m, '->', ', '.join(d)) for m, d in L.GRAPH.items()]"`.
@@ -124,8 +126,18 @@ def test_rollout_is_below_both_trainers_and_knows_no_model():
 
 
 def test_bottoms_import_nothing_of_ours():
-    for mod in ("actions", "procs", "chat"):
+    for mod in ("actions", "procs", "qwen_vl"):
         assert GRAPH[mod] == [], f"{mod}.py imports {GRAPH[mod]}"
+    assert GRAPH["chat"] == ["qwen_vl"], f"chat.py imports {GRAPH['chat']}"
+
+
+def test_the_model_family_lives_below_the_model():
+    # qwen_vl.py (what is specific to the family) and warm_start.py (the tiny warm-started models)
+    # sit below model.py, and nothing of the model side reaches the VM side.
+    assert {"qwen_vl", "warm_start"} <= set(GRAPH["model"]) and "model" not in GRAPH["warm_start"]
+    vm_side = {"vm_server", "vm_tasks", "vm_rules", "procs", "desktop", "env"}
+    for mod in ("qwen_vl", "chat", "warm_start", "model", "grpo"):
+        assert not vm_side & set(GRAPH[mod]), f"{mod}.py imports {sorted(vm_side & set(GRAPH[mod]))}"
 
 
 def test_no_private_name_is_imported_across_files():

@@ -19,8 +19,9 @@ import torch
 from PIL import Image
 
 import model as M
-from chat import (SPECIAL_TOKENS, VISION_TOKENS, encode_chat, encode_chats, expand_image_tokens, explore_messages,
-                  image_parts, uitars_messages)
+import qwen_vl
+from chat import encode_chat, encode_chats, explore_messages, image_parts, uitars_messages
+from qwen_vl import SPECIAL_TOKENS, VISION_TOKENS, expand_image_tokens
 from vllm_engine import collapse_image_pads
 
 
@@ -309,7 +310,7 @@ def test_mrope_positions_are_3d(policy, images):
     kw = dict(input_ids=ids, pixel_values=enc.pixel_values, image_grid_thw=enc.image_grid_thw)
     with torch.no_grad():
         plain = policy.model(**kw).logits
-        explicit = policy.model(**kw, **M.mm_token_types(policy.model, ids)).logits
+        explicit = policy.model(**kw, **qwen_vl.mm_token_types(policy.model, ids)).logits
         text_only = policy.model(**kw, mm_token_type_ids=torch.zeros_like(ids)).logits
     assert torch.equal(plain, explicit)
     assert not torch.allclose(plain, text_only, atol=1e-3)

@@ -6,6 +6,8 @@ Real tiny Qwen2.5-VL (model.load_policy("tiny"), which installs the batched forw
 from the image processor. The reference is the same model with the stock forward put back.
 Screenshots of three different sizes in one batch, so the windows come in several lengths (whole,
 right edge, bottom edge, corner) and the full-attention block sees images of unequal length.
+The same for the tiny Qwen2-VL and Qwen3-VL, whose towers attend over whole images (the class each
+family batches is named in qwen_vl.FAMILIES), and a misnamed class is an error, not a silent miss.
 """
 import os
 import sys
@@ -15,6 +17,8 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import pytest  # noqa: E402
+
 import model as M  # noqa: E402
 import vision_windows  # noqa: E402
 
@@ -31,11 +35,13 @@ def _stock(module):
     module.__class__ = module.stock_class
 
 
-def test_same_outputs_and_gradients_as_the_stock_loop():
-    policy = M.load_policy("tiny", seed=3)
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2-vl", "tiny-qwen3-vl"])
+def test_same_outputs_and_gradients_as_the_stock_loop(name):
+    policy = M.load_policy(name, seed=3)
     visual = M.inner_model(policy.model).visual
     attn = [b.attn for b in visual.blocks]
     assert all(type(a).forward is vision_windows._windowed_forward for a in attn), "load_policy must install it"
+    assert all(type(a).stock_class.__name__ == policy.family.vision_attention for a in attn)
 
     # 1280x720 -> 92x52 patches: windows of 64, 32 (right/bottom edges) and 16 (corner) patches
     pixels, grid = _pixels(policy, [(1280, 720), (300, 200), (1280, 720)])
@@ -89,6 +95,9 @@ def test_install_skips_flash_attention_and_counts_modules():
     for b in visual.blocks:
         _stock(b.attn)
     visual.config._attn_implementation = "flash_attention_2"  # its varlen kernel needs no help
-    assert vision_windows.install(policy.model) == 0
+    assert vision_windows.install(policy.model, "Qwen2_5_VLVisionAttention") == 0
     visual.config._attn_implementation = "sdpa"
-    assert vision_windows.install(policy.model) == len(visual.blocks) == 2
+    assert vision_windows.install(policy.model, "Qwen2_5_VLVisionAttention") == len(visual.blocks) == 2
+    # A class name that matches no module (a family row naming the wrong class) is an error.
+    with pytest.raises(ValueError, match="no Qwen3VLVisionAttention module"):
+        vision_windows.install(policy.model, "Qwen3VLVisionAttention")

@@ -1,0 +1,394 @@
+"""warm_start.py: `--model tiny-uitars` and `--model tiny-explore`, the tiny Qwen2.5-VL taught an
+answer FORMAT on its first use, then cached on disk.
+
+    python -c "import model; model.load_policy('tiny-explore')"   # builds it once, then loads the cache
+    python train_explore.py --vms 2 --model tiny-explore --iterations 3 --steps 3 --update-actor-delay 0
+    python -m pytest -q tests/test_warm_start.py    # build, cache, format rate on a real desktop
+    python bench/warm_start.py                      # build time, format rate and click spread, both
+
+Why: the random tiny model (`--model tiny`) never writes a parseable answer, so a CPU run's format
+rate is 0.00 and ScreenExplorer scores no step: rewards, advantages and updates are all zero, and a
+forker's 30-second run shows nothing of the algorithm. These two are the tiny Qwen2.5-VL of `seed`
+after a short supervised warm start (the token-mean NLL of grpo.distill_step) on answers that
+teach the format and nothing else:
+  - tiny-explore: the ScreenExplorer prompt (chat.explore_messages) answered
+    {"intent": <one of 5 neutral intents>, "action": "<Kind>(x, y)"} with its six pointer actions;
+  - tiny-uitars: the UI-TARS-1.5 prompt (chat.uitars_messages) with a made-up instruction and one
+    to three screenshots of history, each answered "Thought: <a sentence naming the action>\nAction:
+    <call>" with UI-TARS's action space (click, left_double, right_single, scroll, hotkey, type,
+    wait, finished, call_user; the pointer ones most often).
+Every coordinate is drawn uniformly over the image the model sees: a flat prior over the screen,
+no task knowledge. The screenshots are synthetic desktops drawn here with PIL (a wallpaper, icons
+with labels, windows, a panel), encoded at three pixel caps (140x84, 588x336 and full size: 15,
+~250 and ~1,200 image tokens), so building needs no desktop and the format holds at the resolution a
+run uses. How well, sampled at temperature 1 on a real desktop's screenshots, and how the clicks
+spread: bench/warm_start.py (numbers in the README, *The policy*).
+
+What it cost to get there, on a 2-layer model of width 64 (each measured at temperature 1):
+  - a build takes a minute or two on 2 cores, not seconds: the format broke on 5-25% of the answers
+    after 100-200 steps, mostly the argument count of a call (`Click(12)`, `Click(3, 7, 199)`);
+  - full-size screenshots must be in the mix, or the numbers keep the size of the small images
+    (every click in the left half of the screen); they cost 10x a small one, so the vision tower
+    is frozen and its output remembered per screenshot (_frozen_vision), and a long sample is
+    never padded together with short ones (_sft_step);
+  - no typed text or keys in the explore answers and no copied instruction in the UI-TARS thought:
+    a model that must also spell free text mixes it into the coordinates (format 0.67 instead of
+    0.96 at the same budget); no UI-TARS drag, the one call with four numbers;
+  - the saved weights average the last ~10 steps (EMA 0.9) with the learning rate decayed to 1%:
+    with the last step's weights the format rate varied by +-0.1 between builds.
+
+The cache: one folder per model under $WARM_START_CACHE (default ~/.cache/gui-agent-rl/warm_start),
+named after a hash of the recipe, the seed, the library versions (torch, transformers, tokenizers,
+Pillow, numpy) and the source of the files the model and its prompts come from (this file,
+qwen_vl.py, chat.py, model.py): editing any of them builds a new one. A build is written into a
+temporary folder and renamed into place, which is atomic on one file system, so no reader ever
+sees half a folder; a lock file makes a second process that wants the same model at the same time
+(torchrun ranks, two tests) wait for the first build instead of doing its own. The folder is an
+ordinary checkpoint folder (save_policy), loaded like any other.
+
+Where this departs from the papers: neither trains a warm start like this; it exists only so the
+tiny CPU model produces parseable answers. A real run starts from a real checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from PIL import Image, ImageDraw
+
+import grpo
+import qwen_vl
+from chat import encode_chat, explore_messages, uitars_messages
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    style: str                     # "uitars" or "explore": the prompt and answer format
+    steps: int                     # optimizer steps of grpo.distill_step
+    batch: int                     # samples per step; sample j at max_pixels caps[j % len(caps)]
+    pool: int                      # synthetic screenshots (or histories) per cap; answers are new each step
+    lr: float                      # AdamW, linear decay to 1% over the steps
+    caps: tuple                    # the max_pixels the samples are encoded at (run-time sizes vary)
+    screens: tuple = ((1280, 720), (1280, 720), (1280, 720), (1024, 768), (1920, 1080))
+    max_history: int = 1           # uitars: screenshots per sample, 1..max_history
+
+
+RECIPES = {
+    # Most samples at 140x84 (15 image tokens, cheap), a few at full size (1,196 tokens): the
+    # format and the size of the numbers must hold at the resolution a run uses.
+    "tiny-explore": Recipe("explore", steps=200, batch=32, pool=8, lr=1e-2,
+                           caps=(12544,) * 22 + (200704,) * 4 + (1003520,) * 6),
+    "tiny-uitars": Recipe("uitars", steps=250, batch=16, pool=8, lr=1e-2, max_history=3,
+                          caps=(12544,) * 12 + (200704,) + (1003520,) * 3),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Synthetic screenshots: something desktop-like to look at, no desktop needed
+
+WORDS = ("file", "edit", "view", "help", "notes", "report", "music", "photos", "settings", "terminal",
+         "calculator", "clock", "editor", "browser", "mail", "home", "trash", "documents", "save",
+         "open", "close", "new", "search", "tools", "window", "project", "data", "backup", "system")
+
+
+def _colour(rng: random.Random, lo: int = 0, hi: int = 255) -> tuple:
+    return tuple(rng.randint(lo, hi) for _ in range(3))
+
+
+def synthetic_screen(rng: random.Random, size: tuple[int, int]) -> Image.Image:
+    """A made-up desktop of `size` (w, h): a wallpaper (mostly one colour, as our desktop's), a
+    panel with buttons and a clock, columns of labelled icons, and up to four windows (a title
+    bar over text lines, a terminal, or a grid of buttons), colours and layout drawn from `rng`."""
+    w, h = size
+    img = Image.new("RGB", size, _colour(rng, 20, 200))
+    d = ImageDraw.Draw(img)
+    if rng.random() < 0.3:  # a vertical gradient wallpaper
+        top, bottom = _colour(rng), _colour(rng)
+        for y in range(0, h, 4):
+            t = y / h
+            d.rectangle([0, y, w, y + 4], fill=tuple(int(a + (b - a) * t) for a, b in zip(top, bottom)))
+    for i in range(rng.randint(3, 12)):  # desktop icons in columns
+        x, y = 30 + (i // 5) * 120, 20 + (i % 5) * 100
+        d.rounded_rectangle([x + 20, y, x + 68, y + 48], radius=6, fill=_colour(rng))
+        d.text((x + 10, y + 56), rng.choice(WORDS).title(), fill=(255, 255, 255))
+    for _ in range(rng.randint(0, 4)):  # windows
+        ww, wh = rng.randint(w // 6, w // 2), rng.randint(h // 5, h // 2)
+        x, y = rng.randint(0, w - ww), rng.randint(0, max(1, h - wh - 30))
+        kind = rng.choice(("text", "terminal", "buttons"))
+        body = (20, 20, 20) if kind == "terminal" else _colour(rng, 200, 255)
+        d.rectangle([x, y, x + ww, y + wh], fill=body, outline=(40, 40, 40))
+        d.rectangle([x, y, x + ww, y + 22], fill=_colour(rng, 120, 230))
+        d.text((x + ww // 2 - 30, y + 5), " ".join(rng.choice(WORDS) for _ in range(2)), fill=(0, 0, 0))
+        for k in range(3):  # the title bar's buttons
+            d.rectangle([x + ww - 18 * (k + 1), y + 4, x + ww - 18 * k - 4, y + 18], outline=(60, 60, 60))
+        rows = (wh - 34) // 30
+        for r in range(max(0, rows)):
+            if kind == "buttons":
+                for c in range(min(5, ww // 45)):
+                    d.rectangle([x + 6 + c * 44, y + 30 + r * 30, x + 46 + c * 44, y + 56 + r * 30],
+                                fill=(250, 250, 250), outline=(30, 30, 30))
+                    d.text((x + 16 + c * 44, y + 36 + r * 30), rng.choice("0123456789+-*/=%"), fill=(0, 0, 0))
+            else:
+                line = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8)))
+                d.text((x + 6, y + 30 + r * 18), line, fill=(230, 230, 230) if kind == "terminal" else (20, 20, 20))
+    panel = rng.choice((0, h - 30))  # a panel at the top or the bottom, with buttons and a clock
+    d.rectangle([0, panel, w, panel + 30], fill=_colour(rng, 0, 90))
+    for i in range(rng.randint(1, 5)):
+        d.rectangle([120 + i * 150, panel + 3, 265 + i * 150, panel + 27], fill=_colour(rng, 30, 120))
+        d.text((150 + i * 150, panel + 9), rng.choice(WORDS), fill=(255, 255, 255))
+    d.text((w - 60, panel + 9), f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}", fill=(255, 255, 255))
+    return img
+
+
+# ------------------------------------------------------------------------------------------------
+# Answers: the format, coordinates uniform over the image the model sees
+
+VERBS = ("Open", "Close", "Find", "Start", "Check", "Use", "Show", "Save", "Rename", "Delete", "Create")
+INTENTS = ("See what happens here", "Try something new", "Look at this part of the screen",
+           "Find out what this does", "Explore the screen")
+# UI-TARS's action space, (call, weight, the thought that goes with it): the pointer calls most
+# often, as in a GUI agent's answers. The thought names the action, not the task, and typed text
+# and keys come from short fixed lists: a 2-layer model that must also copy the instruction or
+# spell random words mixes those into the call's arguments (format 0.15 after 100 steps).
+UITARS_CALLS = (("click", 4, "I click it."), ("left_double", 3, "I open it."),
+                ("right_single", 1, "I open its menu."), ("scroll", 1, "I scroll to see more."),
+                ("hotkey", 0.5, "I press keys."), ("type", 0.5, "I type it."), ("wait", 0.25, "I wait for it."),
+                ("finished", 0.25, "The task is done."), ("call_user", 0.25, "I need help."))
+KEYS = ("ctrl c", "ctrl v", "ctrl s", "enter", "esc", "alt tab")
+TEXTS = ("hello", "notes.txt", "hello world\\n", "1+2=")
+# ScreenExplorer's pointer actions (its random baseline's). Not Text(x, y, "...") and Key("..."): a
+# 2-layer model mixes their argument lists up with the pointer ones (with them at a quarter of the
+# weight each, format 0.67 instead of 0.96 after the same 100 steps).
+EXPLORE_CALLS = ("Click", "DoubleClick", "RightClick", "Move", "ScrollUp", "ScrollDown")
+
+
+def instruction(rng: random.Random) -> str:
+    """A made-up task: "Open the notes." & co., sometimes a longer one of random words."""
+    if rng.random() < 0.7:
+        return f"{rng.choice(VERBS)} the {rng.choice(WORDS)}{rng.choice(('', ' ' + rng.choice(WORDS)))}."
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 16))).capitalize() + "."
+
+
+def _xy(rng: random.Random, size: tuple[int, int]) -> tuple[int, int]:
+    return rng.randrange(size[0]), rng.randrange(size[1])
+
+
+def uitars_answer(rng: random.Random, size: tuple[int, int]) -> str:
+    """One UI-TARS-1.5 answer in the (w, h) image the model sees."""
+    call, _, thought = rng.choices(UITARS_CALLS, [w for _, w, _ in UITARS_CALLS])[0]
+    x, y = _xy(rng, size)
+    action = {
+        "click": f"click(start_box='({x},{y})')", "left_double": f"left_double(start_box='({x},{y})')",
+        "right_single": f"right_single(start_box='({x},{y})')",
+        "scroll": f"scroll(start_box='({x},{y})', direction='{rng.choice(('down', 'up'))}')",
+        "hotkey": f"hotkey(key='{rng.choice(KEYS)}')", "type": f"type(content='{rng.choice(TEXTS)}')",
+        "wait": "wait()", "finished": "finished(content='done')", "call_user": "call_user()"}[call]
+    return f"Thought: {thought}\nAction: {action}"
+
+
+def explore_answer(rng: random.Random, size: tuple[int, int]) -> str:
+    """One ScreenExplorer answer in the (w, h) image the model sees."""
+    x, y = _xy(rng, size)
+    action = f"{rng.choice(EXPLORE_CALLS)}({x}, {y})"
+    return f'{{"intent": "{rng.choice(INTENTS)}", "action": "{action}"}}'
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+
+
+def _prompts(policy, recipe: Recipe, rng: random.Random) -> dict:
+    """cap -> recipe.pool prompts at that cap: (policy at that cap, screenshots, task, (w, h) seen)."""
+    out = {}
+    for cap in sorted(set(recipe.caps)):
+        p = replace(policy, image_processor=qwen_vl.image_processor(policy.family, 56 * 56, cap), pixels={})
+        out[cap] = []
+        for _ in range(recipe.pool):
+            # several screenshots (history) at the small caps only: several full-size ones train slowly
+            n = rng.randint(1, recipe.max_history) if cap <= 50176 else 1
+            screen = rng.choice(recipe.screens)
+            shots = [synthetic_screen(rng, screen) for _ in range(n)]
+            size = encode_chat(p, explore_messages(shots[0])).image_sizes[0]  # (w, h) the model sees
+            out[cap].append((p, shots, instruction(rng), size))
+    return out
+
+
+def _sample(prompt, recipe: Recipe, rng: random.Random):
+    """A fresh answer (or history of answers) to one prompt, as a grpo.Sample: every answer a target."""
+    p, shots, task, size = prompt
+    if recipe.style == "explore":
+        msgs = explore_messages(shots[0]) + [{"role": "assistant", "content": explore_answer(rng, size)}]
+    else:
+        msgs = uitars_messages(task, shots, [uitars_answer(rng, size) for _ in shots])
+    return grpo.trajectory_sample(encode_chat(p, msgs, add_generation_prompt=False))
+
+
+@contextlib.contextmanager
+def _frozen_vision(model):
+    """The vision tower frozen and its output remembered per image, for the warm start only: the
+    same few screenshots come back every step, and a full-size one spends 80% of its sample's
+    time in the tower (a full attention over 4,784 patches). The tower's forward is replaced on
+    this one instance, by one that runs the stock forward once per distinct image (keyed by its
+    pixels) and hands back the merged tokens of the batch's images in order; put back after."""
+    visual = model.model.visual
+    params = [q for q in visual.parameters() if q.requires_grad]
+    for q in params:
+        q.requires_grad_(False)
+    stock, memo, kind = visual.forward, {}, []
+
+    def forward(pixel_values, grid_thw=None, **kwargs):
+        tokens = []
+        for chunk, grid in zip(torch.split(pixel_values, grid_thw.prod(-1).tolist()), grid_thw):  # per image
+            # keyed by the image's grid and a sample of its pixels (every 61st patch: ~2% of a full
+            # screenshot's 22 MB, and no two screenshots of the warm start share it)
+            key = (tuple(grid.tolist()), hashlib.blake2b(chunk[::61].detach().cpu().numpy().tobytes()).hexdigest())
+            if key not in memo:
+                out = stock(chunk, grid_thw=grid[None], **kwargs)
+                kind[:] = [type(out)]
+                memo[key] = getattr(out, "pooler_output", out)  # (n_tokens, D): transformers 5.x wraps it
+            tokens.append(memo[key])
+        merged = torch.cat(tokens)  # (sum n_tokens, D), the batch's images in order
+        return merged if kind[0] is torch.Tensor else kind[0](pooler_output=merged)
+
+    visual.forward = forward
+    try:
+        yield
+    finally:
+        del visual.forward  # the class's forward again
+        for q in params:
+            q.requires_grad_(True)
+
+
+def _sft_step(policy, opt, samples: list, short: int = 800) -> float:
+    """One supervised step on the token-mean NLL of every target token (grpo.distill_step's loss),
+    with micro-batches chosen by length: short samples of similar lengths together, every long one
+    alone. A
+    full-size screenshot's 1,400 tokens in a micro-batch would pad the 200-token ones to its
+    length, and two long ones of unequal length together take a padded attention 20x slower than
+    each alone (CPU). -> the step's NLL per target token."""
+    groups = []
+    for s in sorted(samples, key=lambda s: len(s.input_ids)):
+        n = len(s.input_ids)
+        if not groups or n > short or n > 1.5 * len(groups[-1][0].input_ids):
+            groups.append([])  # a new micro-batch: a long sample, or the lengths have grown by half
+        groups[-1].append(s)
+    batches = [grpo.collate(mb, policy.tokenizer.pad_token_id) for mb in groups]
+    total = sum(float(b["completion_mask"][:, 1:].sum()) for b in batches)
+    opt.zero_grad(set_to_none=True)
+    nll = 0.0
+    for b in batches:
+        loss = -grpo.per_token_logps(policy.model, b).sum() / total  # ALGO: token-mean NLL, (B, T) summed
+        loss.backward()
+        nll += loss.item()
+    torch.nn.utils.clip_grad_norm_([q for q in policy.model.parameters() if q.grad is not None], 1.0)
+    opt.step()
+    return nll
+
+
+def train(policy, recipe: Recipe, seed: int) -> dict:
+    """The warm start itself, in place on `policy` (fp32, CPU). -> {"nll_first", "nll_last", "seconds"}."""
+    t0 = time.perf_counter()
+    rng = random.Random(seed)
+    prompts = _prompts(policy, recipe, rng)
+    nll = []
+    # The vision tower stays as it is (the format is the language model's to learn), and a frozen
+    # tower's output can be remembered: most of the time a full-size screenshot costs is in it.
+    with _frozen_vision(policy.model):
+        params = [q for q in policy.model.parameters() if q.requires_grad]
+        opt = torch.optim.AdamW(params, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        # The saved weights are an average over the last ~10 steps (EMA 0.9), not the last step's:
+        # how often a tiny model's samples break the format at T=1 varied by +-0.1 from one build
+        # to the next with the last step's weights.
+        average = [q.detach().clone() for q in params]
+        for step in range(recipe.steps):
+            for g in opt.param_groups:  # linear decay to 1%: the last steps settle the format
+                g["lr"] = recipe.lr * (1 - 0.99 * step / max(1, recipe.steps - 1))
+            # slot j of every batch at cap caps[j], a random prompt, new answers every time (a fixed
+            # set of answers would be memorised, not generalised)
+            batch = [_sample(rng.choice(prompts[recipe.caps[j % len(recipe.caps)]]), recipe, rng)
+                     for j in range(recipe.batch)]
+            nll.append(_sft_step(policy, opt, batch))
+            with torch.no_grad():
+                for a, q in zip(average, params):
+                    a.mul_(0.9).add_(q, alpha=0.1)
+        with torch.no_grad():
+            for a, q in zip(average, params):
+                q.copy_(a)
+    return {"nll_first": nll[0], "nll_last": sum(nll[-5:]) / len(nll[-5:]), "seconds": time.perf_counter() - t0}
+
+
+# ------------------------------------------------------------------------------------------------
+# The cache: built once per recipe, seed, library versions and source, written atomically
+
+SOURCES = ("warm_start.py", "qwen_vl.py", "chat.py", "model.py")  # what the model and its prompts come from
+
+
+def cache_dir() -> str:
+    """$WARM_START_CACHE, else ~/.cache/gui-agent-rl/warm_start (or under $XDG_CACHE_HOME)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("WARM_START_CACHE") or os.path.join(base, "gui-agent-rl", "warm_start")
+
+
+def key(name: str, seed: int) -> str:
+    """A hash of everything the built model depends on (see the module docstring)."""
+    import numpy
+    import PIL
+    import tokenizers
+    import transformers
+    h = hashlib.sha256(json.dumps({
+        "name": name, "seed": seed, "recipe": RECIPES[name].__dict__,
+        "versions": [torch.__version__, transformers.__version__, tokenizers.__version__, PIL.__version__,
+                     numpy.__version__]}, sort_keys=True, default=str).encode())
+    for f in SOURCES:
+        with open(os.path.join(HERE, f), "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def folder(name: str, seed: int, make, save) -> str:
+    """The checkpoint folder of warm-started model `name` from the tiny model of `seed`, built now if
+    the cache has none: make() -> a fresh random tiny Policy (fp32, CPU), save(policy, path) writes
+    it (model.save_policy; passed in, so this file stays below model.py)."""
+    import fcntl
+    root = cache_dir()
+    path = os.path.join(root, f"{name}-seed{seed}-{key(name, seed)}")
+    done = os.path.join(path, "warm_start.json")
+    if os.path.exists(done):
+        return path
+    os.makedirs(root, exist_ok=True)
+    # One builder at a time per model: the others wait here, then find it built. The rename below
+    # is what makes it safe (a reader that takes no lock never sees half a folder); the lock only
+    # saves a second process the work.
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(done):
+            return path
+        print(f"warm_start: building {name} (seed {seed}) into {path}, once", file=sys.stderr, flush=True)
+        tmp = tempfile.mkdtemp(prefix=f".{name}-build-", dir=root)
+        try:
+            policy = make()
+            stats = train(policy, RECIPES[name], seed)
+            save(policy, tmp)
+            with open(os.path.join(tmp, "warm_start.json"), "w") as f:  # written last: the folder is complete
+                json.dump({"name": name, "seed": seed, "recipe": RECIPES[name].__dict__, **stats}, f, default=str)
+            try:
+                os.rename(tmp, path)  # atomic; fails if another process (without the lock) got there first
+            except OSError:
+                if not os.path.exists(done):
+                    raise
+            print(f"warm_start: built {name} in {stats['seconds']:.0f} s (NLL per token {stats['nll_first']:.2f} "
+                  f"-> {stats['nll_last']:.2f})", file=sys.stderr, flush=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename, or a failed build's leftovers
+    return path

@@ -85,7 +85,7 @@ FIRST_CHANGE = 0.25  # s an action that changes nothing waits for a first change
 #                      reaction drew within 0.08 s of the action's end (alt+f4 closing mousepad: 0.05 s,
 #                      0.19 s under load with its threads busy in between); the margin is for what
 #                      /proc does not show (a compositor in your own VM).
-CAP = 5.0            # s at most. The longest settle over the task suite's 92 solution steps was 0.46 s;
+CAP = 5.0            # s at most. The longest settle over the task suite's 100 solution steps was 0.46 s;
 #                      an app's cold start on a slow VM can take seconds. Only continuous change
 #                      reaches it (an animation, `watch date`), which a fixed settle cuts off too.
 BUSY_CPU = 0.002     # s of CPU the desktop may use between two looks and still be idle: its idle

@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import replace
 
 import pytest
@@ -30,7 +29,7 @@ import qwen_vl
 import warm_start
 from actions import MAX_PIXELS, parse_action
 from chat import explore_messages, uitars_messages
-from conftest import vm_call, wait_for
+from conftest import vm_call
 from env import VMClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,9 +121,9 @@ def _screens(vm_desktop) -> list:
     vm_call(vm_desktop, "POST", "/reset")
     client = VMClient(url, token)
     shots = [client.screenshot()]
+    # A setup that launched an app answers once the desktop has settled: the window is up and drawn.
     vm_call(vm_desktop, "POST", "/setup", {"steps": [{"type": "launch", "argv": ["xterm"]}]})
-    wait_for(lambda: vm_call(vm_desktop, "GET", "/windows").json()["windows"], "an xterm window")
-    time.sleep(1.0)  # the window maps before it has drawn its contents
+    assert vm_call(vm_desktop, "GET", "/windows").json()["windows"]
     shots.append(client.screenshot())
     vm_call(vm_desktop, "POST", "/reset")
     return shots

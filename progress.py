@@ -8,7 +8,7 @@
     progress.log(tr, metrics, step=it)                      # every number of the metrics line
     progress.close(tr)
 
-Why a shared file when STYLE.md lets the train scripts repeat setup: both need the same three
+Why a shared file rather than setup repeated in each train script: both need the same three
 small things, and each has one trap that is easy to get wrong twice. A bar and print() fight over
 the terminal (say() goes through tqdm.write); a bar in a log file is thousands of \\r lines (bars
 show only on a terminal unless asked); a tracker must be an optional import (a missing package is

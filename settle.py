@@ -1,7 +1,7 @@
 """settle.py: wait until a desktop has settled after an action, by watching it from inside the VM.
 
 After an action the papers' trainers sleep a fixed time before the next screenshot (ARPO/OSWorld
-0.5 s, ScreenExplorer 1 s, our learning bench 2 s), while the desktop is done in about 0.1-0.3 s:
+0.5 s, ScreenExplorer 1 s, our learning bench's earlier 2 s), while the desktop is done in about 0.1-0.3 s:
 an app's window is up and drawn 0.1-0.3 s after the double-click on its icon is sent (0.13 s of
 which is the double-click itself), a typed command's output 5-40 ms after the keys. vm_server.py
 calls this for `POST /action?settle=watch` and answers with the settled screen: one round trip per

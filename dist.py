@@ -23,6 +23,7 @@ Join for). Full fine-tuning shards parameters, gradients and optimizer state wit
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 
@@ -38,7 +39,16 @@ def init() -> tuple[int, int]:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         td.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # Leave the group before the interpreter tears down: a gloo group left to the teardown can
+        # abort its rank after the work is done ("terminate called without an active exception",
+        # SIGABRT; seen once in the suite, tests/test_dist.py), which torchrun reports as a failure.
+        atexit.register(_leave)
     return rank(), size()
+
+
+def _leave() -> None:
+    if td.is_initialized():
+        td.destroy_process_group()
 
 
 def size() -> int:

@@ -162,7 +162,7 @@ def test_grpo_gradient_step_moves_logps_with_the_advantage_sign():
     assert (after[0] > before[0]).all() and (after[1] < before[1]).all()
 
 
-# Per-token advantages (B, T) (DESIGN allows them), same ratios, mask and eps as above:
+# Per-token advantages (B, T) (grpo_loss allows them), same ratios, mask and eps as above:
 # row 0: A = [1, -1, 2], ratios [1.0, 1.5, 0.5]
 #   token 0: min(1, 1) = 1                                   -> loss -1
 #   token 1: min(1.5 * -1, 1.28 * -1) = -1.5 (A < 0, high ratio: not clipped) -> loss +1.5

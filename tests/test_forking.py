@@ -1,9 +1,9 @@
-"""DESIGN.md names real things: every file it names exists, every `module.name` it names is defined
+"""FORKING.md names real things: every file it names exists, every `module.name` it names is defined
 at the top of that module, and the README sends readers to it.
 
-Run: python -m pytest -q tests/test_design.py      (~1 s; parses the files, imports nothing)
+Run: python -m pytest -q tests/test_forking.py      (~1 s; parses the files, imports nothing)
 
-Why: DESIGN.md's "where to edit" table is what a forker trusts first; a function renamed without
+Why: FORKING.md's "where to edit" table is what a forker trusts first; a function renamed without
 the table following it sends them to a place that is not there.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ NOT_OURS = {"args.json", "config.json"}  # files a run folder or a checkpoint ho
 
 
 def design() -> str:
-    with open(os.path.join(ROOT, "DESIGN.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "FORKING.md"), encoding="utf-8") as f:
         return f.read()
 
 
@@ -41,7 +41,7 @@ def test_every_file_design_md_names_exists():
     files = set(re.findall(r"\b([\w/]+\.(?:py|md|sh|json))\b", design()))
     missing = [f for f in sorted(files) if f not in NOT_OURS and not os.path.exists(os.path.join(ROOT, f))
                and not os.path.exists(os.path.join(ROOT, "tests", f))]
-    assert not missing, f"DESIGN.md names files that do not exist: {missing}"
+    assert not missing, f"FORKING.md names files that do not exist: {missing}"
     assert len(files) > 20  # the parse found the table, not nothing
 
 
@@ -49,10 +49,10 @@ def test_every_module_name_design_md_names_is_defined_there():
     found = set(re.findall(r"\b([a-z_]+)\.([A-Za-z_]\w*)\b", design()))
     pairs = [(m, n) for m, n in found if m in OURS and n not in ("py", "md")]
     missing = [f"{m}.{n}" for m, n in sorted(pairs) if n not in top_level_names(m)]
-    assert not missing, f"DESIGN.md names what its module does not define: {missing}"
+    assert not missing, f"FORKING.md names what its module does not define: {missing}"
     assert len(pairs) > 15
 
 
 def test_the_readme_points_to_design_md():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        assert "DESIGN.md" in f.read()
+        assert "FORKING.md" in f.read()

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import select
 import shutil
 import signal
@@ -277,6 +278,27 @@ def _sticky(x) -> set[str]:
     return names
 
 
+def openbox_config(config_home: str) -> None:
+    """openbox's rc.xml for this desktop (config_home/openbox/rc.xml, which openbox reads before
+    the system's): the system's own, with the workspace popup switched off. A scroll on the empty
+    desktop switches workspaces and openbox shows "desktop 2" in the middle of the screen for
+    875 ms, on a timer of its own: the watched settle (settle.py) answers before it goes, a fixed
+    1-2 s sleep after, so the popup was a screen only the watch ever saw (bench/settle.py
+    --explore found it: every other random pointer action settled on the fixed sleep's screen).
+    The workspace switch itself stays: the screen it leaves is the same with either settle."""
+    dirs = (os.environ.get("XDG_CONFIG_DIRS") or "/etc/xdg").split(":") + ["/etc/xdg"]
+    system = next((os.path.join(d, "openbox", "rc.xml") for d in dirs
+                   if os.path.isfile(os.path.join(d, "openbox", "rc.xml"))), None)
+    text = open(system).read() if system else "<openbox_config><desktops></desktops></openbox_config>"
+    if re.search(r"<popupTime>\s*\d+\s*</popupTime>", text):
+        text = re.sub(r"<popupTime>\s*\d+\s*</popupTime>", "<popupTime>0</popupTime>", text)
+    else:  # openbox's built-in default is 875 ms: say 0 inside <desktops>
+        text = re.sub(r"<desktops>", "<desktops><popupTime>0</popupTime>", text, count=1)
+    os.makedirs(os.path.join(config_home, "openbox"), exist_ok=True)
+    with open(os.path.join(config_home, "openbox", "rc.xml"), "w") as fh:
+        fh.write(text)
+
+
 def start_session(desk: Desktop) -> None:
     """Window manager, then taskbar and desktop icons; returns once the desktop has settled (every
     icon drawn, nothing busy: settle.py). openbox and tint2 keep their caches (and tint2 its copy
@@ -292,6 +314,7 @@ def start_session(desk: Desktop) -> None:
     watch.arm()
     started = time.monotonic()
     _wait(lambda: _wm_gone(x), "the last window manager's exit")
+    openbox_config(own.env["XDG_CONFIG_HOME"])
     spawn(own, ["openbox"])
     _wait(lambda: _wm_ready(x), "openbox")
     spawn(own, ["tint2"])

@@ -4,6 +4,7 @@ fixed settles of the papers, and whether the watched screen is the one a 2 s set
     python bench/settle.py                          # both parts, ~15 min on 2 cores
     python bench/settle.py --runs 1 --kinds dclick-Terminal,noop-click --no-solutions   # a quick look
     python bench/settle.py --no-table --desktops 3  # only the solutions check, on 3 desktops
+    python bench/settle.py --no-table --no-solutions --explore 12   # only the explore check
 
 Part 1, the step table: each kind of step the task suite has (a double-click on each desktop
 icon, a command typed into a terminal, typing into the editor, hotkeys that open or close a
@@ -32,6 +33,12 @@ on `--desktops` desktops; at every step the watched screen is compared with a sc
 regions (at most CARET wide, CARET_H tall) or in the taskbar clock (CLOCK). Prints each step that
 differs and the count.
 
+Part 3, the explore check (`--explore N`): N episodes of ScreenExplorer's random baseline (the
+eval's `random_chooser`: clicks, double- and right-clicks, moves and scrolls anywhere, seeded) of
+`--explore-steps` steps each, on a reset desktop; every watched screen compared as in part 2, and
+by the exploration eval's screen hash (dHash bits apart; the eval counts <= 2 bits as one screen).
+This is the check that found openbox's workspace popup (desktop.openbox_config).
+
 Timings are noisy on a shared machine: the load average is printed first; compare runs at alike
 load. The desktops are real `vm_server.py --xvfb` servers over HTTP on loopback.
 """
@@ -42,6 +49,7 @@ import argparse
 import io
 import os
 import queue
+import random
 import statistics
 import sys
 import threading
@@ -295,6 +303,32 @@ def solutions(clients: list[VMClient], later: float) -> None:
     print(f"  settles: {untils}; waited median {statistics.median(waited):.3f} s, max {max(waited):.3f} s")
 
 
+# -------------------------------------------------------------------------------------------------
+# Part 3: the explore check
+
+
+def explore_check(c: VMClient, episodes: int, steps: int, later: float, seed: int = 0) -> None:
+    from explore_episode import Look, random_chooser
+    from explore_eval import dhash
+    choose, out = random_chooser(random.Random(seed)), []
+    for e in range(episodes):
+        c.reset()
+        img = grab(c)
+        for t in range(steps):
+            (_, parsed, _), = choose([Look(0, t, img, (img.width // 2, img.height // 2))])
+            a = parsed.action.to_dict()
+            r = c.act(a, settle="watch", screenshot="png")
+            time.sleep(later)
+            img = grab(c)
+            out.append((e, t, a, r.settle, differences(r.image, img), (dhash(r.image) ^ dhash(img)).bit_count()))
+    bad = [o for o in out if o[4]]
+    for e, t, a, info, diff, bits in bad:
+        print(f"  differs: episode {e} step {t} {a} settle {info}: hash bits {bits}, regions {diff[:4]}")
+    print(f"explore check: {len(out)} random steps in {episodes} episodes, {len(bad)} watched screens differ from the "
+          f"screen {later:g} s later (carets and the clock aside), {sum(o[5] > 2 for o in out)} by more than 2 hash "
+          f"bits; waited median {statistics.median(o[3]['seconds'] for o in out):.3f} s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=3, help="runs of each kind of step (part 1)")
@@ -303,6 +337,8 @@ def main() -> None:
     p.add_argument("--later", type=float, default=2.0, help="part 2: compare with the screen this long after")
     p.add_argument("--no-table", action="store_true", help="skip part 1")
     p.add_argument("--no-solutions", action="store_true", help="skip part 2")
+    p.add_argument("--explore", type=int, default=0, help="part 3: episodes of random explore actions (0: skip)")
+    p.add_argument("--explore-steps", type=int, default=8, help="part 3: steps per episode")
     args = p.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = [k for k in kinds if k not in KINDS]
@@ -316,6 +352,8 @@ def main() -> None:
             table(clients[0], vms[0], kinds, args.runs)
         if not args.no_solutions:
             solutions(clients, args.later)
+        if args.explore:
+            explore_check(clients[0], args.explore, args.explore_steps, args.later)
     except requests.RequestException as e:
         sys.exit(f"bench/settle.py: a desktop stopped answering ({e}).")
     finally:

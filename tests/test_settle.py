@@ -200,6 +200,23 @@ def test_an_app_started_by_a_double_click_is_up_in_the_answer(vm):
     assert box is None or (box[2] - box[0] <= 4 and box[3] - box[1] <= 40), box
 
 
+def test_a_workspace_switch_answers_the_screen_a_fixed_sleep_would(vm):
+    """A scroll on the empty desktop switches openbox's workspace. openbox would show a "desktop 2"
+    popup for 875 ms on a timer of its own, which the watch answers before and a fixed 1-2 s
+    sleep after; the desktop's openbox has the popup off (desktop.openbox_config), so the watched
+    screen is the one 2 s later, and the switch itself still happens."""
+    def current():
+        return next(line.split()[0] for line in x11(vm, "wmctrl", "-d").stdout.splitlines() if " * " in line)
+    first = current()
+    for direction in ("down", "up"):
+        before = current()
+        info, img = act(vm, {"type": "scroll", "x": 640, "y": 360, "direction": direction})
+        time.sleep(2.0)
+        assert boxes(img, screen(vm)) is None, (direction, info, "the watched screen is the final one")
+        assert current() != before, "the scroll switched the workspace"
+    assert current() == first
+
+
 def test_a_blinking_caret_does_not_keep_a_step_waiting(vm):
     """GTK's caret blinks (on 0.8 s, off 0.4 s): each blink is drawing, yet the step ends QUIET
     after it, far from CAP."""

@@ -65,7 +65,10 @@ Where this departs from ARPO (paper + its released code), on purpose:
    (--epochs; ARPO: one), and a sampling seed of its own (--sample-seed), so an evaluation draws fresh
    samples from a checkpoint while the task order stays the run's; --no-scale-rewards for Dr. GRPO's
    advantages (reward - group mean, no division by the std). Their defaults are ARPO's.
-9. Left out: KL to a reference model (beta 0, as ARPO; `--beta` works with LoRA only). Logging:
+9. KL to the starting policy: off (beta 0, as ARPO). `--beta` adds DeepSeekMath's estimator against
+   the adapter-free model (LoRA) or a frozen copy of --model (full fine-tuning: one more model in
+   memory, one more forward per update); it keeps a small model's answer format from drifting while
+   the lr is high (bench/learning.py). Logging:
    metrics.jsonl always, plus Weights & Biases (--wandb) and TensorBoard (--tensorboard) when asked
    for (progress.py).
 10. More than one GPU (ARPO: verl's FSDP on 8-16 GPUs with Ray): `torchrun --nproc_per_node N
@@ -78,6 +81,7 @@ Where this departs from ARPO (paper + its released code), on purpose:
 """
 from __future__ import annotations
 
+import functools
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -95,7 +99,7 @@ from actions import MIN_PIXELS
 from arpo_episode import Episode, Observation, as_image, from_record, play_all, save_episodes, to_record
 from chat import encode_chat, uitars_messages
 from env import Task, TaskError, VMPool, load_tasks
-from grpo import ReplayBuffer, group_advantages, trajectory_sample
+from grpo import ReplayBuffer, group_advantages, per_token_logps, trajectory_sample
 from model import Generation, generate, load_policy
 from rollout import SETTLE_HELP, parse_settle
 from rundir import arg
@@ -149,7 +153,8 @@ class Args:
                               "--no-scale-rewards: Dr. GRPO, advantages = reward - group mean")
     eps_low: float = arg(0.2, "lower clip range of the ratio")
     eps_high: float = arg(0.3, "upper clip range of the ratio (clip-higher; ARPO: 0.3)")
-    beta: float = arg(0.0, "KL coefficient to the starting policy (ARPO: 0; needs --lora-rank)")
+    beta: float = arg(0.0, "KL coefficient to the starting policy (ARPO: 0; LoRA: the adapter off; full "
+                           "fine-tuning: a frozen copy of --model)")
     loss_agg: str = arg("seq-mean-token-mean", "loss aggregation: seq-mean-token-mean or token-mean")
     micro_batch: int = arg(1, "sequences per forward/backward (memory knob only)")
     mini_batch: int = arg(0, "sequences per optimizer step; 0 = ARPO's schedule: the batch in two steps "
@@ -187,8 +192,9 @@ def check_args(args: Args) -> None:
         (args.group_size < 1, "--group-size must be at least 1 (ARPO uses 8)"),
         (args.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
         (args.loss_agg not in ("seq-mean-token-mean", "token-mean"), "--loss-agg must be seq-mean-token-mean or token-mean"),
-        (args.beta != 0 and args.lora_rank == 0, "--beta > 0 needs a reference policy: add --lora-rank 64 (the "
-                                                  "adapter-free model is the reference), or keep --beta 0 as ARPO does"),
+        (args.beta < 0, "--beta must be >= 0"),
+        (args.engine == "vllm" and args.beta > 0 and args.lora_rank == 0, "--engine vllm with full fine-tuning and "
+                                                                          "--beta > 0 would hold three model copies; use LoRA or --beta 0"),
         (args.dual_clip != 0 and not args.dual_clip > 1, "--dual-clip must be above 1 (ARPO uses 3.0), or 0 to switch it off"),
         (args.mini_batch < 0 or args.micro_batch < 1, "--mini-batch must be 0 (ARPO's two steps per iteration) or "
                                                       "more, and --micro-batch at least 1"),
@@ -241,6 +247,7 @@ class Trainer:
     tasks: list = field(default_factory=list)  # the training task list (after --select-tasks)
     picker: dict = field(default_factory=lambda: {"epoch": 0, "pos": 0})  # pick_tasks' place in the order
     vm_offset: int = 0  # under torchrun: the number of this rank's first VM among all ranks' VMs
+    ref_fn: object = None  # --beta with full fine-tuning: the frozen starting policy's log-probs
 
 
 def n_groups(desktops: int, group_size: int) -> int:
@@ -400,7 +407,8 @@ def update(tr: Trainer, batch: list[Episode], it: int, times: dict) -> tuple:
     pieces = [episode_samples(tr.policy, e, a, adv_e) for e, adv_e in zip(batch, adv)]  # each trajectory's sequences
     samples = [p for ps in pieces for p in ps]
     upd = rundir.update_policy(tr.policy, tr.optimizer, samples, times, micro_batch_size=a.micro_batch,
-                               eps_low=a.eps_low, eps_high=a.eps_high, beta=a.beta, max_grad_norm=a.max_grad_norm,
+                               eps_low=a.eps_low, eps_high=a.eps_high, beta=a.beta, ref_fn=tr.ref_fn,
+                               max_grad_norm=a.max_grad_norm,
                                agg=a.loss_agg, epochs=a.epochs, temperature=a.temperature,
                                dual_clip=a.dual_clip or None,
                                mini_batch_size=a.mini_batch or None, optimizer_steps=2,  # ARPO: two steps a batch
@@ -555,7 +563,18 @@ def setup(args: Args, pool: VMPool, policy, run: str, ckpt, tasks: list, vm_offs
     if ckpt is None and args.select_tasks > 0:
         with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
             tasks = arpo_eval.select_and_record(pool, tasks, policy_fn, args, run, vm_offset)
-    return Trainer(args, pool, policy, optimizer, replay, policy_fn, run, tasks, picker, vm_offset), start
+    return Trainer(args, pool, policy, optimizer, replay, policy_fn, run, tasks, picker, vm_offset,
+                   reference_fn(args)), start
+
+
+def reference_fn(args: Args):
+    """--beta's reference with full fine-tuning: a frozen copy of --model, the run's start (also on a
+    resume). LoRA needs none: update_policy switches the adapter off."""
+    if args.beta == 0 or args.lora_rank > 0:
+        return None
+    ref = load_policy(args.model, seed=args.seed, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+    ref.model.eval().requires_grad_(False)
+    return functools.partial(per_token_logps, ref.model)  # batch -> (B, T)
 
 
 def checkpoint(tr: Trainer, next_it: int, metrics: dict | None = None) -> None:

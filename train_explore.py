@@ -52,12 +52,11 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
    drops out of the iteration without the step it failed in (`env_failures`) and a reset restarts
    it; the release threw the whole iteration away. No lockstep (the release's): generation batches
    the prompts that are waiting, so sampled tokens are not reproducible across runs. The screen
-   settles by a fixed sleep (--settle 1, the release's, the default) or the server's watch
-   (--settle watch, ARPO's default). Not watch by default here: for ScreenExplorer's random
-   clicks, drags and scrolls the watched screen is not always the screen a fixed sleep shows (on
-   one seed and warm start, random actions reached 1.71 distinct screens per episode watched
-   against 1.42 at --settle 2), so the watch would change what the model sees and is rewarded for;
-   which actions do it is not found yet (the task suite's steps all match).
+   settles by the server's watch (--settle watch, the default: answered once the desktop has
+   settled, ~0.15-0.3 s a step) instead of the release's fixed 1 s sleep (--settle 1 restores it).
+   The watched screen is the fixed sleep's screen for this method's random pointer actions too
+   (bench/settle.py --explore: 0 of 128 differ; the one that did, openbox's workspace popup, is off
+   on the local desktops: desktop.openbox_config).
 5. Distillation: the paper does not publish its SFT recipe; ours is --distill-epochs passes of
    token-mean NLL on the sampled answers, at --distill-lr, with LoRA merged into the weights after
    SFT, so the next generation's adapter (and its KL reference) start from the fine-tuned model.
@@ -128,8 +127,8 @@ class Args:
                                "--iterations-per-generation is 0)")
     reset_every: int = arg(1, "iterations between desktop resets (0 = only at start); a reset restarts dead "
                               "local desktops")
-    settle: str = arg("1", "after each action: seconds of a fixed sleep (the release: 1) or 'watch' (the server "
-                           "waits until the screen stops changing; changes what this method sees, see the docstring)")
+    settle: str = arg("watch", "after each action: 'watch' (the server answers once the screen has settled) or "
+                               "seconds of a fixed sleep (the release: 1)")
     vm_timeout: float = arg(30.0, "seconds a VM call may take before that VM drops out")
     temperature: float = arg(1.0, "sampling temperature (paper: 1.0)")
     top_p: float = arg(1.0, "nucleus sampling: keep the smallest token set with this much probability (1 = off)")

@@ -430,7 +430,7 @@ def run_seed(a, seed: int) -> dict:
           f"training {iterations} iterations", flush=True)
     flags = ["--model", warm, "--task-ids", task_ids, *common_flags(a), "--iterations", str(iterations),
              "--lr", str(a.lr), "--lr-warmup", str(max(1, iterations // 10)), "--lr-schedule", "linear",
-             "--epochs", str(a.epochs), "--seed", str(seed), "--runs-dir", out, "--run-name", "train",
+             "--epochs", str(a.epochs), "--beta", str(a.beta), "--seed", str(seed), "--runs-dir", out, "--run-name", "train",
              "--ckpt-every", str(max(1, iterations // 4))]
     if a.select_tasks:
         flags += ["--select-tasks", str(a.select_tasks)]
@@ -581,6 +581,7 @@ def parse_args(argv=None):
                         "(default: 120 for arpo; explore decides its own)")
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (warm-up 10%%, then linear decay)")
     p.add_argument("--epochs", type=int, default=1, help="train_arpo.py --epochs")
+    p.add_argument("--beta", type=float, default=0.0, help="train_arpo.py --beta: KL to the warm start (a frozen copy)")
     p.add_argument("--select-tasks", type=int, default=None,
                    help="ARPO's task selection: K rollouts a task; 0 = off (default: 16 for arpo, 0 for arpo-multi)")
     p.add_argument("--eval-episodes", type=int, default=24, help="episodes per task in each eval (T=1)")

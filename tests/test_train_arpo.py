@@ -239,8 +239,11 @@ def test_flags():
     assert (args.replay, args.lr, args.vms, args.group_size, args.stop_on_format_error) == \
         (False, 2e-6, "http://a:1,http://b:2", 8, True)
     assert given == {"replay": False, "lr": 2e-6, "vms": "http://a:1,http://b:2"}
-    with pytest.raises(SystemExit, match="--lora-rank"):
-        T.check_args(T.Args(beta=0.04))
+    T.check_args(T.Args(beta=0.04))  # full fine-tuning's reference is a frozen copy of --model
+    with pytest.raises(SystemExit, match="three model copies"):
+        T.check_args(T.Args(beta=0.04, engine="vllm"))
+    with pytest.raises(SystemExit, match="--beta must be"):
+        T.check_args(T.Args(beta=-1.0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -313,6 +316,29 @@ def test_epochs_and_the_lr_schedule_in_a_real_iteration(pool, tmp_path):
     m, _ = T.run_iteration(tr, 1, lambda n: [task.id] * n)
     assert m["groups"][0]["scores"] == [1.0, 0.0]
     assert m["actor/steps"] == 6 and m["actor/lr"] == 5e-4 and opt.param_groups[0]["lr"] == 5e-4
+
+
+def test_beta_with_full_fine_tuning_pulls_towards_a_frozen_copy_of_the_start(pool, tmp_path):
+    """--beta 0.04 without LoRA: the reference is a frozen copy of --model (reference_fn). ARPO's two
+    optimizer steps: the first starts at the reference (KL 0), the second after a step away from
+    it, so the run's KL is above 0, and the copy's weights never move."""
+    task = TASKS["calc-open"]
+    args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1, beta=0.04, seed=1)
+    policy = load_policy("tiny", seed=1, max_pixels=SMALL)  # the start = the reference's weights
+    ref_fn = T.reference_fn(args)
+    assert T.reference_fn(small_args(beta=0.0)) is None and T.reference_fn(small_args(beta=0.04, lora_rank=4)) is None
+    ref_model = ref_fn.args[0]  # partial(per_token_logps, the copy)
+    assert not any(p.requires_grad for p in ref_model.parameters())
+    frozen = ref_model.lm_head.weight.detach().clone()
+    assert torch.equal(frozen, policy.model.lm_head.weight)
+    fn = scripted(lambda tid, job: SOLUTIONS[tid] if job == 0 else [])  # rewards 1 and 0
+    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=args.lr)
+    tr = T.Trainer(args, pool, policy, opt, None, fn, str(tmp_path), [task], ref_fn=ref_fn)
+    m, _ = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    assert m["groups"][0]["scores"] == [1.0, 0.0] and m["actor/steps"] == 2
+    assert m["actor/kl"] > 0, m["actor/kl"]
+    assert torch.equal(frozen, ref_model.lm_head.weight) and not torch.equal(frozen, policy.model.lm_head.weight)
+    assert "kl n/a" not in T.summary_line(m, args.beta)
 
 
 def test_every_answer_is_trained_in_the_context_and_at_the_temperature_it_was_sampled(pool, tmp_path):

@@ -292,8 +292,10 @@ def openbox_config(config_home: str) -> None:
     text = open(system).read() if system else "<openbox_config><desktops></desktops></openbox_config>"
     if re.search(r"<popupTime>\s*\d+\s*</popupTime>", text):
         text = re.sub(r"<popupTime>\s*\d+\s*</popupTime>", "<popupTime>0</popupTime>", text)
-    else:  # openbox's built-in default is 875 ms: say 0 inside <desktops>
-        text = re.sub(r"<desktops>", "<desktops><popupTime>0</popupTime>", text, count=1)
+    elif "<desktops>" in text:  # openbox's built-in default is 875 ms: say 0 inside <desktops>
+        text = text.replace("<desktops>", "<desktops><popupTime>0</popupTime>", 1)
+    else:
+        text = text.replace("</openbox_config>", "<desktops><popupTime>0</popupTime></desktops></openbox_config>", 1)
     os.makedirs(os.path.join(config_home, "openbox"), exist_ok=True)
     with open(os.path.join(config_home, "openbox", "rc.xml"), "w") as fh:
         fh.write(text)

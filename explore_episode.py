@@ -51,6 +51,14 @@ class Step:
     windows_after: dict | None = None  # ... and after it
 
 
+def step_line(s: Step) -> dict:
+    """What one step did, as a line of a trajectory file (training's and the eval's): the answer,
+    the action it ran (screen pixels; None = a format failure, nothing ran), the VM's refusal if any."""
+    return {"step": s.t, "intent": s.parsed.thought if s.parsed else None,
+            "action": s.parsed.action.to_dict() if s.parsed else None, "valid": s.parsed is not None,
+            "error": s.error, "text": s.text, "screen": list(s.before.size)}
+
+
 @dataclass
 class Look:
     """What a chooser gets of one desktop at one step: the screen, and where the mouse is (DragTo

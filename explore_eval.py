@@ -29,7 +29,7 @@ import rewards as R
 import rollout
 import rundir
 from env import VMPool
-from explore_episode import Step, explore
+from explore_episode import Step, explore, step_line
 from rollout import parse_settle
 
 
@@ -102,15 +102,7 @@ def episode_metrics(steps: list[Step], same_hash: int, same_screen: float) -> di
             "distinct_screens": len(lead), "distinct_screens_feat": distinct_screens(screens, same_screen),
             "diversity": pairwise_diversity(screens[lead]), "windows": len(windows),
             "window_titles": [windows[k] for k in sorted(windows)],
-            "hashes": [f"{h:016x}" for h in hashes], "actions": [eval_line(s) for s in steps]}
-
-
-def eval_line(s: Step) -> dict:
-    """What one eval step did: the answer, the action it ran (screen pixels; None = a format failure,
-    nothing ran) and the VM's refusal if any. Also a line of the eval's trajectory files."""
-    return {"step": s.t, "intent": s.parsed.thought if s.parsed else None,
-            "action": s.parsed.action.to_dict() if s.parsed else None, "valid": s.parsed is not None,
-            "error": s.error, "text": s.text, "screen": list(s.before.size)}
+            "hashes": [f"{h:016x}" for h in hashes], "actions": [step_line(s) for s in steps]}
 
 
 def eval_episode(desk: rollout.Desktop, steps: int, settle):

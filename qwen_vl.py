@@ -11,7 +11,9 @@ is a Qwen2.5-VL). To try another family, this is the file to rewrite; what the o
                   pads an image becomes (expand_image_tokens), the default system turn
   model.py        FAMILIES (the transformers class, the vision attention class to batch, the
                   tiny test configs), the 3D-rope pre-hook (install_rope_hook), LORA_TARGETS,
-                  the image processor, the tiny tokenizer's pieces
+                  the image processor, the tiny tokenizer's pieces, and for generate the same
+                  image_inputs and mm_token_types as grpo.py
+  warm_start.py   family and image_processor (its synthetic screenshots, encoded as a run would)
   grpo.py         image_inputs (how a batch's images are joined) and forward_inputs (what a
                   forward gets besides the ids: the image tensors and the token types for 3D rope)
   vllm_engine.py  the architecture name vLLM picks its model by, the resize factor

@@ -38,6 +38,7 @@ Crash safety, the whole story:
 """
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -236,6 +237,17 @@ def set_lr(optimizer, lr: float) -> float:
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
+
+
+def reference_fn(beta: float, lora_rank: int, load):
+    """--beta's KL reference with full fine-tuning: a frozen copy of the starting model, `load()`
+    (the trainer's own loader, no LoRA). None when no reference is needed: beta 0, or LoRA, where
+    update_policy switches the adapter off instead. -> batch -> (B, T) log-probs."""
+    if beta == 0 or lora_rank > 0:
+        return None
+    ref = load()
+    ref.model.eval().requires_grad_(False)
+    return functools.partial(grpo.per_token_logps, ref.model)
 
 
 def update_policy(policy, optimizer, samples: list, times: dict, **kw) -> dict:

@@ -67,21 +67,19 @@ Where this departs from ARPO (paper + its released code), on purpose:
    advantages (reward - group mean, no division by the std). Their defaults are ARPO's.
 9. KL to the starting policy: off (beta 0, as ARPO). `--beta` adds DeepSeekMath's estimator against
    the adapter-free model (LoRA) or a frozen copy of --model (full fine-tuning: one more model in
-   memory, one more forward per update); it keeps a small model's answer format from drifting while
-   the lr is high (bench/learning.py). Logging:
-   metrics.jsonl always, plus Weights & Biases (--wandb) and TensorBoard (--tensorboard) when asked
-   for (progress.py).
-10. More than one GPU (ARPO: verl's FSDP on 8-16 GPUs with Ray): `torchrun --nproc_per_node N
+   memory, one more forward per update).
+10. Logging: metrics.jsonl always, plus Weights & Biases (--wandb) and TensorBoard (--tensorboard)
+   when asked for (progress.py).
+11. More than one GPU (ARPO: verl's FSDP on 8-16 GPUs with Ray): `torchrun --nproc_per_node N
    train_arpo.py ...`; each rank plays its own groups on its slice of the VMs, the replay buffer
    and the task order are the same on every rank, and full fine-tuning is sharded with FSDP2
    (dist.py, README "More than one GPU").
-11. A group is always --group-size rollouts (ARPO: one per VM, 16 tasks x 8 on 128 VMs): with fewer
+12. A group is always --group-size rollouts (ARPO: one per VM, 16 tasks x 8 on 128 VMs): with fewer
    desktops in service than that, they play the group in turns, so even a lone desktop trains (a
    group of one has advantage 0, and replay would only swap its member for a stored success).
 """
 from __future__ import annotations
 
-import functools
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -99,8 +97,9 @@ from actions import MIN_PIXELS
 from arpo_episode import Episode, Observation, as_image, from_record, play_all, save_episodes, to_record
 from chat import encode_chat, uitars_messages
 from env import Task, TaskError, VMPool, load_tasks
-from grpo import ReplayBuffer, group_advantages, per_token_logps, trajectory_sample
+from grpo import ReplayBuffer, group_advantages, trajectory_sample
 from model import Generation, generate, load_policy
+from qwen_vl import TURN_START
 from rollout import SETTLE_HELP, parse_settle
 from rundir import arg
 
@@ -317,7 +316,7 @@ def episode_samples(policy, ep: Episode, args: Args, advantage: float = 0.0) -> 
     shots = [as_image(s) for s in ep.screenshots]
     n, K = len(ep.assistant), args.max_images
     lps = ep.logprobs if len(ep.logprobs) == n and all(lp is not None for lp in ep.logprobs) else None
-    im_start = policy.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    im_start = policy.tokenizer.convert_tokens_to_ids(TURN_START)  # a turn's first token
     pieces = []
     for end in [min(n, K)] + list(range(K + 1, n + 1)):  # answers [0, end) in context; the last one or all targets
         msgs = uitars_messages(ep.task.instruction, shots[:end], ep.assistant[:end], max_images=K)
@@ -563,18 +562,9 @@ def setup(args: Args, pool: VMPool, policy, run: str, ckpt, tasks: list, vm_offs
     if ckpt is None and args.select_tasks > 0:
         with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
             tasks = arpo_eval.select_and_record(pool, tasks, policy_fn, args, run, vm_offset)
-    return Trainer(args, pool, policy, optimizer, replay, policy_fn, run, tasks, picker, vm_offset,
-                   reference_fn(args)), start
-
-
-def reference_fn(args: Args):
-    """--beta's reference with full fine-tuning: a frozen copy of --model, the run's start (also on a
-    resume). LoRA needs none: update_policy switches the adapter off."""
-    if args.beta == 0 or args.lora_rank > 0:
-        return None
-    ref = load_policy(args.model, seed=args.seed, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
-    ref.model.eval().requires_grad_(False)
-    return functools.partial(per_token_logps, ref.model)  # batch -> (B, T)
+    ref_fn = rundir.reference_fn(args.beta, args.lora_rank, lambda: load_policy(  # the run's start, also on a resume
+        args.model, seed=args.seed, min_pixels=args.min_pixels, max_pixels=args.max_pixels))
+    return Trainer(args, pool, policy, optimizer, replay, policy_fn, run, tasks, picker, vm_offset, ref_fn), start
 
 
 def checkpoint(tr: Trainer, next_it: int, metrics: dict | None = None) -> None:

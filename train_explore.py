@@ -94,7 +94,7 @@ import rollout
 import rundir
 from actions import MAX_PIXELS, MIN_PIXELS
 from env import VMPool
-from explore_episode import Step, play, policy_chooser, random_chooser
+from explore_episode import Step, play, policy_chooser, random_chooser, step_line
 from explore_distill import distill_samples, write_distill_dataset
 from explore_eval import run_eval
 from model import load_policy, sync_weights
@@ -448,16 +448,6 @@ def start_generation(g: int, run: str, a: Args) -> tuple:
     return policy, path, metrics
 
 
-def reference_fn(start_model: str, a: Args):
-    """KL reference for full fine-tuning: a frozen copy of the generation's starting model.
-    (LoRA needs none: update_policy switches the adapter off.)"""
-    if a.beta == 0 or a.lora_rank > 0:
-        return None
-    ref = load(start_model, a, lora=False)
-    ref.model.eval().requires_grad_(False)
-    return lambda batch: grpo.per_token_logps(ref.model, batch)  # (B, T)
-
-
 def next_generation(L: Learner, run: str, it: int, ipg: int, args: Args) -> dict:
     """ALGO: experience-stream distillation at a generation boundary: the finished generation's
     model and best steps are saved, and the next one starts from the BASE model fine-tuned on every
@@ -470,7 +460,7 @@ def next_generation(L: Learner, run: str, it: int, ipg: int, args: Args) -> dict
     L.policy.engine = engine
     sync_weights(L.policy)
     L.optimizer = adamw(trainable(L.policy), args.lr)
-    L.ref_fn = reference_fn(L.start_model, args)
+    L.ref_fn = rundir.reference_fn(args.beta, args.lora_rank, lambda: load(L.start_model, args, lora=False))
     return metrics
 
 
@@ -524,7 +514,8 @@ def setup(args: Args, run: str, ckpt, screen, vm_offset: int) -> tuple:
     if args.engine == "vllm":  # GPU only: one screenshot and one answer per prompt
         import vllm_engine
         vllm_engine.attach(policy, 1, args.max_new_tokens)
-    learner = Learner(policy, optimizer, start_model, reference_fn(start_model, args), generation, wm, wm_opt,
+    ref_fn = rundir.reference_fn(args.beta, args.lora_rank, lambda: load(start_model, args, lora=False))
+    learner = Learner(policy, optimizer, start_model, ref_fn, generation, wm, wm_opt,
                       flags, tools, vm_offset)
     dist.seed_ranks(args.seed + start)  # under torchrun: each rank samples its own answers
     return learner, start, distill_metrics
@@ -561,11 +552,8 @@ def evaluate(pool: VMPool, args: Args, ckpt, vm_offset: int = 0) -> dict:
 def trajectory_lines(buffer: list[Step], rows: list[int], r, adv) -> list[dict]:
     """One JSON line per step of one desktop: what it saw (the PNG), said, did, and earned."""
     comps = {"format": r.format, **r.parts}  # every term of rewards.TERMS, (N,) each
-    return [{"step": buffer[k].t, "intent": buffer[k].parsed.thought if buffer[k].parsed else None,
-             "action": buffer[k].parsed.action.to_dict() if buffer[k].parsed else None,
-             "valid": buffer[k].parsed is not None, "error": buffer[k].error, "text": buffer[k].text,
-             "completion_ids": buffer[k].gen.completion_ids, "image_size": list(buffer[k].gen.prompt.image_sizes[0]),
-             "screen": list(buffer[k].before.size), "reward": float(r.total[k]), "advantage": float(adv[k]),
+    return [{**step_line(buffer[k]), "completion_ids": buffer[k].gen.completion_ids,
+             "image_size": list(buffer[k].gen.prompt.image_sizes[0]), "reward": float(r.total[k]), "advantage": float(adv[k]),
              "rewards": {n: float(c[k]) for n, c in comps.items()}} for k in rows]
 
 

@@ -39,10 +39,10 @@ What it cost to get there, on a 2-layer model of width 64 (each measured at temp
 
 The cache: one folder per model under $WARM_START_CACHE (default ~/.cache/gui-agent-rl/warm_start),
 named after a hash of the recipe, the seed, the library versions (torch, transformers, tokenizers,
-Pillow, numpy) and the source of the files the model and its prompts come from (this file,
-qwen_vl.py, chat.py, model.py): editing any of them builds a new one. A build is written into a
-temporary folder and renamed into place, which is atomic on one file system, so no reader ever
-sees half a folder; a lock file makes a second process that wants the same model at the same time
+Pillow, numpy) and the source of the files the model, its prompts and its training step come from
+(this file, qwen_vl.py, chat.py, model.py, grpo.py): editing any of them builds a new one. A
+build is written into a temporary folder and renamed into place, which is atomic on one file
+system, so no reader ever sees half a folder; a lock file makes a second process that wants the same model at the same time
 (torchrun ranks, two tests) wait for the first build instead of doing its own. The folder is an
 ordinary checkpoint folder (save_policy), loaded like any other.
 
@@ -335,7 +335,7 @@ def train(policy, recipe: Recipe, seed: int) -> dict:
 # ------------------------------------------------------------------------------------------------
 # The cache: built once per recipe, seed, library versions and source, written atomically
 
-SOURCES = ("warm_start.py", "qwen_vl.py", "chat.py", "model.py")  # what the model and its prompts come from
+SOURCES = ("warm_start.py", "qwen_vl.py", "chat.py", "model.py", "grpo.py")  # the model, its prompts, its SFT step
 
 
 def cache_dir() -> str:

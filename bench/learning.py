@@ -181,8 +181,7 @@ def warm_start(out: str, seed: int, task_ids: list[str], epochs: int, lr: float,
         # nothing about which icon, but it puts the task right before the action tokens, where a
         # 2-layer model can condition on it (with a fixed thought it learns to ignore the prompt,
         # and RL then moves every prompt towards whichever icon succeeded first).
-        answer = f"Thought: {tasks[tid].instruction}\nAction: left_double(start_box='({x},{y})')"
-        msgs = uitars_messages(tasks[tid].instruction, [img], [answer], max_images=1)
+        msgs = uitars_messages(tasks[tid].instruction, [img], [answer(tasks[tid].instruction, (x, y))], max_images=1)
         samples[(tid, (x, y))] = trajectory_sample(encode_chat(policy, msgs, add_generation_prompt=False))
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     rng = random.Random(seed)

@@ -60,11 +60,12 @@ import grpo  # noqa: E402
 import model as M  # noqa: E402
 from chat import encode_chat, explore_messages  # noqa: E402
 from env import VMPool  # noqa: E402
+from warm_start import EXPLORE_CALLS  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()  # the warm start's save: no progress bar in the table
 
-# The random baseline's action types (train_explore.random_chooser), scroll split by direction.
-KINDS = ("Click", "DoubleClick", "RightClick", "Move", "ScrollUp", "ScrollDown")
+# The random baseline's action types (explore_episode.random_chooser), scroll split by direction.
+KINDS = EXPLORE_CALLS
 # Intents that name nothing on the screen: the warm start must not know what the desktop holds.
 INTENTS = ("See what happens here", "Try something new", "Look at this part of the screen")
 HEADLINE = "distinct_screens"  # per episode; see the docstring for why this one

@@ -44,8 +44,7 @@ def real_screens() -> list:
         pool.reset()
         shots = [pool.screenshots()[0].value]
         for argv in (["xterm"], ["xcalc"]):
-            pool.map("setup", [[{"type": "launch", "argv": argv}]])
-            time.sleep(2.0)  # the window maps, then draws
+            pool.map("setup", [[{"type": "launch", "argv": argv}]])  # answers once the window is up and drawn
             shots.append(pool.screenshots()[0].value)
     return shots
 

@@ -17,7 +17,7 @@ OURS = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
 NOT_OURS = {"args.json", "config.json"}  # files a run folder or a checkpoint holds, not the repository
 
 
-def design() -> str:
+def forking() -> str:
     with open(os.path.join(ROOT, "FORKING.md"), encoding="utf-8") as f:
         return f.read()
 
@@ -37,22 +37,22 @@ def top_level_names(mod: str) -> set[str]:
     return names
 
 
-def test_every_file_design_md_names_exists():
-    files = set(re.findall(r"\b([\w/]+\.(?:py|md|sh|json))\b", design()))
+def test_every_file_forking_md_names_exists():
+    files = set(re.findall(r"\b([\w/]+\.(?:py|md|sh|json))\b", forking()))
     missing = [f for f in sorted(files) if f not in NOT_OURS and not os.path.exists(os.path.join(ROOT, f))
                and not os.path.exists(os.path.join(ROOT, "tests", f))]
     assert not missing, f"FORKING.md names files that do not exist: {missing}"
     assert len(files) > 20  # the parse found the table, not nothing
 
 
-def test_every_module_name_design_md_names_is_defined_there():
-    found = set(re.findall(r"\b([a-z_]+)\.([A-Za-z_]\w*)\b", design()))
+def test_every_module_name_forking_md_names_is_defined_there():
+    found = set(re.findall(r"\b([a-z_]+)\.([A-Za-z_]\w*)\b", forking()))
     pairs = [(m, n) for m, n in found if m in OURS and n not in ("py", "md")]
     missing = [f"{m}.{n}" for m, n in sorted(pairs) if n not in top_level_names(m)]
     assert not missing, f"FORKING.md names what its module does not define: {missing}"
     assert len(pairs) > 15
 
 
-def test_the_readme_points_to_design_md():
+def test_the_readme_points_to_forking_md():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         assert "FORKING.md" in f.read()

@@ -319,14 +319,16 @@ def test_epochs_and_the_lr_schedule_in_a_real_iteration(pool, tmp_path):
 
 
 def test_beta_with_full_fine_tuning_pulls_towards_a_frozen_copy_of_the_start(pool, tmp_path):
-    """--beta 0.04 without LoRA: the reference is a frozen copy of --model (reference_fn). ARPO's two
+    """--beta 0.04 without LoRA: the reference is a frozen copy of --model (rundir.reference_fn). ARPO's two
     optimizer steps: the first starts at the reference (KL 0), the second after a step away from
     it, so the run's KL is above 0, and the copy's weights never move."""
     task = TASKS["calc-open"]
     args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1, beta=0.04, seed=1)
     policy = load_policy("tiny", seed=1, max_pixels=SMALL)  # the start = the reference's weights
-    ref_fn = T.reference_fn(args)
-    assert T.reference_fn(small_args(beta=0.0)) is None and T.reference_fn(small_args(beta=0.04, lora_rank=4)) is None
+    def load():
+        return load_policy("tiny", seed=1, max_pixels=SMALL)
+    ref_fn = rundir.reference_fn(args.beta, args.lora_rank, load)  # what train_arpo.setup builds
+    assert rundir.reference_fn(0.0, 0, load) is None and rundir.reference_fn(0.04, 4, load) is None
     ref_model = ref_fn.args[0]  # partial(per_token_logps, the copy)
     assert not any(p.requires_grad for p in ref_model.parameters())
     frozen = ref_model.lm_head.weight.detach().clone()

@@ -121,6 +121,8 @@ class Args:
     group_size: int = arg(8, "rollouts per task = one GRPO group (ARPO: 8); tasks per iteration = desktops in "
                       "service // this, at least 1 (fewer desktops than a group play it in turns); 1 trains "
                       "nothing (no baseline: every advantage is 0), a smoke test only")
+    groups: int = arg(0, "tasks (groups) per iteration, played in turns on the desktops; 0 = desktops in service "
+                         "// --group-size (ARPO: 16 tasks x 8 rollouts on 128 VMs, one update)")
     # policy
     model: str = arg("ByteDance-Seed/UI-TARS-1.5-7B",
                      "HF id or folder of a Qwen-VL checkpoint; 'tiny-uitars' = tiny, UI-TARS format taught (CPU); "
@@ -189,6 +191,7 @@ def check_args(args: Args) -> None:
     import vllm_engine  # plain Python until an engine is built (vLLM itself is imported there)
     rundir.check([
         (args.group_size < 1, "--group-size must be at least 1 (ARPO uses 8)"),
+        (args.groups < 0, "--groups must be 0 (one per --group-size desktops) or more"),
         (args.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
         (args.loss_agg not in ("seq-mean-token-mean", "token-mean"), "--loss-agg must be seq-mean-token-mean or token-mean"),
         (args.beta < 0, "--beta must be >= 0"),
@@ -249,13 +252,16 @@ class Trainer:
     ref_fn: object = None  # --beta with full fine-tuning: the frozen starting policy's log-probs
 
 
-def n_groups(desktops: int, group_size: int) -> int:
-    """How many groups (tasks) an iteration plays on `desktops` desktops in service: one per
+def n_groups(desktops: int, group_size: int, groups: int = 0) -> int:
+    """How many groups (tasks) an iteration plays on `desktops` desktops in service: `groups` if
+    given (more jobs than desktops: a desktop whose episode ended takes the next), else one per
     group_size of them (leftovers idle), and at least one. A group is always group_size rollouts:
     fewer desktops than that play it in turns (rollout.py gives a freed desktop the next episode),
     so a lone desktop still trains; a group of one would not (its advantage is always 0, and replay
     would only swap its one member for a stored success, with nothing to compare it with)."""
-    return max(1, desktops // group_size) if desktops else 0
+    if not desktops:
+        return 0
+    return groups or max(1, desktops // group_size)
 
 
 def lr_at(it: int, args: Args) -> float:
@@ -294,7 +300,7 @@ def assign_tasks(tr: Trainer, pick) -> tuple[list[str], list[Task], list[int], i
     # Under torchrun every rank draws the tasks of ALL groups (the same ids: the order is a function
     # of the seed) and plays its own, numbered after the earlier ranks' groups: a group never
     # straddles ranks.
-    counts = dist.gather(n_groups(desktops, tr.args.group_size))
+    counts = dist.gather(n_groups(desktops, tr.args.group_size, tr.args.groups))
     group_offset, size = sum(counts[:dist.rank()]), tr.args.group_size
     task_ids = pick(sum(counts))
     by_id = {t.id: t for t in tr.tasks}

@@ -422,14 +422,15 @@ def run_seed(a, seed: int) -> dict:
     per_wave = before_eval["seconds"] / max(1, waves)
     select_s = math.ceil(len(ids) * a.select_tasks / a.vms) * per_wave
     left = budget - (time.perf_counter() - t0) - before_eval["seconds"] - select_s - 30  # 30 s: 3 starts
-    fit = max(2, int(left / (per_wave * 1.25)))
+    per_iteration = math.ceil((a.groups or max(1, a.vms // a.group_size)) * a.group_size / a.vms)  # its waves
+    fit = max(2, int(left / (per_wave * per_iteration * 1.25)))
     iterations = min(a.iterations, fit) if a.iterations else fit
     r["iterations"] = iterations
     print(f"seed {seed}: eval before {before_eval['seconds']:.0f}s ({per_wave:.1f}s a wave); "
           f"training {iterations} iterations", flush=True)
     flags = ["--model", warm, "--task-ids", task_ids, *common_flags(a), "--iterations", str(iterations),
              "--lr", str(a.lr), "--lr-warmup", str(max(1, iterations // 10)), "--lr-schedule", "linear",
-             "--epochs", str(a.epochs), "--beta", str(a.beta), "--seed", str(seed), "--runs-dir", out, "--run-name", "train",
+             "--epochs", str(a.epochs), "--beta", str(a.beta), "--groups", str(a.groups), "--seed", str(seed), "--runs-dir", out, "--run-name", "train",
              "--ckpt-every", str(max(1, iterations // 4))]
     if a.select_tasks:
         flags += ["--select-tasks", str(a.select_tasks)]
@@ -581,6 +582,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (warm-up 10%%, then linear decay)")
     p.add_argument("--epochs", type=int, default=1, help="train_arpo.py --epochs")
     p.add_argument("--beta", type=float, default=0.0, help="train_arpo.py --beta: KL to the warm start (a frozen copy)")
+    p.add_argument("--groups", type=int, default=0,
+                   help="train_arpo.py --groups: tasks per iteration, in turns (0: one per --group-size desktops)")
     p.add_argument("--select-tasks", type=int, default=None,
                    help="ARPO's task selection: K rollouts a task; 0 = off (default: 16 for arpo, 0 for arpo-multi)")
     p.add_argument("--eval-episodes", type=int, default=24, help="episodes per task in each eval (T=1)")

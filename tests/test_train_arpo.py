@@ -232,6 +232,8 @@ def test_task_order_and_groups():
     # desktop): one group, played in turns; none: nothing
     assert T.n_groups(7, 3) == 2 and T.n_groups(6, 3) == 2 and T.n_groups(2, 8) == 1
     assert T.n_groups(1, 8) == 1 and T.n_groups(0, 8) == 0
+    # --groups: that many tasks an iteration whatever the desktops (in turns), none without a desktop
+    assert T.n_groups(4, 4, groups=3) == 3 and T.n_groups(16, 4, groups=2) == 2 and T.n_groups(0, 4, groups=3) == 0
 
 
 def test_flags():

@@ -289,13 +289,12 @@ def openbox_config(config_home: str) -> None:
     dirs = (os.environ.get("XDG_CONFIG_DIRS") or "/etc/xdg").split(":") + ["/etc/xdg"]
     system = next((os.path.join(d, "openbox", "rc.xml") for d in dirs
                    if os.path.isfile(os.path.join(d, "openbox", "rc.xml"))), None)
-    text = open(system).read() if system else "<openbox_config><desktops></desktops></openbox_config>"
-    if re.search(r"<popupTime>\s*\d+\s*</popupTime>", text):
-        text = re.sub(r"<popupTime>\s*\d+\s*</popupTime>", "<popupTime>0</popupTime>", text)
-    elif "<desktops>" in text:  # openbox's built-in default is 875 ms: say 0 inside <desktops>
+    text = open(system).read() if system else "<openbox_config></openbox_config>"
+    text, said = re.subn(r"<popupTime>\s*\d+\s*</popupTime>", "<popupTime>0</popupTime>", text)
+    if not said:  # openbox's built-in default is 875 ms: say 0 inside <desktops> (made if missing)
+        if "<desktops>" not in text:
+            text = text.replace("</openbox_config>", "<desktops></desktops></openbox_config>", 1)
         text = text.replace("<desktops>", "<desktops><popupTime>0</popupTime>", 1)
-    else:
-        text = text.replace("</openbox_config>", "<desktops><popupTime>0</popupTime></desktops></openbox_config>", 1)
     os.makedirs(os.path.join(config_home, "openbox"), exist_ok=True)
     with open(os.path.join(config_home, "openbox", "rc.xml"), "w") as fh:
         fh.write(text)

@@ -408,9 +408,9 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
                   optimizer_steps: int | None = None) -> dict:
     """One GRPO update on a rollout; returns metrics averaged over its optimizer steps.
 
-    samples carry .advantage already (the trainer sets it from group_advantages). By default the whole rollout is one
-    optimizer step, accumulated over micro-batches of `micro_batch_size` (memory knob only: the
-    loss is scaled so the gradient equals the full-batch one). `mini_batch_size` splits the rollout
+    samples carry .advantage already (the trainer sets it from group_advantages). By default the
+    whole rollout is one optimizer step, accumulated over micro-batches of `micro_batch_size`
+    (memory knob only: the loss is scaled so the gradient equals the full-batch one). `mini_batch_size` splits the rollout
     into several steps and `epochs` repeats them; old log-probs are fixed before the first step.
     `optimizer_steps` (with mini_batch_size None) cuts the batch into that many steps instead
     (ARPO: 2, whatever the batch size).

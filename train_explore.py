@@ -32,10 +32,11 @@ runs/<name>/distill/; the next generation starts again from the BASE model, fine
 distilled data so far, then does RL.
 
 Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), and what it leaves out:
-1. Rewards, features and the world model are rewards.py's (a fixed patch-grid screen feature instead
-   of Cosmos latents, tesseract + MiniLM instead of PaddleOCR + BGE-M3, an MLP world model); see its
-   docstring. The release's two bugs are not here: the world model's image branch is trained, and
-   `--rewards all,no_world_model` still trains the actor (the release skipped the update).
+1. Rewards and features are rewards.py's, the world model world_model.py's (a fixed patch-grid screen
+   feature instead of Cosmos latents, tesseract + MiniLM instead of PaddleOCR + BGE-M3, an MLP world
+   model); see their docstrings. The release's two bugs are not here: the world model's image branch
+   is trained, and `--rewards all,no_world_model` still trains the actor (the release skipped the
+   update).
    Curiosity is scored before the world model learns the buffer (the release: after, so a new
    transition seen on several desktops had its surprise trained away; --wm-train-first restores
    the release's order). Both optimizers are the release's AdamW, betas (0.9, 0.95).
@@ -92,6 +93,7 @@ import progress
 import rewards as R
 import rollout
 import rundir
+import world_model as WM
 from actions import MAX_PIXELS, MIN_PIXELS
 from env import VMPool
 from explore_episode import Step, play, policy_chooser, random_chooser, step_line
@@ -264,7 +266,7 @@ class Learner:
     start_model: str  # the generation's starting model: LoRA's base and the KL reference
     ref_fn: object  # full fine-tuning's frozen reference (reference_fn), or None
     generation: int
-    wm: R.WorldModel
+    wm: WM.WorldModel
     wm_opt: torch.optim.Optimizer
     flags: dict  # the --rewards switches, usable ones only (rewards.effective_flags)
     tools: object  # OCR + embedder, or None
@@ -297,7 +299,7 @@ def score(buffer: list[Step], L: Learner, a: Args, times: dict, it: int = 0):
             # ALGO: curiosity is the surprise of the world model as it stood before this buffer;
             # then it learns the buffer (--wm-train-first: the release's order, the other way round).
             if actions_all:
-                pred_s, pred_t, wm_metrics = R.update_and_predict(L.wm, L.wm_opt, f_all, actions_all,
+                pred_s, pred_t, wm_metrics = WM.update_and_predict(L.wm, L.wm_opt, f_all, actions_all,
                                                                   [1] * len(actions_all), a.wm_epochs, a.wm_batch_size,
                                                                   a.wm_train_first)  # (V_all, D), (V_all, E)
                 pred_s, pred_t = pred_s[mine], None if pred_t is None else pred_t[mine]  # (V, D), (V, E)
@@ -491,7 +493,7 @@ def setup(args: Args, run: str, ckpt, screen, vm_offset: int) -> tuple:
     tools = R.load_text_tools() if "text" in R.reads(want) else None
     flags = R.effective_flags(want, tools)
     print("reward terms on: " + ", ".join(R.terms_on(flags)), flush=True)
-    wm = R.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags.get("text")) else 0, args.wm_hidden, screen)
+    wm = WM.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags.get("text")) else 0, args.wm_hidden, screen)
     wm_opt = adamw(wm.parameters(), args.wm_lr)
     if ckpt is None:
         policy, start_model, distill_metrics = start_generation(1, run, args)

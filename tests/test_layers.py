@@ -11,7 +11,8 @@ from the other's:
     train_arpo.py     -> arpo_eval.py (evaluation, task selection) -> arpo_episode.py (one episode)
     train_explore.py  -> explore_eval.py (exploration eval) -> explore_episode.py (one episode)
                       -> explore_distill.py (the distillation data)
-    both              -> rollout.py, rundir.py, grpo.py, model.py, ... (rewards.py: ScreenExplorer's)
+    both              -> rollout.py, rundir.py, grpo.py, model.py, ... (world_model.py -> rewards.py:
+                         ScreenExplorer's)
 
 rollout.py, the stepper both trainers play episodes with, sits below both and knows no model (no
 torch: generation is the caller's policy_fn); the bottoms (actions.py, procs.py, qwen_vl.py) import

@@ -1,5 +1,5 @@
 """GRPO for vision-language GUI agents: advantages, per-token log-probs, the clipped loss,
-rollout micro-batches, the ARPO replay buffer and the distillation (SFT) step.
+rollout micro-batches and the distillation (SFT) step (ARPO's replay buffer: arpo_replay.py).
 
 Used by train_explore.py (ScreenExplorer) and train_arpo.py (ARPO); nothing here talks to a VM.
 Tests: `python -m pytest -q tests/test_grpo.py`. Benchmark: `python bench/logprobs.py`.
@@ -22,11 +22,7 @@ Where this departs from the papers (on purpose, each one small):
    clipping never fires. `mini_batch_size` / `epochs` give verl-style several steps per rollout
    (ARPO's default: two), where old log-probs are fixed before the first step and clipping
    matters; `shuffle` mixes the samples first, as ScreenExplorer's release does.
-4. Replay injection replaces the (first) lowest-scoring member of a failed group. ARPO's paper
-   says a random member, its code the first one; in a group that qualifies (std < 0.05, mean <
-   0.2) the members score about the same, and taking the lowest keeps a rare partial success
-   (e.g. one 0.1 among seven 0s, std 0.035) that a random or first pick could throw away.
-5. Old log-probs are recomputed by the trainer, not taken from the sampler (vLLM's
+4. Old log-probs are recomputed by the trainer, not taken from the sampler (vLLM's
    numbers differ slightly from HF's; top_p < 1 draws from a truncated distribution that the
    trainer does not reproduce). verl does the same, and logs the gap (our `logp_gap`). Every
    log-prob is scored at the sampling temperature with the never-sampled vision tokens removed,
@@ -38,7 +34,6 @@ from __future__ import annotations
 
 import math
 import random
-import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -421,7 +416,7 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
     Reference for beta > 0: `ref_fn(batch) -> (B, T)` (e.g. a frozen copy), or, for a peft model,
     the same weights with the LoRA adapter disabled. beta == 0 computes no reference at all.
     `on_micro_batch(n)` is called after each micro-batch's backward with its n samples (a progress bar).
-    Old log-probs come from the trainer's own forward pass (departure 5 in the module docstring);
+    Old log-probs come from the trainer's own forward pass (departure 4 in the module docstring);
     the log-probs the samples carry from the sampler (Sample.old_logps) are only compared with
     them: metrics["logp_gap"] is the mean |trainer - sampler| over the target tokens.
     """
@@ -567,72 +562,3 @@ def distill_step(policy_or_model, optimizer, samples: Sequence[Sample], micro_ba
         nll += loss.item()
     norm, ok = _clip_and_step(model, optimizer, max_grad_norm)
     return {"nll": nll, "tokens": total, "grad_norm": norm, "skipped": 0.0 if ok else 1.0}
-
-
-# ----------------------------------------------------------------------------------------------
-# ARPO replay buffer
-
-
-class ReplayBuffer:
-    """Per-task store of successful trajectories (ARPO). Trajectories are opaque: whatever the
-    train script keeps (they must be picklable for checkpoints).
-
-    Call order per iteration: inject into each new group first, then add its members, so an
-    injected success always comes from an earlier iteration.
-    """
-
-    def __init__(self, capacity_per_task: int = 8, success_threshold: float = 0.1, seed: int = 0):
-        self.capacity_per_task = int(capacity_per_task)
-        self.success_threshold = float(success_threshold)
-        self.data: dict[str, list[tuple[Any, float]]] = {}  # task -> [(trajectory, score)], oldest first
-        self.rng = random.Random(seed)  # own RNG: resuming from state_dict replays the same choices
-
-    def add(self, task_id, trajectory, score: float) -> bool:
-        """Keep a success (score strictly above the threshold); returns whether it was kept."""
-        if not (float(score) > self.success_threshold):  # ALGO: success = score > 0.1 (NaN is not)
-            return False
-        items = self.data.setdefault(str(task_id), [])
-        items.append((trajectory, float(score)))
-        if len(items) > self.capacity_per_task:
-            items.pop(0)  # ALGO: bounded per task, oldest out: stays close to the current policy
-        return True
-
-    def sample(self, task_id):
-        """A random stored success of this task, or None."""
-        items = self.data.get(str(task_id))
-        return self.rng.choice(items)[0] if items else None
-
-    def inject(self, task_id, trajectories: list, scores: Sequence[float], std_below: float = 0.05,
-               mean_below: float = 0.2) -> tuple[list, list[float], bool]:
-        """If the group failed alike (std < std_below and mean < mean_below), replace its lowest
-        scorer (the first of them on a tie) with a stored success so GRPO sees a non-zero
-        advantage. ARPO's code replaces the first member, its paper a random one: the lowest keeps
-        a partial success the group may hold (departure 4). Returns new lists + flag."""
-        trajectories, scores = list(trajectories), [float(s) for s in scores]
-        if not scores:
-            return trajectories, scores, False
-        std = statistics.stdev(scores) if len(scores) > 1 else 0.0  # unbiased, as group_advantages
-        items = self.data.get(str(task_id))
-        if not (std < std_below and statistics.fmean(scores) < mean_below) or not items:  # ALGO
-            return trajectories, scores, False
-        traj, score = self.rng.choice(items)
-        worst = min(range(len(scores)), key=scores.__getitem__)
-        trajectories[worst], scores[worst] = traj, score  # ALGO: one success into the failed group
-        return trajectories, scores, True
-
-    def __len__(self) -> int:
-        return sum(len(v) for v in self.data.values())
-
-    def state_dict(self) -> dict:
-        """Plain lists, ints and floats (plus the trajectories): fits torch.save / pickle."""
-        version, internal, gauss = self.rng.getstate()
-        return {"capacity_per_task": self.capacity_per_task, "success_threshold": self.success_threshold,
-                "data": {k: [[t, s] for t, s in v] for k, v in self.data.items()},
-                "rng": [version, list(internal), gauss]}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.capacity_per_task = int(d["capacity_per_task"])
-        self.success_threshold = float(d["success_threshold"])
-        self.data = {k: [(t, float(s)) for t, s in v] for k, v in d["data"].items()}
-        version, internal, gauss = d["rng"]
-        self.rng.setstate((version, tuple(internal), gauss))

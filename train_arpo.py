@@ -41,7 +41,7 @@ Where this departs from ARPO (paper + its released code), on purpose:
    that answer ends the episode); `--format-penalty` sets the 0.5, `--no-stop-on-format-error` lets the
    episode go on (the penalty is still paid once per trajectory).
 4. The replay buffer is saved in every checkpoint and restored on resume (ARPO's is lost). Injection
-   replaces the lowest scorer of the failed group (grpo.ReplayBuffer); ARPO's paper says a random
+   replaces the lowest scorer of the failed group (arpo_replay.ReplayBuffer); ARPO's paper says a random
    member, its code replaces the first. The members of a group that qualifies score about the same;
    the lowest keeps a rare partial success that the first or a random pick could throw away.
 5. The update follows ARPO's verl config (examples/osworld_full_arpo.sh): its global_batch_size 8
@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -94,10 +94,11 @@ import progress
 import rollout
 import rundir
 from actions import MIN_PIXELS
-from arpo_episode import Episode, Observation, as_image, from_record, play_all, save_episodes, to_record
+from arpo_episode import Episode, Observation, as_image, play_all, save_episodes, to_record
 from chat import encode_chat, uitars_messages
 from env import Task, TaskError, VMPool, load_tasks
-from grpo import ReplayBuffer, group_advantages, trajectory_sample
+from arpo_replay import ReplayBuffer, replay_groups
+from grpo import group_advantages, trajectory_sample
 from model import Generation, generate, load_policy
 from qwen_vl import TURN_START
 from rollout import SETTLE_HELP, parse_settle
@@ -338,53 +339,6 @@ def episode_samples(policy, ep: Episode, args: Args, advantage: float = 0.0) -> 
         p.advantage = advantage
         p.weight = sum(p.target_mask) / total if total else 1.0 / len(pieces)
     return pieces
-
-
-def apply_replay(buffer: ReplayBuffer, members: list[Episode], group: int, vm_offset: int = 0) -> tuple[list, dict | None]:
-    """ALGO: ARPO's replay. If the group failed alike (score std < 0.05 and mean < 0.2), one member
-    is replaced by a stored success of the same task (stored in an EARLIER iteration: the buffer is
-    filled only after this step). Returns the group's trajectories for the update + the injection."""
-    # ARPO decides on the evaluator scores (not the rewards with their format penalty): a group
-    # whose members all failed the task needs a success, however well-formed their answers were.
-    new, _, injected = buffer.inject(members[0].task.id, members, [e.score for e in members])
-    if not injected:
-        return members, None
-    k = next(i for i, (a, b) in enumerate(zip(members, new)) if a is not b)  # the replaced member
-    # The stored success joins this group: its own reward, normalised against today's members. Its
-    # sampler log-probs are an older policy's: dropped, so logp_gap compares like with like.
-    ep = replace(from_record(new[k]), group=group, replayed=True, logprobs=[])
-    return members[:k] + [ep] + members[k + 1:], {
-        "task": ep.task.id, "group": group, "replaced_vm": vm_offset + members[k].vm, "from_iteration": ep.iteration,
-        "from_vm": ep.vm, "score": ep.score, "reward": ep.reward}
-
-
-def replay_groups(buffer: ReplayBuffer | None, fresh: list[Episode], task_ids: list[str], scores: dict,
-                  vm_offset: int = 0):
-    """Per group: replay (if on) and its stats. Returns (update batch, injections, group stats) of
-    this rank's groups. `scores`: {group: its fresh members' scores} of EVERY group (under torchrun,
-    of every rank): each rank keeps the same replay buffer, so every rank draws for every group."""
-    batch, injections, stats = [], [], []
-    for g, tid in enumerate(task_ids):
-        members = [e for e in fresh if e.group == g]
-        if not members:
-            if buffer is not None and scores.get(g):  # another rank's group: the same draw as there
-                buffer.inject(tid, [None] * len(scores[g]), scores[g])
-            continue  # (or every VM of this group failed: nothing to learn from it)
-        if buffer is not None:
-            members, inj = apply_replay(buffer, members, g, vm_offset)
-            injections += [inj] if inj else []
-        batch += members
-        r = torch.tensor([e.reward for e in members])  # (G,)
-        # `scores` are this iteration's fresh rollouts only, so a success rate read from them is the
-        # policy's; a replayed member's score is listed apart. `rewards` (and mean, std) are what the
-        # update normalised, fresh and replayed members alike, labelled member by member in `members`.
-        stats.append({"group": g, "task": tid, "n": len(members),
-                      "scores": [e.score for e in members if not e.replayed],
-                      "replayed_scores": [e.score for e in members if e.replayed],
-                      "rewards": r.tolist(), "members": ["replayed" if e.replayed else "fresh" for e in members],
-                      "mean": float(r.mean()), "std": float(r.std()) if len(r) > 1 else 0.0,
-                      "replayed": any(e.replayed for e in members)})
-    return batch, injections, stats
 
 
 def replay_and_store(tr: Trainer, fresh: list[Episode], task_ids: list[str]) -> tuple:

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 
 import train_arpo as T  # noqa: E402
 from env import VMPool, load_tasks  # noqa: E402
-from grpo import ReplayBuffer  # noqa: E402
+from arpo_replay import ReplayBuffer  # noqa: E402
 from model import load_policy  # noqa: E402
 from rollout import SETTLE_HELP, parse_settle  # noqa: E402
 

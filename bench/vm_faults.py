@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 import train_arpo as T  # noqa: E402
 from env import VMPool, load_tasks  # noqa: E402
-from grpo import ReplayBuffer  # noqa: E402
+from arpo_replay import ReplayBuffer  # noqa: E402
 from model import load_policy  # noqa: E402
 from conftest import proc_alive as alive, proc_children as children, proc_group as group_pids  # noqa: E402
 

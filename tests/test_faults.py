@@ -28,7 +28,7 @@ import torch
 import train_arpo as T
 from conftest import proc_alive, proc_group
 from env import VMPool, load_tasks
-from grpo import ReplayBuffer
+from arpo_replay import ReplayBuffer
 from model import load_policy
 
 SMALL = 64 * 28 * 28

@@ -9,6 +9,7 @@ plain values, never each other's Args); each trainer's own files sit right below
 from the other's:
 
     train_arpo.py     -> arpo_eval.py (evaluation, task selection) -> arpo_episode.py (one episode)
+                      -> arpo_replay.py (the replay buffer of successes)
     train_explore.py  -> explore_eval.py (exploration eval) -> explore_episode.py (one episode)
                       -> explore_distill.py (the distillation data)
     both              -> rollout.py, rundir.py, grpo.py, model.py, ... (world_model.py -> rewards.py:
@@ -104,7 +105,7 @@ def test_trainers_are_the_tops():
     assert [m for m in OURS if set(trainers) & set(GRAPH[m])] == []
 
 
-OWN = {"train_arpo": ["arpo_episode", "arpo_eval"],
+OWN = {"train_arpo": ["arpo_episode", "arpo_eval", "arpo_replay"],
        "train_explore": ["explore_distill", "explore_episode", "explore_eval"]}
 
 

@@ -38,7 +38,7 @@ import arpo_eval  # noqa: E402
 import rundir  # noqa: E402
 import train_arpo as T  # noqa: E402
 from env import VMPool, load_tasks  # noqa: E402
-from grpo import ReplayBuffer  # noqa: E402
+from arpo_replay import ReplayBuffer  # noqa: E402
 from model import load_policy  # noqa: E402
 from conftest import free_port, kill_x_server  # noqa: E402
 

@@ -18,7 +18,7 @@ no foreign Origin (a web page in a local browser, or DNS rebinding, cannot reach
 seconds, a GET may not carry a body, and at most MAX_CONNECTIONS connections are open (the one
 waiting longest for its request makes room for a new one). `--port 0` picks a free port; the
 first stdout line is `vm_server: serving http://HOST:PORT ...`. With --xvfb the whole desktop,
-this server included, runs inside bubblewrap (desktop.sandbox; --no-sandbox turns it off): the
+this server included, runs inside bubblewrap (sandbox.py; --no-sandbox turns it off): the
 port is bound outside and the socket handed in (--listen-fd), the token through a pipe
 (--token-fd), and the server makes itself non-dumpable, so nothing on the desktop can read the
 token or reach the port. Each VM has a token of its own: the trainer derives it from one secret and
@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hmac
+import importlib
 import io
 import ipaddress
 import json
@@ -90,17 +91,16 @@ LISTEN_BACKLOG = 1024    # connections the kernel queues before we accept them (
 # itself -- Xvfb, session, icons, HOME template -- in desktop.py)
 
 
-def _desktop():
-    """desktop.py (the --xvfb desktop), imported only when a --xvfb server needs it: a VM serving
-    its own display runs without the file."""
+def _desktop(name: str = "desktop"):
+    """desktop.py (the --xvfb desktop) or sandbox.py (its bubblewrap), imported only when a --xvfb
+    server needs it: a VM serving its own display runs without either file."""
     try:
-        import desktop
+        return importlib.import_module(name)
     except ModuleNotFoundError as e:
-        if e.name != "desktop":
+        if e.name != name:
             raise
-        sys.exit("vm_server: --xvfb needs desktop.py next to vm_server.py; copy it too, or serve an "
+        sys.exit(f"vm_server: --xvfb needs {name}.py next to vm_server.py; copy it too, or serve an "
                  "existing display without --xvfb.")
-    return desktop
 
 
 def reset(desk: Desktop) -> dict[str, float]:
@@ -636,7 +636,7 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 < args.request_timeout <= 3600:
         sys.exit(f"vm_server: --request-timeout must be in (0, 3600] seconds, got {args.request_timeout:g}.")
     allow = DEFAULT_ALLOW | {a for a in args.allow_exec.split(",") if a}
-    # Inside the sandbox bubblewrap hands us the folder it made for the desktop (see desktop.sandbox).
+    # Inside the sandbox bubblewrap hands us the folder it made for the desktop (see sandbox.launch).
     sandbox_tmp = os.environ.pop("VM_SERVER_SANDBOX", "")
 
     # SIGTERM/SIGHUP unwind like Ctrl-C, so the `finally` below stops every process we started.
@@ -656,7 +656,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_sandbox:  # the desktop and this server again, inside bubblewrap; we wait and clean up
             inner = ["--xvfb", "--screen", args.screen, "--request-timeout", repr(args.request_timeout),
                      *(["--allow-exec", args.allow_exec] if args.allow_exec else []), *(["--verbose"] if args.verbose else [])]
-            sys.exit(_desktop().sandbox(inner, sock, token))
+            sys.exit(_desktop("sandbox").launch(inner, sock, token))
         try:
             user = pwd.getpwuid(os.getuid()).pw_name
         except KeyError:  # a uid without a passwd entry

@@ -35,6 +35,7 @@ from conftest import mouse, wait_for, x11
 
 sys.path.insert(0, os.path.dirname(SERVER))
 import desktop  # noqa: E402
+import sandbox  # noqa: E402
 
 # What bwrap's --dev leaves in /dev: no disks, no /dev/mem, no host ttys.
 SANDBOX_DEV = {"console", "core", "fd", "full", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin", "stdout",
@@ -131,11 +132,11 @@ def test_the_agents_terminal_cannot_touch_the_host(vm_desktop):
 
 def test_every_process_of_the_desktop_is_confined(vm_desktop):
     vm = vm_desktop
-    assert vm.stderr().count(desktop.SANDBOX_LINE) == 1 and "sandbox: off" not in vm.stderr()
+    assert vm.stderr().count(sandbox.SANDBOX_LINE) == 1 and "sandbox: off" not in vm.stderr()
     procs = inside(vm)
     names = {comm(p) for p in procs}
     assert {"python", "Xvfb", "openbox", "tint2", "pcmanfm"} <= names, names  # the server runs inside too
-    shown = (*desktop.SYSTEM, "/dev", "/proc", "/sys", "/tmp", "/var/tmp", sys.prefix, sys.base_prefix,
+    shown = (*sandbox.SYSTEM, "/dev", "/proc", "/sys", "/tmp", "/var/tmp", sys.prefix, sys.base_prefix,
              *[p for p in sys.path if p.startswith("/") and p != ROOT])
     for p in procs:
         status = dict(line.split(":", 1) for line in open(f"/proc/{p}/status").read().splitlines() if ":" in line)
@@ -205,7 +206,7 @@ def test_no_sandbox_runs_unconfined_and_says_so():
     vm = start_vm_server("--no-sandbox")
     try:
         err = vm.stderr()
-        assert err.count("sandbox: off (--no-sandbox)") == 1 and desktop.SANDBOX_LINE not in err, err
+        assert err.count("sandbox: off (--no-sandbox)") == 1 and sandbox.SANDBOX_LINE not in err, err
         kids = [p for p in proc_descendants(vm.proc.pid) if proc_alive(p)]
         assert "Xvfb" in map(comm, kids) and "bwrap" not in map(comm, kids)
         status = open(f"/proc/{kids[0]}/status").read()

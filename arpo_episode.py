@@ -32,9 +32,10 @@ import rollout
 import rundir
 from actions import parse_action, smart_resize
 from chat import uitars_messages
-from env import Task, VMError, VMPool
+from env import VMError, VMPool
 from model import Generation
 from rollout import EnvFailure, parse_settle, refused
+from task_files import Task
 
 # ------------------------------------------------------------------------------------------------
 # Episodes: what one VM did on one task

@@ -95,14 +95,15 @@ import rollout
 import rundir
 from actions import MIN_PIXELS
 from arpo_episode import Episode, Observation, as_image, play_all, save_episodes, to_record
-from chat import encode_chat, uitars_messages
-from env import Task, TaskError, VMPool, load_tasks
 from arpo_replay import ReplayBuffer, replay_groups
+from chat import encode_chat, uitars_messages
+from env import VMPool
 from grpo import group_advantages, trajectory_sample
 from model import Generation, generate, load_policy
 from qwen_vl import TURN_START
 from rollout import SETTLE_HELP, parse_settle
 from rundir import arg
+from task_files import Task, TaskError, load_tasks
 
 PROG = "train_arpo.py"
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hmac
-import importlib
 import io
 import ipaddress
 import json
@@ -95,12 +94,14 @@ def _desktop(name: str = "desktop"):
     """desktop.py (the --xvfb desktop) or sandbox.py (its bubblewrap), imported only when a --xvfb
     server needs it: a VM serving its own display runs without either file."""
     try:
-        return importlib.import_module(name)
+        import desktop
+        import sandbox
     except ModuleNotFoundError as e:
-        if e.name != name:
+        if e.name not in ("desktop", "sandbox"):
             raise
-        sys.exit(f"vm_server: --xvfb needs {name}.py next to vm_server.py; copy it too, or serve an "
+        sys.exit(f"vm_server: --xvfb needs {e.name}.py next to vm_server.py; copy it too, or serve an "
                  "existing display without --xvfb.")
+    return {"desktop": desktop, "sandbox": sandbox}[name]
 
 
 def reset(desk: Desktop) -> dict[str, float]:

@@ -154,11 +154,12 @@ def warm_start(out: str, seed: int, task_ids: list[str], epochs: int, lr: float,
     import torch
     import transformers
 
-    from chat import encode_chat, uitars_messages
     from actions import smart_resize
-    from env import VMPool, load_tasks
+    from chat import encode_chat, uitars_messages
+    from env import VMPool
     from grpo import distill_step, trajectory_sample
     from model import load_policy, save_policy
+    from task_files import load_tasks
 
     t0 = time.perf_counter()
     tasks = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
@@ -274,7 +275,7 @@ def warm_start_multi(out: str, seed: int, task_ids: list[str], epochs: int, lr: 
     from actions import smart_resize
     from chat import encode_chat, uitars_messages
     from desktop import desktop_icons
-    from env import load_tasks
+    from task_files import load_tasks
     from grpo import distill_step, trajectory_sample
     from model import load_policy, save_policy
 

@@ -1,4 +1,4 @@
-"""Tests for env.py's VM side: VMClient, VMPool, launch_local_vms, load_tasks.
+"""Tests for env.py's VM side (VMClient, VMPool, launch_local_vms) and task_files.py (load_tasks).
 
 Run: python -m pytest -q tests/test_env.py   (needs Xvfb & co from setup.sh; about a minute)
 
@@ -16,8 +16,9 @@ import pytest
 from PIL import Image
 
 from actions import Action, parse_action
-from env import Task, TaskError, VMClient, VMError, VMPool, launch_local_vms, load_tasks
 from conftest import free_port, wait_for
+from env import VMClient, VMError, VMPool, launch_local_vms
+from task_files import Task, TaskError, load_tasks
 
 
 

@@ -26,10 +26,11 @@ import pytest
 import torch
 
 import train_arpo as T
-from conftest import proc_alive, proc_group
-from env import VMPool, load_tasks
 from arpo_replay import ReplayBuffer
+from conftest import proc_alive, proc_group
+from env import VMPool
 from model import load_policy
+from task_files import load_tasks
 
 SMALL = 64 * 28 * 28
 VM_TIMEOUT = 8.0

@@ -39,8 +39,9 @@ from PIL import Image
 import rollout
 import train_arpo as A
 import explore_episode as X
-from env import Task, VMPool
+from env import VMPool
 from model import load_policy
+from task_files import Task
 
 from conftest import wait_for
 

@@ -28,10 +28,11 @@ from collections import Counter
 
 import pytest
 
+from arpo_episode import outcome_scores
 from conftest import start_vm_server
 from desktop import desktop_icons
-from env import Task, VMClient, VMPool, load_tasks
-from arpo_episode import outcome_scores
+from env import VMClient, VMPool
+from task_files import Task, load_tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS_DIR = os.path.join(ROOT, "tasks")

@@ -37,10 +37,11 @@ import arpo_episode as E  # noqa: E402
 import arpo_eval  # noqa: E402
 import rundir  # noqa: E402
 import train_arpo as T  # noqa: E402
-from env import VMPool, load_tasks  # noqa: E402
 from arpo_replay import ReplayBuffer  # noqa: E402
-from model import load_policy  # noqa: E402
 from conftest import free_port, kill_x_server  # noqa: E402
+from env import VMPool  # noqa: E402
+from model import load_policy  # noqa: E402
+from task_files import load_tasks  # noqa: E402
 
 SMALL = 64 * 28 * 28  # screenshots of ~64 visual tokens for the tiny model: fast on CPU
 TASKS = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}

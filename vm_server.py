@@ -40,8 +40,9 @@ Where this departs from OSWorld's in-VM server (the papers' environment):
 
 What to copy into your VM: vm_server.py, vm_tasks.py (the /setup and /evaluate steps and checks),
 vm_rules.py (the allow-list and its argv rules, HOME confinement, the request checks), procs.py
-(the desktop's processes and windows), settle.py (?settle=watch: when the screen has settled) and
-actions.py (the action schema POST /action takes; stdlib only). desktop.py is the `--xvfb`
+(the desktop's processes and windows), settle.py (?settle=watch: when the screen has settled),
+vm_actions.py (POST /action: check it, do it) and actions.py (the action schema it takes; stdlib
+only). desktop.py is the `--xvfb`
 desktop, imported only with `--xvfb`, so a VM serving its own display does without it. Nothing
 imports this file: it is the program you run.
 """
@@ -69,15 +70,15 @@ from urllib.parse import parse_qs, urlsplit
 
 from PIL import ImageGrab
 
-from actions import ACTION_FIELDS, DIRECTIONS, MAX_KEYS, MAX_TEXT_CHARS
 from procs import Desktop, app_windows, kill_tree, prctl, reap
 from settle import watcher
-from vm_rules import DEFAULT_ALLOW, MAX_BODY, BadRequest, check_number, check_object, check_str, vm_token
+from vm_actions import check_action, do_action
+from vm_rules import DEFAULT_ALLOW, MAX_BODY, BadRequest, check_object, vm_token
 from vm_tasks import evaluate, setup
 
 # -------------------------------------------------------------------------------------------------
 # Limits (a request's body, the allow-list and its argv rules are in vm_rules.py; the type-text
-# and hotkey limits are the action schema's, in actions.py)
+# and hotkey limits are the action schema's, in actions.py, checked in vm_actions.py)
 
 PNG_LEVEL = 1            # zlib level: 1 is the fastest that still squeezes flat screen colours well
 REQUEST_TIMEOUT = 120.0  # a request must arrive whole within this long (--request-timeout)
@@ -119,114 +120,6 @@ def reset(desk: Desktop) -> dict[str, float]:
     t = time.monotonic()
     pyautogui.moveTo(desk.screen[0] // 2, desk.screen[1] // 2, _pause=False)  # no app left to see it in order
     return {**phases, "mouse": round(time.monotonic() - t, 3)}
-
-# -------------------------------------------------------------------------------------------------
-# POST /action
-
-def check_action(desk: Desktop, body) -> dict:
-    """The body of POST /action, checked against actions.ACTION_FIELDS and this screen."""
-    import pyautogui
-    a = check_object(body, "action", ACTION_FIELDS)
-    t = a["type"]
-    if ("x" in a) != ("y" in a):
-        raise BadRequest("'x' and 'y' must be given together.")
-    for kx, ky in (("x", "y"), ("x2", "y2")):
-        if kx in a:  # an off-screen point is the client's bug (actions.to_screen clamps model output)
-            check_number(a, kx, 0, desk.screen[0] - 1), check_number(a, ky, 0, desk.screen[1] - 1)
-    if t == "type":
-        check_str(a, "text", MAX_TEXT_CHARS)
-    elif t == "key":
-        keys = a["keys"]
-        if not (isinstance(keys, list) and 0 < len(keys) <= MAX_KEYS and all(isinstance(k, str) for k in keys)):
-            raise BadRequest(f"'keys' must be a list of 1 to {MAX_KEYS} key names, e.g. [\"ctrl\", \"s\"].")
-        bad = [k for k in keys if k not in pyautogui.KEYBOARD_KEYS]
-        if bad:
-            raise BadRequest(f"unknown key name(s) {bad}; use pyautogui's names, e.g. 'ctrl', 'enter', 'a'.")
-    elif t == "scroll":
-        if a["direction"] not in DIRECTIONS:
-            raise BadRequest("'direction' must be one of 'up', 'down', 'left', 'right'.")
-        a["amount"] = check_number(a, "amount", 1, 50, default=5)  # wheel clicks; GTK scrolls ~3 lines each
-    elif t == "wait":
-        a["amount"] = check_number(a, "amount", 0, 5, default=1)   # seconds
-    return a
-
-
-def do_action(desk: Desktop, a: dict) -> None:
-    import pyautogui as gui
-    t, at = a["type"], ((a["x"], a["y"]) if "x" in a else ())
-    if t == "move":
-        gui.moveTo(*at)
-    elif t in ("click", "double_click", "right_click"):
-        gui.click(*at, clicks=2 if t == "double_click" else 1, interval=0.05,
-                  button="right" if t == "right_click" else "left")
-    elif t == "drag":
-        # Press, glide, release: apps only see a drag if the pointer moves while the button is
-        # down (jumping straight to the end is a click there).
-        gui.moveTo(*at)
-        gui.mouseDown()
-        gui.moveTo(a["x2"], a["y2"], duration=0.3)
-        gui.mouseUp()
-    elif t == "scroll":
-        if at:
-            gui.moveTo(*at)
-        n = a["amount"]
-        if a["direction"] in ("up", "down"):
-            gui.scroll(n if a["direction"] == "up" else -n)   # X11 buttons 4 / 5
-        else:
-            gui.hscroll(n if a["direction"] == "right" else -n)  # X11 buttons 7 / 6
-    elif t == "type":
-        if at:  # ScreenExplorer's Text(x, y, "t"): click the field first
-            gui.click(*at)
-        type_text(a["text"])
-    elif t == "key":
-        gui.hotkey(*a["keys"])
-    elif t == "wait":
-        time.sleep(a["amount"])
-    # done / fail: the client ends the episode; nothing to execute here
-
-
-def type_text(text: str) -> None:
-    """Type any text. pyautogui types what the US keymap has and silently drops the rest; for
-    those characters we map spare keycodes to them (all at once), type, then unmap. (`xdotool type`
-    remaps one keycode per character and loses characters when an app reads the keymap late.)"""
-    import pyautogui
-    from Xlib import X, display
-    from Xlib.ext import xtest
-    # "<" is printable ASCII but pyautogui types it as shift + the key that carries "<" on this
-    # keymap, which gives ">" (an agent's `wc -l < f` would become `wc -l > f`): it takes the
-    # remapped-keycode path like non-ASCII text.
-    us = lambda c: c in "\n\t" or (" " <= c <= "~" and c != "<")  # noqa: E731
-    if all(map(us, text)):
-        return pyautogui.write(text)
-    d = display.Display()
-    lo = d.display.info.min_keycode
-    keymap = d.get_keyboard_mapping(lo, d.display.info.max_keycode - lo + 1)
-    spare, width = [lo + i for i, syms in enumerate(keymap) if not any(syms)], len(keymap[0])
-    pos = 0
-    while spare and pos < len(text):
-        codes, end = {}, pos  # the longest run whose special characters fit the spare keycodes
-        while end < len(text) and (us(text[end]) or text[end] in codes or len(codes) < len(spare)):
-            if not us(text[end]):
-                codes.setdefault(text[end], spare[len(codes)])
-            end += 1
-        for c, kc in codes.items():  # Latin-1 keysyms are the code point, others 0x1000000 + it
-            d.change_keyboard_mapping(kc, [(ord(c) if ord(c) < 256 else 0x1000000 + ord(c),) * width])
-        d.sync()
-        time.sleep(0.05)  # apps reload their keymap on the MappingNotify first
-        for c in re.findall(r"[\t\n -;=-~]+|.", text[pos:end], re.S):  # US runs (no "<"), single others
-            if c in codes:
-                xtest.fake_input(d, X.KeyPress, codes[c])
-                xtest.fake_input(d, X.KeyRelease, codes[c])
-                d.sync()
-            else:
-                pyautogui.write(c)
-        time.sleep(0.2)  # the app translates the last keys before the keycodes change back
-        for kc in codes.values():
-            d.change_keyboard_mapping(kc, [(0,) * width])
-        d.sync()
-        pos = end
-    d.close()
-
 
 # -------------------------------------------------------------------------------------------------
 # HTTP

@@ -23,8 +23,9 @@ No weights can be downloaded, so the policy is the tiny random Qwen2.5-VL of the
    run), although success rose (eval after 0.92 and 0.57 / 0.40). So does the format penalty:
    --format-penalty 1.0 here (train_arpo.py's default is ARPO's 0.5). At 0.5 a broken answer cost
    half what a success earns, and as the policy concentrated on its icons it spliced their
-   coordinates (`(8,1,5)`) more and more: parse 0.78 by the end of the run at lr 5e-4. At 1.0 it
-   costs as much as a success earns, and the parse rate stayed at 0.93 or more in every quarter.
+   coordinates (`(8,1,5)`) more and more: parse 0.78 in a quarter of the run at lr 5e-4. At 1.0 it
+   costs as much as a success earns, and the parse rate stayed at 0.88 or more in every quarter
+   of 8 seeds (4 runs of this bench, README).
 4. After: the same eval on the selected tasks, of the checkpoint chosen by a rule fixed in advance:
    the run's LAST checkpoint (the lr has decayed to ~0 there, so it is the policy the run settled on;
    not the best of several, which would select on the eval's own noise).

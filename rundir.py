@@ -342,6 +342,7 @@ def resume(run: str, ckpt, policy, optimizer) -> int:
     start = next_iteration(state)
     if dist.is_main():
         trim_metrics(run, start)  # lines logged after this checkpoint are redone
+        trim_trajectories(run, start)
     dist.barrier()
     set_rng_state(state["rng"])
     return start
@@ -443,6 +444,16 @@ def set_rng_state(s: dict) -> None:
     cuda = s.get("cuda")
     if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
+
+
+def trim_trajectories(run: str, next_iteration: int) -> None:
+    """On resume: remove the trajectory folders of iterations >= next_iteration, a killed attempt's.
+    A redone iteration clears its own folder (clear_trajectories), but a kill after the last
+    checkpoint leaves one that no iteration redoes."""
+    folder = os.path.join(run, "trajectories")
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if len(name) == 8 and name.startswith("it") and name[2:].isdigit() and int(name[2:]) >= next_iteration:
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
 def trim_metrics(run: str, next_iteration: int) -> None:

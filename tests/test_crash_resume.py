@@ -161,6 +161,17 @@ def test_a_kill_between_checkpoint_and_metrics_line_loses_no_line(tmp_path):
     assert [json.loads(x)["iteration"] for x in open(os.path.join(run, "metrics.jsonl"))] == [0, 1, 2]
 
 
+def test_a_resume_removes_the_trajectories_of_iterations_it_will_not_keep(tmp_path):
+    # A kill after the last checkpoint: the killed attempt's it000007/ is never redone.
+    run = str(tmp_path)
+    for it in (5, 6, 7, 12):
+        os.makedirs(os.path.join(run, "trajectories", f"it{it:06d}"))
+    os.makedirs(os.path.join(run, "trajectories", "notes"))  # not an iteration's: kept
+    rundir.trim_trajectories(run, 7)
+    assert sorted(os.listdir(os.path.join(run, "trajectories"))) == ["it000005", "it000006", "notes"]
+    rundir.trim_trajectories(str(tmp_path / "no-run"), 0)  # no trajectories folder: nothing to do
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. The train scripts, killed at random moments and resumed (2 shared desktops, remote mode)
 

@@ -39,7 +39,9 @@ Where this departs from ARPO (paper + its released code), on purpose:
    it stops changing, with a cap) or, as ARPO/OSWorld, a fixed sleep (--settle 0.5).
 3. The format penalty follows ARPO's code (reward = score + 0.5 * (-1 on an unparseable answer), and
    that answer ends the episode); `--format-penalty` sets the 0.5, `--no-stop-on-format-error` lets the
-   episode go on (the penalty is still paid once per trajectory).
+   episode go on (the penalty is still paid once per trajectory). `--format-penalty-on advantage`
+   (not ARPO's) takes it from the broken trajectory's advantage after the group's scores are
+   normalised, so a group that failed alike does not reward its well-formed failures (advantages).
 4. The replay buffer is saved in every checkpoint and restored on resume (ARPO's is lost). Injection
    replaces the lowest scorer of the failed group (arpo_replay.ReplayBuffer); ARPO's paper says a random
    member, its code replaces the first. The members of a group that qualifies score about the same;
@@ -147,6 +149,9 @@ class Args:
                                "with a cap) or seconds of a fixed sleep (ARPO/OSWorld: 0.5)")
     # reward, loss, update
     format_penalty: float = arg(0.5, "reward -= this if any answer of the trajectory did not parse (ARPO: 0.5 * 1)")
+    format_penalty_on: str = arg("reward", "where the format penalty is paid: reward (ARPO: the group normalises "
+                                           "score - penalty) or advantage (the group normalises the scores, then the "
+                                           "broken trajectory alone loses the penalty from its advantage)")
     lr: float = arg(1e-6, "AdamW learning rate (ARPO: 1e-6)")
     lr_warmup: int = arg(0, "iterations of linear learning-rate warm-up from lr / N (ARPO: none)")
     lr_schedule: str = arg("constant", "learning rate after the warm-up: constant (ARPO), linear or cosine "
@@ -197,6 +202,7 @@ def check_args(args: Args) -> None:
         (args.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
         (args.loss_agg not in ("seq-mean-token-mean", "token-mean"), "--loss-agg must be seq-mean-token-mean or token-mean"),
         (args.beta < 0, "--beta must be >= 0"),
+        (args.format_penalty_on not in ("reward", "advantage"), "--format-penalty-on must be reward or advantage"),
         (args.engine == "vllm" and args.beta > 0 and args.lora_rank == 0, "--engine vllm with full fine-tuning and "
                                                                           "--beta > 0 would hold three model copies; use LoRA or --beta 0"),
         (args.dual_clip != 0 and not args.dual_clip > 1, "--dual-clip must be above 1 (ARPO uses 3.0), or 0 to switch it off"),
@@ -358,12 +364,29 @@ def replay_and_store(tr: Trainer, fresh: list[Episode], task_ids: list[str]) -> 
     return batch, injections, stats
 
 
+def advantages(batch: list[Episode], a: Args) -> list[float]:
+    """ALGO: one advantage per trajectory, against its group. --format-penalty-on reward (ARPO): the
+    group normalises the rewards, score - penalty on a broken one. --format-penalty-on advantage:
+    the group normalises the scores, and a broken trajectory alone loses the penalty afterwards.
+    Why the second exists: in a group that failed the task alike, ARPO's way turns one broken
+    answer into a positive advantage for every other member (scores [0, 0, 0, 0], one broken:
+    rewards [0, 0, 0, -0.5] -> [+0.5, +0.5, +0.5, -1.5]), which reinforces whatever the failed
+    members did; here that group gives [0, 0, 0, -0.5]: the format is still taught, and nothing a
+    failure did is rewarded (bench/learning.py --method arpo-multi, where such groups dominate)."""
+    groups = [e.group for e in batch]
+    if a.format_penalty_on == "reward":
+        return group_advantages([e.reward for e in batch], groups, a.scale_rewards).tolist()  # (N,)
+    adv = group_advantages([e.score for e in batch], groups, a.scale_rewards)  # (N,)
+    broken = torch.tensor([float(not all(e.format_ok)) for e in batch])  # (N,)
+    return (adv - a.format_penalty * broken).tolist()  # (N,)
+
+
 def update(tr: Trainer, batch: list[Episode], it: int, times: dict) -> tuple:
     """ALGO: advantages per group of trajectories, broadcast to every assistant token, then the GRPO
     update in ARPO's schedule (two shuffled mini-batches by default, dual clip, log-probs at the
     sampling temperature). -> (advantage per trajectory, its training sequences, update metrics)."""
     a = tr.args
-    adv = group_advantages([e.reward for e in batch], [e.group for e in batch], a.scale_rewards).tolist()  # (N,)
+    adv = advantages(batch, a)  # (N,)
     pieces = [episode_samples(tr.policy, e, a, adv_e) for e, adv_e in zip(batch, adv)]  # each trajectory's sequences
     samples = [p for ps in pieces for p in ps]
     upd = rundir.update_policy(tr.policy, tr.optimizer, samples, times, micro_batch_size=a.micro_batch,

@@ -47,7 +47,12 @@ advantage (one reward per episode, on every answer of it), replay on. The warm s
 often, and the second, on the screen that icon opened, each thing that screen affords equally
 often (`affordances`: the file manager's 5 items; the desktop icons after any other app). No
 task selection: a random episode succeeds 1 time in 35, so 16 rollouts would drop most tasks;
-every task is trained and evaluated. The table adds per step, before -> after: how often the
+every task is trained and evaluated. The format penalty (1.0) is taken from the broken
+trajectory's advantage, after its group's scores are normalised (train_arpo.py --format-penalty-on
+advantage; not ARPO's way): early on most groups fail the task alike, and ARPO's reward-side
+penalty then gave every well-formed failure of such a group a positive advantage; in one run 94
+of 200 updates were only that, and they pushed seed 1 onto one wrong icon before it ever
+succeeded (README). The table adds per step, before -> after: how often the
 first action was right (a double-click on the file manager's icon) and how often the second was,
 among the episodes whose first was (the task's folder opened), so it shows that the second step
 was learned and not only the first.
@@ -437,7 +442,8 @@ def run_seed(a, seed: int) -> dict:
     flags = ["--model", warm, "--task-ids", task_ids, *common_flags(a), "--iterations", str(iterations),
              "--lr", str(a.lr), "--lr-warmup", str(max(1, iterations // 10)), "--lr-schedule", "linear",
              "--epochs", str(a.epochs), "--beta", str(a.beta), "--groups", str(a.groups),
-             "--format-penalty", str(a.format_penalty), "--seed", str(seed), "--runs-dir", out, "--run-name", "train",
+             "--format-penalty", str(a.format_penalty), "--format-penalty-on", a.format_penalty_on,
+             "--seed", str(seed), "--runs-dir", out, "--run-name", "train",
              "--ckpt-every", str(max(1, iterations // 4))]
     if a.select_tasks:
         flags += ["--select-tasks", str(a.select_tasks)]
@@ -591,7 +597,9 @@ def parse_args(argv=None):
     p.add_argument("--beta", type=float, default=0.0, help="train_arpo.py --beta: KL to the warm start (a frozen copy)")
     p.add_argument("--format-penalty", type=float, default=None,
                    help="train_arpo.py --format-penalty: reward -= this when an answer did not parse "
-                        "(default: 1.0 for arpo, ARPO's 0.5 for arpo-multi)")
+                        "(default: 1.0)")
+    p.add_argument("--format-penalty-on", choices=["reward", "advantage"], default=None,
+                   help="train_arpo.py --format-penalty-on (default: reward, as ARPO, for arpo; advantage for arpo-multi)")
     p.add_argument("--groups", type=int, default=0,
                    help="train_arpo.py --groups: tasks per iteration, in turns (0: one per --group-size desktops)")
     p.add_argument("--select-tasks", type=int, default=None,
@@ -619,8 +627,10 @@ def resolve(a):
         a.select_tasks = 0 if a.method == "arpo-multi" else 16
     if a.warm_epochs is None:
         a.warm_epochs = 8 if a.method == "arpo-multi" else 16
-    if a.format_penalty is None:  # arpo: see the docstring (3.); arpo-multi passed with ARPO's own
-        a.format_penalty = 0.5 if a.method == "arpo-multi" else 1.0
+    if a.format_penalty is None:  # see the docstring (3.)
+        a.format_penalty = 1.0
+    if a.format_penalty_on is None:  # arpo-multi: see its part of the docstring
+        a.format_penalty_on = "advantage" if a.method == "arpo-multi" else "reward"
     if a.max_new_tokens is None:
         a.max_new_tokens = 48 if a.method == "arpo-multi" else 40
     return a

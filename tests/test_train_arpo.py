@@ -305,6 +305,26 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     assert len(buffer) == 1
 
 
+def test_the_format_penalty_on_the_reward_or_on_the_advantage():
+    """Two groups of 4, penalty 0.5. Group 0: scores [1, 0, 0, 0], the last answer broken; group 1:
+    all failed, the last broken. Hand-computed (unbiased std, as torch.std):
+    reward (ARPO): group 0 rewards [1, 0, 0, -0.5], mean 0.125, std sqrt(1.1875 / 3) = 0.62915
+      -> [1.3908, -0.1987, -0.1987, -0.9934]; group 1 rewards [0, 0, 0, -0.5], mean -0.125,
+      std sqrt(0.1875 / 3) = 0.25 -> [0.5, 0.5, 0.5, -1.5]: the three failures are rewarded.
+    advantage: group 0 scores normalised, mean 0.25, std 0.5 -> [1.5, -0.5, -0.5, -0.5], the
+      broken one -0.5 more -> -1.0; group 1 scores all equal -> 0, the broken one -0.5."""
+    batch = [E.Episode(task=None, vm=k, group=g, score=s, format_ok=[True, ok], reward=s - 0.5 * (not ok))
+             for g, scores in enumerate([[1, 0, 0, 0], [0, 0, 0, 0]])
+             for k, (s, ok) in enumerate(zip(scores, [True, True, True, False]))]
+    got = T.advantages(batch, small_args(format_penalty=0.5))
+    assert got == pytest.approx([1.3908, -0.1987, -0.1987, -0.9934, 0.5, 0.5, 0.5, -1.5], abs=1e-4)
+    got = T.advantages(batch, small_args(format_penalty=0.5, format_penalty_on="advantage"))
+    assert got == pytest.approx([1.5, -0.5, -0.5, -1.0, 0.0, 0.0, 0.0, -0.5], abs=1e-4)
+    # Dr. GRPO's advantages (no std) take the penalty the same way: group 0 [0.75, -0.25, -0.25, -0.75].
+    got = T.advantages(batch, small_args(format_penalty=0.5, format_penalty_on="advantage", scale_rewards=False))
+    assert got == pytest.approx([0.75, -0.25, -0.25, -0.75, 0.0, 0.0, 0.0, -0.5], abs=1e-6)
+
+
 def test_epochs_and_the_lr_schedule_in_a_real_iteration(pool, tmp_path):
     """--epochs 3 with one trajectory per optimizer step: 2 trajectories x 3 passes = 6 steps; the
     optimizer runs at lr_at(iteration) (warm-up: iteration 1 of 4 -> lr / 2), logged as `actor/lr`."""
@@ -583,6 +603,7 @@ def _metrics(run):
     # vLLM's context length comes from the flags: 15 ARPO-sized screenshots exceed the tiny model's 8192
     (["--model", "tiny", "--engine", "vllm"], "more than this model's 8192; lower --max-images or --max-pixels"),
     (["--dual-clip", "0.5"], "--dual-clip must be above 1"),
+    (["--format-penalty-on", "Advantages"], "--format-penalty-on must be reward or advantage"),
 ])
 def test_user_errors_end_in_one_sentence(flags, says, tmp_path):
     flags = [f.format(port=free_port()) for f in flags]

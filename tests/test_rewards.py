@@ -291,6 +291,27 @@ def test_screen_features_deterministic_and_discriminative():
     assert 0.9 < R.cosine(f[0:1], f[4:5]) < 1
 
 
+def test_screen_features_weigh_a_change_by_its_area():
+    """A black 1280x720 screen, then one 40 px cell (k = 1 of the 576) or a quarter of the screen
+    (k = 144 cells) turned white, cell-aligned (so every std stays 0). By hand: the means centred on
+    grey are -0.5 (black) or +0.5 (white), the global number mean - 0.5:
+      before = [-0.5] * 576 + [0] * 576 + [-0.5],  |before| = 0.5 * sqrt(577) = 12.01041
+      after: k entries +0.5, the rest -0.5, global k / 576 - 0.5
+      dot = 0.25 * (576 - 2k) + 0.5 * (0.5 - k / 576),  |after| = sqrt(144 + (k / 576 - 0.5)^2)
+      k = 1:   dot 143.74913, |after| 12.01034 -> 1 - cos = 0.0034662
+      k = 144: dot 72.125,    |after| 12.00260 -> 1 - cos = 0.4996747
+    (Centred on the screen's own average, the same two changes would be 0.554 and 0.976: a tiny
+    change on a flat screen would count as half a new screen.)"""
+    black = Image.new("RGB", (1280, 720), (0, 0, 0))
+    cell, quarter = black.copy(), black.copy()
+    cell.paste((255, 255, 255), (0, 0, 40, 40))
+    quarter.paste((255, 255, 255), (0, 0, 640, 360))
+    f = R.screen_features([black, cell, quarter])  # (3, D)
+    assert float(f[0, 0]) == pytest.approx(-1 / 577 ** 0.5, abs=1e-6)  # -0.5 / (0.5 * sqrt(577))
+    assert 1 - R.cosine(f[0:1], f[1:2]).item() == pytest.approx(0.0034662, abs=1e-5)
+    assert 1 - R.cosine(f[0:1], f[2:3]).item() == pytest.approx(0.4996747, abs=1e-5)
+
+
 def test_screen_features_see_small_changes():
     base = _screen(windows=[(200, 100, 900, 600)])
     typed = _screen(windows=[(200, 100, 900, 600)], words=[((250, 150), "Hello")])

@@ -53,6 +53,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -268,7 +269,8 @@ def planned_iterations(a, elapsed: float, eval_seconds: float) -> int:
 def run_seed(seed: int, a) -> dict:
     t0 = time.perf_counter()
     root = os.path.join(a.out, f"seed{seed}")
-    os.makedirs(root, exist_ok=True)
+    shutil.rmtree(root, ignore_errors=True)  # a rerun starts afresh (train_explore.py refuses an existing run)
+    os.makedirs(root)
     log = os.path.join(root, "console.log")
     open(log, "w").close()
     warm = os.path.join(root, "warm")

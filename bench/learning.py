@@ -584,7 +584,7 @@ def parse_args(argv=None):
     p.add_argument("--first-seed", type=int, default=0, help="seeds --first-seed .. + --seeds - 1 (develop on others)")
     p.add_argument("--minutes", type=float, default=20.0, help="wall-time budget per seed; sets the iterations")
     p.add_argument("--out", default="", help="where the runs go (default: runs/learning/<method>)")
-    p.add_argument("--vms", type=int, default=4, help="local desktops")
+    p.add_argument("--vms", type=int, default=None, help="local desktops (default: 4; explore 8)")
     p.add_argument("--group-size", type=int, default=4, help="rollouts per task (one GRPO group)")
     p.add_argument("--settle", default="watch",
                    help="after each action: watch (the server waits until the screen settles) or seconds of a fixed sleep")
@@ -631,6 +631,8 @@ def resolve(a):
         a.format_penalty = 1.0
     if a.format_penalty_on is None:  # arpo-multi: see its part of the docstring
         a.format_penalty_on = "advantage" if a.method == "arpo-multi" else "reward"
+    if a.vms is None and a.method != "explore":  # explore: None keeps learning_explore's own default
+        a.vms = 4
     if a.max_new_tokens is None:
         a.max_new_tokens = 48 if a.method == "arpo-multi" else 40
     return a

@@ -289,7 +289,8 @@ def run_seed(seed: int, a) -> dict:
     rl = os.path.join(root, "rl")
     t_train = trainer(["--model", warm, "--iterations", iterations, "--run-name", rl, "--runs-dir", "", "--seed", seed,
                        "--lora-rank", 0, "--lr", a.lr, "--lr-warmup", a.lr_warmup, "--lr-schedule", a.lr_schedule,
-                       "--update-actor-delay", a.update_actor_delay, "--rewards", a.rewards, *common_flags(a)], log)
+                       "--update-actor-delay", a.update_actor_delay, "--rewards", a.rewards,
+                       *([] if a.scale_rewards == "on" else ["--no-scale-rewards"]), *common_flags(a)], log)
     after = evaluate(os.path.join(rl, "models", "E1"), os.path.join(root, "after"), 1000 + seed, a, log, baseline=False)
     x = [e[HEADLINE] for e in before["policy"]["episodes"]]
     y = [e[HEADLINE] for e in after["policy"]["episodes"]]
@@ -398,6 +399,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--update-actor-delay", type=int, default=2, help="iterations of world-model warm-up")
     p.add_argument("--rewards", default="all,no_text,no_intent,no_intent_click,windows",
                    help="train_explore.py --rewards (all = the paper's reward; the default: see the docstring, 3.)")
+    p.add_argument("--scale-rewards", choices=["on", "off"], default="on",
+                   help="on: GRPO's advantages (divided by the buffer's reward std, the paper); off: Dr. GRPO's "
+                        "(train_explore.py --no-scale-rewards)")
     p.add_argument("--warm-steps", type=int, default=150, help="SFT steps of the warm start")
     p.add_argument("--warm-batch", type=int, default=4, help="answers per action type per warm-start step")
     p.add_argument("--warm-lr", type=float, default=3e-3, help="warm-start learning rate (decays linearly to 10%%)")

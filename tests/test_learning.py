@@ -78,6 +78,10 @@ def test_per_method_defaults():
     assert multi.iterations == L.MULTI_ITERATIONS and multi.out.endswith(os.path.join("learning", "arpo-multi"))
     # arpo keeps ARPO's task selection; arpo-multi trains every task (see resolve); both settle by watching
     assert (arpo.select_tasks, multi.select_tasks) == (16, 0) and arpo.settle == multi.settle == "watch"
+    # the ARPO methods' lr, penalty and desktops; explore leaves them to bench/learning_explore.py (None)
+    assert (arpo.lr, arpo.format_penalty, arpo.format_penalty_on, arpo.vms) == (5e-4, 1.0, "reward", 4)
+    assert (multi.lr, multi.format_penalty, multi.format_penalty_on, multi.vms) == (3e-4, 1.0, "advantage", 4)
+    assert (explore.lr, explore.vms) == (None, None)
     assert L.seed_list(L.parse_args(["--seeds", "2", "--first-seed", "10"])) == [10, 11]
 
 

@@ -337,8 +337,10 @@ def record(f: StepFeatures, traj: list, valid, **more) -> Steps:
 # The reward terms: each one function of the record -> (N,), and one line of TERMS below.
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Row-wise cosine similarity of (N, D) and (N, D) -> (N,)."""
-    return (F.normalize(a.float(), dim=-1, eps=1e-8) * F.normalize(b.float(), dim=-1, eps=1e-8)).sum(-1)
+    """Row-wise cosine similarity of (N, D) and (N, D) -> (N,). Clamped to [-1, 1]: float32 rounding
+    can put two identical screens a hair above 1, and 1 - cos would then be a negative reward."""
+    c = (F.normalize(a.float(), dim=-1, eps=1e-8) * F.normalize(b.float(), dim=-1, eps=1e-8)).sum(-1)  # (N,)
+    return c.clamp(-1.0, 1.0)
 
 
 def sequence_similarity(start: torch.Tensor, afters: torch.Tensor) -> torch.Tensor:

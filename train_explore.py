@@ -24,8 +24,8 @@ Paper: ScreenExplorer (arXiv 2505.19095). One iteration, top to bottom (`train`,
     the whole buffer (one group) -> GRPO update (after --update-actor-delay iterations) -> sync
     weights to the generator -> trajectories, checkpoint, log.
 The episode is explore_episode.py, the exploration eval (--eval-only) explore_eval.py, the reward
-terms rewards.py, the distillation data explore_distill.py; this file is the training: rewards ->
-advantages -> update, the generations, the loop.
+terms rewards.py, the distillation data explore_distill.py, the metrics and console lines
+explore_log.py; this file is the training: rewards -> advantages -> update, the generations, the loop.
 Experience-stream distillation (--generations G): at the end of a generation its best format-valid
 steps (the top --distill-top of each iteration's, by reward) become a dataset in
 runs/<name>/distill/; the next generation starts again from the BASE model, fine-tuned on all
@@ -88,6 +88,7 @@ import torch
 import transformers
 
 import dist
+import explore_log
 import grpo
 import progress
 import rewards as R
@@ -96,7 +97,7 @@ import rundir
 import world_model as WM
 from actions import MAX_PIXELS, MIN_PIXELS
 from env import VMPool
-from explore_episode import Step, play, policy_chooser, random_chooser, step_line
+from explore_episode import Step, play, policy_chooser, random_chooser
 from explore_distill import distill_samples, write_distill_dataset
 from explore_eval import run_eval
 from model import load_policy, sync_weights
@@ -229,31 +230,6 @@ def resolve_args(argv=None) -> tuple:
 
 
 # -----------------------------------------------------------------------------------------------
-# The one console line
-
-
-def console_line(m: dict, flags: dict, beta: float) -> str:
-    """The iteration's summary. The reward terms that are on (rewards.TERMS), grouped by the first
-    word of their name in the table's order: image imm/seq/wm, text imm/seq/wm, intent
-    before/after/click, and any term added to the table (`-` for a term of a shown group that is
-    off). `kl n/a`: no KL was computed (--beta 0, or no actor update this iteration)."""
-    f = lambda k, fmt="{:.3f}": "-" if m.get(k) is None else fmt.format(m[k])  # noqa: E731
-    on, groups = R.terms_on(flags), {}
-    for name in R.TERMS:
-        groups.setdefault(name.split("_")[0], []).append(name)
-    terms = "".join(f"{g} " + "/".join(f(f"reward/{n}") if n in on else "-" for n in names) + " "
-                    for g, names in groups.items() if set(names) & set(on))
-    kl = f"kl {m['actor/kl']:.4f}" if beta and m.get("actor/kl") is not None else "kl n/a"
-    return (f"it {m['iteration']:4d} E{m['generation']} | vms {m['vms']} steps {m['steps']} | "
-            f"reward {f('reward/total')} fmt {f('reward/format', '{:.2f}')} {terms}| "
-            f"wm {f('wm/loss', '{:.4f}')} | {kl} clip {f('actor/clip_low', '{:.2f}')}/{f('actor/clip_high', '{:.2f}')} | "
-            f"{m['time/iteration']:.1f}s (gen {m.get('time/generation', 0):.1f} feat {m.get('time/features', 0):.1f} "
-            f"upd {m.get('time/update', 0):.1f}, VM wait {100 * m.get('vm_wait_share', 0):.0f}%; per desktop: "
-            f"reset {m.get('time/reset', 0):.1f} env {m.get('time/env', 0):.1f})"
-            + (f" | env failures {m['env_failures']}" if m.get("env_failures") else ""))
-
-
-# -----------------------------------------------------------------------------------------------
 # The learner's state, and the rewards of one buffer (rewards.py does the math)
 
 
@@ -363,23 +339,6 @@ def learn(L: Learner, buffer: list[Step], it: int, args: Args, times: dict) -> t
                                max_grad_norm=args.max_grad_norm, mini_batch_size=args.mini_batch,
                                temperature=args.temperature, shuffle=random.Random(f"{args.seed}-update-{it}"))
     return r, adv, wm_metrics, {**upd, "lr": lr}
-
-
-ACTOR_KEYS = ("actor/loss", "actor/kl", "actor/clip_low", "actor/clip_high", "actor/grad_norm", "actor/lr")
-
-
-def iteration_metrics(buffer: list[Step], r, adv, wm_metrics: dict, upd: dict | None, out) -> dict:
-    """The metrics line's numbers of every rank: desktops and steps, every reward term over every
-    rank's steps, the world model's and the update's numbers (None before the actor's first update),
-    environment failures, generation batches, how the screens settled."""
-    parts = dist.gather((r, adv, len({s.vm for s in buffer}), len(out.failures), out.settles))
-    r_all, adv_all = R.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])  # (N_all,) each
-    return {"vms": sum(p[2] for p in parts), "steps": len(r_all.total), **R.summarize_rewards(r_all), **wm_metrics,
-            "actor/updated": int(upd is not None), **dict.fromkeys(ACTOR_KEYS),
-            **{f"actor/{k}": v for k, v in (upd or {}).items()},
-            "adv/std": float(adv_all.std()) if len(adv_all) > 1 else 0.0, "env_failures": sum(p[3] for p in parts),
-            "rollout/batches": len(out.batches), "rollout/batch_mean": float(np.mean(out.batches or [0])),
-            **rollout.settle_metrics([s for p in parts for s in p[4]])}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -551,22 +510,6 @@ def evaluate(pool: VMPool, args: Args, ckpt, vm_offset: int = 0) -> dict:
                     args.eval_same_screen, args.eval_save, vm_offset, rundir.public_args(args))
 
 
-def trajectory_lines(buffer: list[Step], rows: list[int], r, adv) -> list[dict]:
-    """One JSON line per step of one desktop: what it saw (the PNG), said, did, and earned."""
-    comps = {"format": r.format, **r.parts}  # every term of rewards.TERMS, (N,) each
-    return [{**step_line(buffer[k]), "completion_ids": buffer[k].gen.completion_ids,
-             "image_size": list(buffer[k].gen.prompt.image_sizes[0]), "reward": float(r.total[k]), "advantage": float(adv[k]),
-             "rewards": {n: float(c[k]) for n, c in comps.items()}} for k in rows]
-
-
-def save_trajectories(run: str, it: int, buffer: list[Step], r, adv, vm_offset: int = 0) -> None:
-    """This rank's desktops' steps; VMs are numbered among all ranks' (this rank's first is vm_offset)."""
-    for vm in sorted({s.vm for s in buffer}):
-        rows = [k for k, s in enumerate(buffer) if s.vm == vm]
-        rundir.save_trajectory(run, it, vm_offset + vm, trajectory_lines(buffer, rows, r, adv),
-                               [buffer[k].before for k in rows])
-
-
 # -----------------------------------------------------------------------------------------------
 # The loop, top to bottom
 
@@ -604,10 +547,10 @@ def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int,
             continue
         r, adv, wm_metrics, upd = learn(L, buffer, it, args, times)  # ALGO: rewards -> advantages -> update
         metrics = {"iteration": it, "generation": L.generation,
-                   **iteration_metrics(buffer, r, adv, wm_metrics, upd, out), **distill_metrics}
+                   **explore_log.iteration_metrics(buffer, r, adv, wm_metrics, upd, out), **distill_metrics}
         distill_metrics = {}
         with rundir.timed(times, "save"):  # trajectories, checkpoint, then the metrics line: see rundir.py
-            save_trajectories(run, it, buffer, r, adv, L.vm_offset)
+            explore_log.save_trajectories(run, it, buffer, r, adv, L.vm_offset)
             # Always at a generation's last iteration: the boundary (dataset, SFT) is redone from it.
             if (it + 1) % args.ckpt_every == 0 or (it + 1) % ipg == 0 or it + 1 == total:
                 line = {**metrics, **rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0})}
@@ -615,7 +558,7 @@ def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int,
                             generation=L.generation, wm=L.wm.state_dict(), wm_opt=L.wm_opt.state_dict(),
                             wm_config=L.wm.config)
         metrics.update(rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0}))
-        rundir.end_iteration(run, trackers, metrics, console_line(metrics, L.flags, args.beta))
+        rundir.end_iteration(run, trackers, metrics, explore_log.console_line(metrics, L.flags, args.beta))
     finish_generation(run, L.generation, (L.generation - 1) * ipg, total - 1, L.policy, args)
     progress.close(trackers)
     print(f"done: {run}", flush=True)

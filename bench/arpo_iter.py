@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import arpo_log  # noqa: E402
 import train_arpo as T  # noqa: E402
 from arpo_replay import ReplayBuffer  # noqa: E402
 from env import VMPool  # noqa: E402
@@ -106,7 +107,7 @@ def main() -> None:
             m, _ = T.run_iteration(tr, it, lambda n: T.pick_tasks(ids, picker, n, a.seed))
             if not warm_up:
                 runs[s].append(m)
-            print(f"[settle {s}{' warm-up' if warm_up else ''}] {T.summary_line(m)}", flush=True)
+            print(f"[settle {s}{' warm-up' if warm_up else ''}] {arpo_log.summary_line(m)}", flush=True)
     finally:
         pool.close()
 

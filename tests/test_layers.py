@@ -10,8 +10,10 @@ from the other's:
 
     train_arpo.py     -> arpo_eval.py (evaluation, task selection) -> arpo_episode.py (one episode)
                       -> arpo_replay.py (the replay buffer of successes)
+                      -> arpo_log.py (the metrics line, the console line)
     train_explore.py  -> explore_eval.py (exploration eval) -> explore_episode.py (one episode)
                       -> explore_distill.py (the distillation data)
+                      -> explore_log.py (the metrics line, the console line, trajectories)
     both              -> rollout.py, rundir.py, grpo.py, model.py, ... (world_model.py -> rewards.py:
                          ScreenExplorer's)
 
@@ -105,8 +107,8 @@ def test_trainers_are_the_tops():
     assert [m for m in OURS if set(trainers) & set(GRAPH[m])] == []
 
 
-OWN = {"train_arpo": ["arpo_episode", "arpo_eval", "arpo_replay"],
-       "train_explore": ["explore_distill", "explore_episode", "explore_eval"]}
+OWN = {"train_arpo": ["arpo_episode", "arpo_eval", "arpo_log", "arpo_replay"],
+       "train_explore": ["explore_distill", "explore_episode", "explore_eval", "explore_log"]}
 
 
 def test_each_trainers_own_files_are_below_it_and_apart_from_the_other():

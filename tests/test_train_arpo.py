@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import arpo_episode as E  # noqa: E402
 import arpo_eval  # noqa: E402
+import arpo_log  # noqa: E402
 import rundir  # noqa: E402
 import train_arpo as T  # noqa: E402
 from arpo_replay import ReplayBuffer  # noqa: E402
@@ -174,7 +175,7 @@ def test_flat_groups_are_the_ones_the_update_learns_nothing_from():
     groups, rewards = [0, 0, 1, 1, 2], [1.0, 0.99, 0.5, 0.5, 1.0]
     adv = group_advantages(rewards, groups).tolist()
     assert adv[:2] == pytest.approx([0.707, -0.707], abs=1e-3) and adv[2:] == [0.0, 0.0, 0.0]
-    assert T.flat_groups(groups, adv) == 2
+    assert arpo_log.flat_groups(groups, adv) == 2
 
 
 def test_dr_grpo_advantages_in_a_real_update(tmp_path):
@@ -363,7 +364,7 @@ def test_beta_with_full_fine_tuning_pulls_towards_a_frozen_copy_of_the_start(poo
     assert m["groups"][0]["scores"] == [1.0, 0.0] and m["actor/steps"] == 2
     assert m["actor/kl"] > 0, m["actor/kl"]
     assert torch.equal(frozen, ref_model.lm_head.weight) and not torch.equal(frozen, policy.model.lm_head.weight)
-    assert "kl n/a" not in T.summary_line(m, args.beta)
+    assert "kl n/a" not in arpo_log.summary_line(m, args.beta)
 
 
 def test_every_answer_is_trained_in_the_context_and_at_the_temperature_it_was_sampled(pool, tmp_path):
@@ -671,6 +672,6 @@ def test_the_console_says_kl_n_a_when_no_kl_is_computed():
          "groups": [0], "actor/kl": 0.0123, "actor/clip_low": 0.0, "actor/clip_high": 0.0, "actor/clip_dual": 0.0,
          "actor/steps": 2, "time/iteration": 1.0, "time/generation": 0.2, "rollout/batches": 3, "time/update": 0.1,
          "vm_wait_share": 0.3, "time/reset": 0.3, "time/env": 0.4, "time/evaluate": 0.0, "env_failures": 0}
-    assert "| kl n/a clip" in T.summary_line(m, beta=0.0)
-    assert "| kl 0.0123 clip" in T.summary_line(m, beta=0.04)
-    assert "env failures" not in T.summary_line(m) and "env failures 2" in T.summary_line({**m, "env_failures": 2})
+    assert "| kl n/a clip" in arpo_log.summary_line(m, beta=0.0)
+    assert "| kl 0.0123 clip" in arpo_log.summary_line(m, beta=0.04)
+    assert "env failures" not in arpo_log.summary_line(m) and "env failures 2" in arpo_log.summary_line({**m, "env_failures": 2})

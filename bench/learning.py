@@ -10,9 +10,10 @@
 No weights can be downloaded, so the policy is the tiny random Qwen2.5-VL of the real class
 (`--model tiny`, screenshots at --max-pixels 12544: 140x84, 15 visual tokens). Per seed, for ARPO:
 
-1. Warm start, with NO task knowledge: supervised on real screenshots of the desktop, each task
-   prompt answered with `left_double` on each desktop icon exactly once per epoch (UI-TARS format),
-   so every prompt starts with the same uniform prior over the 7 icons and every answer parses.
+1. Warm start (learning_warm.py), with NO task knowledge: supervised on real screenshots of the
+   desktop, each task prompt answered with `left_double` on each desktop icon exactly once per
+   epoch (UI-TARS format), so every prompt starts with the same uniform prior over the 7 icons and
+   every answer parses.
    Saved as an ordinary checkpoint folder (`train_arpo.py --model <folder>` loads it).
 2. Before: `train_arpo.py --eval-only --model <warm start>` at temperature 1, --eval-episodes per task.
 3. Train: `train_arpo.py --model <warm start> --select-tasks K ...` as a subprocess, as a user runs
@@ -43,9 +44,10 @@ manager's desktop icon for every task (the window it opens is the only one with 
 second, a double-click on the task's folder in that window. Episodes of 2 steps with both
 screenshots in the prompt (--max-steps 2 --max-images 2), trained with ARPO's trajectory-level
 advantage (one reward per episode, on every answer of it), replay on. The warm start
-(warm_start_multi) knows no task: per prompt, the first answer is each of the 7 icons equally
-often, and the second, on the screen that icon opened, each thing that screen affords equally
-often (`affordances`: the file manager's 5 items; the desktop icons after any other app). No
+(learning_warm.warm_start_multi) knows no task: per prompt, the first answer is each of the 7
+icons equally often, and the second, on the screen that icon opened, each thing that screen
+affords equally often (`affordances`: the file manager's 5 items; the desktop icons after any
+other app). No
 task selection: a random episode succeeds 1 time in 35, so 16 rollouts would drop most tasks;
 every task is trained and evaluated. The format penalty (1.0) is taken from the broken
 trajectory's advantage, after its group's scores are normalised (train_arpo.py --format-penalty-on
@@ -76,11 +78,9 @@ Interface for --method explore (bench/learning_explore.py, the ScreenExplorer ha
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -93,16 +93,12 @@ sys.path.insert(0, ROOT)
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
     sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
+from learning_warm import FM_ICON, MAX_PIXELS, warm_start, warm_start_multi  # noqa: E402
+
 TASK_IDS = "calc-open,clock-open,terminal-open,editor-open"
 # arpo-multi: two actions on two screens. The first (the file manager's desktop icon) is the same for
 # every task; the second (a folder in the window it opened) is the one the task names.
 MULTI_TASK_IDS = "files-open-documents,files-open-downloads,files-open-pictures"
-# pcmanfm opens HOME in a window openbox centres on the 1280x720 screen, its items in name order
-# along the first row (measured on pcmanfm 1.3.2; tests/test_learning.py replays them).
-FM_ITEMS = {"Desktop": (528, 215), "Documents": (621, 215), "Downloads": (715, 215), "Pictures": (810, 215),
-            "notes.txt": (903, 215)}
-FM_ICON = "File Manager"
-MAX_PIXELS = 12544  # 1280x720 -> 140x84: 15 visual tokens a screenshot
 SUCCESS = 0.1       # ARPO's success threshold (train_arpo --success-threshold)
 MULTI_ITERATIONS = 200  # arpo-multi's default budget (fewer if --minutes leaves less)
 
@@ -147,189 +143,6 @@ def verdict(seeds: list[dict], min_gain: float = 0.25, max_p: float = 0.01, min_
 def final_line(method: str, line: dict, n_seeds: int, ok: bool) -> str:
     return (f"learning_{method}: before {line['before']:.2f} after {line['after']:.2f} gain {line['gain']:+.2f} "
             f"p {line['p']:.4f} parse {line['parse']:.2f} seeds {n_seeds}: {'pass' if ok else 'FAIL'}")
-
-
-# ------------------------------------------------------------------------------------------------
-# The warm start: the UI-TARS format, every prompt x every icon, no task knowledge
-
-
-def icon_points(image_size: tuple[int, int], screen: tuple[int, int]) -> list[tuple[int, int]]:
-    """The desktop icons' centres in the image the model sees (its coordinates live there)."""
-    from desktop import desktop_icons
-    return [(round(x * image_size[0] / screen[0]), round(y * image_size[1] / screen[1]))
-            for x, y in desktop_icons(screen).values()]
-
-
-def warm_start(out: str, seed: int, task_ids: list[str], epochs: int, lr: float, vms_screen=(1280, 720)) -> dict:
-    """SFT the tiny model on (task prompt, real desktop screenshot) -> left_double on an icon, each
-    prompt with each icon once per epoch, in a seeded order. Saved to `out` (save_policy)."""
-    import torch
-    import transformers
-
-    from actions import smart_resize
-    from chat import encode_chat, uitars_messages
-    from env import VMPool
-    from grpo import distill_step, trajectory_sample
-    from model import load_policy, save_policy
-    from task_files import load_tasks
-
-    t0 = time.perf_counter()
-    tasks = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
-    pool = VMPool(1, timeout=60, screen=vms_screen)
-    try:  # the desktop as every episode starts: after a reset
-        pool.reset()
-        shot = pool.screenshots()[0]
-        if not shot.ok:
-            raise SystemExit(f"the desktop did not give a screenshot ({shot.error}); run `bash setup.sh` first.")
-        img = shot.value
-    finally:
-        pool.close()
-    policy = load_policy("tiny", seed=seed, max_pixels=MAX_PIXELS)
-    h, w = smart_resize(img.height, img.width, max_pixels=MAX_PIXELS)
-    points = icon_points((w, h), img.size)
-    pairs = [(tid, p) for tid in task_ids for p in points]  # every prompt x every icon
-    samples = {}
-    for tid, (x, y) in pairs:
-        # The thought restates the instruction, as UI-TARS's thoughts restate the goal: it says
-        # nothing about which icon, but it puts the task right before the action tokens, where a
-        # 2-layer model can condition on it (with a fixed thought it learns to ignore the prompt,
-        # and RL then moves every prompt towards whichever icon succeeded first).
-        msgs = uitars_messages(tasks[tid].instruction, [img], [answer(tasks[tid].instruction, (x, y))], max_images=1)
-        samples[(tid, (x, y))] = trajectory_sample(encode_chat(policy, msgs, add_generation_prompt=False))
-    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    rng = random.Random(seed)
-    nll = []
-    for _ in range(epochs):
-        order = list(pairs)
-        rng.shuffle(order)
-        for i in range(0, len(order), len(points)):  # one optimizer step per 7 pairs
-            batch = [samples[k] for k in order[i:i + len(points)]]
-            m = distill_step(policy, opt, batch, micro_batch_size=len(points))
-            nll.append(m["nll"] * m["tokens"] / len(batch))  # per answer, not per token
-    transformers.utils.logging.disable_progress_bar()  # the save's shard bar would land in the table
-    save_policy(policy, out)
-    return {"seconds": time.perf_counter() - t0, "nll_first": nll[0], "nll_last": sum(nll[-4:]) / len(nll[-4:]),
-            "pairs": len(pairs), "epochs": epochs, "image": [w, h]}
-
-
-def first_screens(screen=(1280, 720)) -> tuple:
-    """The reset desktop, and the screen after double-clicking each desktop icon on it (the app's
-    window up, settled by the server's watch), from one real local desktop. -> (desktop image,
-    {icon label: image})."""
-    from env import VMPool
-    from desktop import desktop_icons
-    pool = VMPool(1, timeout=60, screen=screen)
-    try:
-        pool.reset()
-        shot = pool.screenshots()[0]
-        if not shot.ok:
-            raise SystemExit(f"the desktop did not give a screenshot ({shot.error}); run `bash setup.sh` first.")
-        after = {}
-        for label, (x, y) in desktop_icons(screen).items():
-            pool.reset()
-            after[label] = pool.clients[0].act({"type": "double_click", "x": x, "y": y}, settle="watch",
-                                                screenshot="png").image
-        return shot.value, after
-    finally:
-        pool.close()
-
-
-def affordances(label: str, screen=(1280, 720)) -> list[tuple[int, int]]:
-    """What the warm start double-clicks on the screen after double-clicking icon `label`, in screen
-    pixels: the items of the window that opened when it shows any (the file manager: its folders
-    and its file), else the desktop icons (every other app's window shows none of its own). The
-    same list for every task: a prior over what the screen affords, not over what a task wants."""
-    from desktop import desktop_icons
-    return list(FM_ITEMS.values()) if label == FM_ICON else list(desktop_icons(screen).values())
-
-
-def answer(instruction: str, point: tuple[int, int]) -> str:
-    """UI-TARS answer: the thought restates the instruction (see warm_start), then the double-click."""
-    return f"Thought: {instruction}\nAction: left_double(start_box='({point[0]},{point[1]})')"
-
-
-def second_answers(label: str, epoch: int, screen=(1280, 720), per_icon: int = len(FM_ITEMS)) -> list:
-    """The step-2 points the warm start trains after icon `label` in this epoch: `per_icon` of the
-    screen's affordances, the same number after every icon, so the step-1 answers stay uniform over
-    the icons. A screen with more (the 7 desktop icons) takes them in turn: over 7 epochs each of
-    them equally often (5 times)."""
-    points = affordances(label, screen)
-    start = epoch * per_icon
-    return [points[(start + k) % len(points)] for k in range(per_icon)]
-
-
-def last_turn_only(sample):
-    """The sample with only its last assistant turn as a target (the earlier turns are history)."""
-    mask, start, prev = list(sample.target_mask), 0, 0
-    for i, m in enumerate(mask):
-        if m and not prev:
-            start = i
-        prev = m
-    return dataclasses.replace(sample, target_mask=[0] * start + mask[start:])
-
-
-def warm_start_multi(out: str, seed: int, task_ids: list[str], epochs: int, lr: float, screen=(1280, 720),
-                     screens: tuple | None = None, batch: int = 16, fm_extra: int = 4) -> dict:
-    """SFT the tiny model on two-step episodes in the UI-TARS format with 2 screenshots of history,
-    with NO task knowledge. Per task prompt and epoch: step 1 (the reset desktop) answered with a
-    double-click on each of the 7 icons, each 5 times; step 2 (the screen that click opened) with a
-    double-click on 5 of what that screen affords (`affordances`, `second_answers`: the file
-    manager's 5 items, or the desktop icons in turn). Both answers of an episode are targets, as in
-    ARPO's trajectories. The file manager's screen is 1 of the 7 that step 2 sees but the only one
-    whose affordances differ from the desktop's, and the 2-layer model learned to answer it with
-    desktop icons; so each of its 5 items also comes `fm_extra` more times per epoch with only the
-    step-2 answer as a target (step 1 stays uniform, every item and every task equally often).
-    Every prompt gets the same uniform prior on every screen; the learning rate
-    decays linearly to 10%, so the last steps settle on that prior. Saved to `out` (save_policy)."""
-    import torch
-    import transformers
-
-    from actions import smart_resize
-    from chat import encode_chat, uitars_messages
-    from desktop import desktop_icons
-    from task_files import load_tasks
-    from grpo import distill_step, trajectory_sample
-    from model import load_policy, save_policy
-
-    t0 = time.perf_counter()
-    tasks = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
-    desk, after = screens or first_screens(screen)
-    policy = load_policy("tiny", seed=seed, max_pixels=MAX_PIXELS)
-    h, w = smart_resize(desk.height, desk.width, max_pixels=MAX_PIXELS)
-
-    def seen(p):  # screen pixels -> the image the model sees (its coordinates live there)
-        return round(p[0] * w / screen[0]), round(p[1] * h / screen[1])
-    cache = {}
-
-    def sample(tid, label, q, last_only=False):
-        if (tid, label, q, last_only) not in cache:
-            ins = tasks[tid].instruction
-            msgs = uitars_messages(ins, [desk, after[label]], [answer(ins, seen(icons[label])), answer(ins, seen(q))],
-                                   max_images=2)
-            s = trajectory_sample(encode_chat(policy, msgs, add_generation_prompt=False))
-            cache[(tid, label, q, last_only)] = last_turn_only(s) if last_only else s
-        return cache[(tid, label, q, last_only)]
-    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    rng = random.Random(seed)
-    icons = desktop_icons(screen)
-    per_epoch = [[(tid, label, q, False) for tid in task_ids for label in icons for q in second_answers(label, e, screen)]
-                 + [(tid, FM_ICON, q, True) for tid in task_ids for q in FM_ITEMS.values() for _ in range(fm_extra)]
-                 for e in range(epochs)]
-    steps = sum(math.ceil(len(x) / batch) for x in per_epoch)
-    nll, step = [], 0
-    for e in range(epochs):
-        order = list(per_epoch[e])
-        rng.shuffle(order)
-        for i in range(0, len(order), batch):
-            for g in opt.param_groups:
-                g["lr"] = lr * (1 - 0.9 * step / max(1, steps - 1))
-            part = [sample(*k) for k in order[i:i + batch]]
-            nll.append(distill_step(policy, opt, part, micro_batch_size=batch)["nll"])
-            step += 1
-    transformers.utils.logging.disable_progress_bar()  # the save's shard bar would land in the table
-    save_policy(policy, out)
-    return {"seconds": time.perf_counter() - t0, "samples": len(per_epoch[0]), "epochs": epochs, "image": [w, h],
-            "steps": steps, "nll_first": nll[0], "nll_last": sum(nll[-5:]) / len(nll[-5:])}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ sys.path.insert(0, ROOT)
 sys.path.append(os.path.join(ROOT, "bench"))  # after the project: bench/ has look-alike file names
 
 import learning as L  # noqa: E402
+import learning_warm as W  # noqa: E402
 
 LINE = re.compile(r"learning_arpo: before \d\.\d\d after \d\.\d\d gain [+-]\d\.\d\d p \d\.\d{4} "
                   r"parse \d\.\d\d seeds \d+: (pass|FAIL)")
@@ -90,7 +91,7 @@ def test_warm_start_balances_prompts_and_icons():
     icons on the screen, and the folder loads as an ordinary checkpoint."""
     from desktop import desktop_icons
     from actions import parse_action
-    pts = L.icon_points((140, 84), (1280, 720))
+    pts = W.icon_points((140, 84), (1280, 720))
     assert len(pts) == len(set(pts)) == 7
     icons = list(desktop_icons((1280, 720)).values())
     for (x, y), (ix, iy) in zip(pts, icons):
@@ -177,22 +178,22 @@ def test_multi_warm_start_is_uniform_over_icons_and_items():
     from desktop import desktop_icons
     icons = desktop_icons((1280, 720))
     for e in range(7):
-        assert all(len(L.second_answers(label, e)) == 5 for label in icons)
-        assert sorted(L.second_answers(L.FM_ICON, e)) == sorted(L.FM_ITEMS.values())
-    seen = Counter(q for e in range(7) for q in L.second_answers("Terminal", e))
+        assert all(len(W.second_answers(label, e)) == 5 for label in icons)
+        assert sorted(W.second_answers(W.FM_ICON, e)) == sorted(W.FM_ITEMS.values())
+    seen = Counter(q for e in range(7) for q in W.second_answers("Terminal", e))
     assert seen == {p: 5 for p in icons.values()}
     # the arpo-multi answers parse onto the items the warm start meant
     from actions import parse_action
-    for name, (x, y) in L.FM_ITEMS.items():
+    for name, (x, y) in W.FM_ITEMS.items():
         q = (round(x * 140 / 1280), round(y * 84 / 720))
-        a = parse_action(L.answer("Open it.", q), "uitars", (1280, 720), (140, 84)).action
+        a = parse_action(W.answer("Open it.", q), "uitars", (1280, 720), (140, 84)).action
         assert a.type == "double_click" and abs(a.x - x) <= 5 and abs(a.y - y) <= 5, name
 
 
 def test_last_turn_only_keeps_the_last_answer_as_the_target():
     from grpo import Sample
     s = Sample([1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 1, 0, 0, 1, 1, 0], None, None)
-    assert L.last_turn_only(s).target_mask == [0, 0, 0, 0, 0, 1, 1, 0]
+    assert W.last_turn_only(s).target_mask == [0, 0, 0, 0, 0, 1, 1, 0]
 
 
 def test_the_two_click_path_on_a_real_desktop(vm_desktop):
@@ -204,10 +205,10 @@ def test_the_two_click_path_on_a_real_desktop(vm_desktop):
     from task_files import load_tasks
     vm = VMClient(vm_desktop.url, vm_desktop.token, timeout=60)
     tasks = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
-    fm = desktop_icons((1280, 720))[L.FM_ICON]
+    fm = desktop_icons((1280, 720))[W.FM_ICON]
     for tid in L.MULTI_TASK_IDS.split(","):
         folder = tasks[tid].evaluator["checks"][0]["title"].strip("^$")
-        for first, second, want in ((fm, L.FM_ITEMS[folder], 1.0), (fm, L.FM_ITEMS["Desktop"], 0.0)):
+        for first, second, want in ((fm, W.FM_ITEMS[folder], 1.0), (fm, W.FM_ITEMS["Desktop"], 0.0)):
             vm.reset()
             vm.setup(tasks[tid].setup)
             for x, y in (first, second):

@@ -47,9 +47,8 @@ advantage (one reward per episode, on every answer of it), replay on. The warm s
 (learning_warm.warm_start_multi) knows no task: per prompt, the first answer is each of the 7
 icons equally often, and the second, on the screen that icon opened, each thing that screen
 affords equally often (`affordances`: the file manager's 5 items; the desktop icons after any
-other app). No
-task selection: a random episode succeeds 1 time in 35, so 16 rollouts would drop most tasks;
-every task is trained and evaluated. The format penalty (1.0) is taken from the broken
+other app). No task selection: a random episode succeeds 1 time in 35, so 16 rollouts would
+drop most tasks; every task is trained and evaluated. The format penalty (1.0) is taken from the broken
 trajectory's advantage, after its group's scores are normalised (train_arpo.py --format-penalty-on
 advantage; not ARPO's way): early on most groups fail the task alike, and ARPO's reward-side
 penalty then gave every well-formed failure of such a group a positive advantage; in one run 94

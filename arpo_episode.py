@@ -63,6 +63,11 @@ class Episode:
     replayed: bool = False     # came from the replay buffer (an earlier iteration)
     job: int = -1              # its index in the list of jobs played together (play_all)
 
+    @property
+    def broken(self) -> bool:
+        """An answer of it did not parse (or was refused): what the format penalty is paid for, once."""
+        return not all(self.format_ok)
+
 
 def to_record(ep: Episode, vm_offset: int = 0) -> dict:
     """A plain dict for the replay buffer and checkpoints: screenshots as PNG bytes (~10x smaller than
@@ -212,7 +217,7 @@ def score_episode(e: Episode, evaluator_score: float | None, args) -> None:
     e.score, e.score_standard = outcome_scores(e.task.infeasible, e.actions, e.end, evaluator_score)
     # ALGO: ARPO's trajectory reward: the task score, minus the format penalty once if any answer
     # did not parse (its code: eval_result + 0.5 * format_reward, format_reward = -1).
-    e.reward = e.score - args.format_penalty * (not all(e.format_ok))
+    e.reward = e.score - args.format_penalty * e.broken
 
 
 def play_all(pool: VMPool, tasks: list[Task], policy_fn, args, groups: list[int] | None = None,

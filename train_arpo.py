@@ -378,7 +378,7 @@ def advantages(batch: list[Episode], a: Args) -> list[float]:
     if a.format_penalty_on == "reward":
         return group_advantages([e.reward for e in batch], groups, a.scale_rewards).tolist()  # (N,)
     adv = group_advantages([e.score for e in batch], groups, a.scale_rewards)  # (N,)
-    broken = torch.tensor([float(not all(e.format_ok)) for e in batch])  # (N,)
+    broken = torch.tensor([float(e.broken) for e in batch])  # (N,)
     return (adv - a.format_penalty * broken).tolist()  # (N,)
 
 

@@ -54,11 +54,13 @@ advantage; not ARPO's way): early on most groups fail the task alike, and ARPO's
 penalty then gave every well-formed failure of such a group a positive advantage; in one run 94
 of 200 updates were only that, and they pushed seed 1 onto one wrong icon before it ever
 succeeded. With it no seed collapsed, but at lr 5e-4 the format still drifted while the lr was
-high (parse 0.61-0.78 in a quarter at penalty 1.0 and 2.0); the peak lr is 3e-4 here (README).
-The table adds per step, before -> after: how often the
-first action was right (a double-click on the file manager's icon) and how often the second was,
-among the episodes whose first was (the task's folder opened), so it shows that the second step
-was learned and not only the first.
+high (parse 0.61-0.78 in a quarter at penalty 1.0 and 2.0); the peak lr is 3e-4 here. And the
+warm start runs 16 epochs, as the one-step bench's (it ran 8): with 8, a run at 3e-4 still lost
+its format in a quarter (0.72: the thought's copy of the instruction broke, "Open my Open my"),
+while the first step's coordinates were pushed up; with 16 no quarter of 2 development seeds parsed under
+0.93 (README). The table adds per step, before -> after: how often the first action was right (a
+double-click on the file manager's icon) and how often the second was, among the episodes whose
+first was (the task's folder opened), so it shows what of the second step was learned.
 
 Last line, one verdict over all seeds (the worst seed: the smallest gain, the largest p, the lowest parse):
     learning_arpo: before 0.18 after 0.71 gain +0.53 p 0.0000 parse 0.99 seeds 2: pass
@@ -420,8 +422,7 @@ def parse_args(argv=None):
     p.add_argument("--select-tasks", type=int, default=None,
                    help="ARPO's task selection: K rollouts a task; 0 = off (default: 16 for arpo, 0 for arpo-multi)")
     p.add_argument("--eval-episodes", type=int, default=24, help="episodes per task in each eval (T=1)")
-    p.add_argument("--warm-epochs", type=int, default=None,
-                   help="passes of the warm start over prompts x icons (default: 16; arpo-multi 8)")
+    p.add_argument("--warm-epochs", type=int, default=16, help="passes of the warm start over prompts x icons")
     p.add_argument("--warm-lr", type=float, default=6e-3, help="learning rate of the warm start")
     p.add_argument("--warm-start-only", default="", metavar="DIR",
                    help="only build the ARPO warm start (seed 0) into DIR, for `train_arpo.py --model DIR`")
@@ -440,8 +441,6 @@ def resolve(a):
         # arpo-multi: a random 2-step episode succeeds 1 time in 35 (1/7 icons x 1/5 items), so 16
         # rollouts would drop a task 63% of the time: every task is trained and evaluated instead.
         a.select_tasks = 0 if a.method == "arpo-multi" else 16
-    if a.warm_epochs is None:
-        a.warm_epochs = 8 if a.method == "arpo-multi" else 16
     if a.format_penalty is None:  # see the docstring (3.)
         a.format_penalty = 1.0
     if a.format_penalty_on is None:  # arpo-multi: see its part of the docstring

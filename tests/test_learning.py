@@ -82,6 +82,7 @@ def test_per_method_defaults():
     # the ARPO methods' lr, penalty and desktops; explore leaves them to bench/learning_explore.py (None)
     assert (arpo.lr, arpo.format_penalty, arpo.format_penalty_on, arpo.vms) == (5e-4, 1.0, "reward", 4)
     assert (multi.lr, multi.format_penalty, multi.format_penalty_on, multi.vms) == (3e-4, 1.0, "advantage", 4)
+    assert arpo.warm_epochs == multi.warm_epochs == 16  # a sharp format before RL moves it (docstring)
     assert (explore.lr, explore.vms) == (None, None)
     assert L.seed_list(L.parse_args(["--seeds", "2", "--first-seed", "10"])) == [10, 11]
 

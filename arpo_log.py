@@ -28,10 +28,10 @@ def flat_groups(groups: list, advantages: list[float]) -> int:
 
 def gather_metrics(tr, it: int, task_ids, fresh, out, batch, adv, pieces, upd, group_stats, injections,
                    times) -> dict:
-    """One metrics.jsonl line of every rank's numbers (tr: train_arpo's Trainer): rewards, success, format, replay, the trained
-    batch, the update's numbers, the time split (rundir.gather_times). `dropped` episodes are the
-    environment's failures (nothing is retried in training, so it equals `env_failures`);
-    `env_errors` says what failed where."""
+    """One metrics.jsonl line of every rank's numbers (tr: train_arpo's Trainer): rewards, success,
+    format, replay, the trained batch, the update's numbers, the time split (rundir.gather_times).
+    `dropped` episodes are the environment's failures (nothing is retried in training, so it equals
+    `env_failures`); `env_errors` says what failed where."""
     vm = tr.vm_offset
     parts = dist.gather({
         "fresh": [{"reward": e.reward, "score": e.score, "format_ok": e.format_ok, "steps": len(e.actions)}

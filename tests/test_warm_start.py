@@ -144,11 +144,13 @@ def format_rate(policy, style: str, screens: list, n: int, max_pixels: int, seed
     return sum(ok) / len(ok)
 
 
-# The floor each must clear. tiny-explore: 0.94-1.00 measured. tiny-uitars falls short of "near 1":
+# The floor each must clear, on 32 answers. tiny-explore: 0.94-1.00 measured, and 0.875 once (28/32
+# at full size, a CI run): at 0.94, 32 answers give 28 or fewer about one run in eight, so its floor
+# is 0.8 (25/32 or fewer: one run in 400), not 0.9. tiny-uitars falls short of "near 1":
 # 0.72-0.92 (here 0.72 at full size; bench/warm_start.py 0.88 / 0.92 on other screens), up from
 # 0.59-0.81 when it wrote `(x,y)` without the space; 0.6 still makes most rollouts' rewards and
 # advantages non-zero.
-FLOOR = {"tiny-explore": 0.9, "tiny-uitars": 0.6}
+FLOOR = {"tiny-explore": 0.8, "tiny-uitars": 0.6}
 
 
 @pytest.mark.parametrize("name,style", [("tiny-uitars", "uitars"), ("tiny-explore", "explore")])

@@ -144,15 +144,12 @@ def format_rate(policy, style: str, screens: list, n: int, max_pixels: int, seed
     return sum(ok) / len(ok)
 
 
-# The floor each must clear, on 32 answers. tiny-explore: 0.94-1.00 measured at first; a later build
-# gave 0.875 at full size (28/32, twice, and 0.97 at 140x84), so 0.9 failed a CI run: its floor is
-# 0.8, which a model at 0.875 misses one run in ten if every run drew new samples (they are seeded:
-# the same build and screens give the same answers) and one at 0.94 one in 400.
-# tiny-uitars falls short of "near 1":
-# 0.72-0.92 (here 0.72 at full size; bench/warm_start.py 0.88 / 0.92 on other screens), up from
-# 0.59-0.81 when it wrote `(x,y)` without the space; 0.6 still makes most rollouts' rewards and
-# advantages non-zero.
-FLOOR = {"tiny-explore": 0.8, "tiny-uitars": 0.6}
+# The floor each must clear, on 32 answers: 28 of them. Measured here: tiny-explore 1.00 at both
+# sizes, tiny-uitars 0.94 at full size and 1.00 at 140x84 (bench/warm_start.py, 96 answers on other
+# screens: 0.98-0.99 for both). A model at 0.97 misses 28/32 about one run in 400 if every run
+# drew new samples; they are seeded, so the same build and screens give the same answers. After 250
+# steps instead of 1000, tiny-uitars parsed 0.72-0.92 here and would fail this floor.
+FLOOR = {"tiny-explore": 0.85, "tiny-uitars": 0.85}
 
 
 @pytest.mark.parametrize("name,style", [("tiny-uitars", "uitars"), ("tiny-explore", "explore")])

@@ -19,7 +19,7 @@ sync_weights (push new weights to a generation engine). Model names besides chec
                   an embedded corpus; every test and CPU run uses one
   tiny-uitars, tiny-explore   the tiny Qwen2.5-VL after a short supervised warm start on the
                   UI-TARS / ScreenExplorer answer FORMAT (uniform coordinates, no task knowledge),
-                  built on first use (2-4 minutes on a 2-core CPU) and cached on disk (warm_start.py)
+                  built on first use (2-5 minutes on a 2-core CPU) and cached on disk (warm_start.py)
 What is specific to the Qwen-VL family (tokens, chat format, 3D rope, LoRA targets, resize factor,
 which vision attention to batch) is in qwen_vl.py, keyed by config.json's model_type: a checkpoint
 of a family it knows loads through the auto class, any other is refused in one sentence, and so is

@@ -25,7 +25,7 @@ run uses. How well, sampled at temperature 1 on a real desktop's screenshots, an
 spread: bench/warm_start.py (numbers in the README, *The policy*).
 
 What it cost to get there, on a 2-layer model of width 64 (each measured at temperature 1):
-  - a build takes two to four minutes on 2 cores, not seconds: the format broke on 5-25% of the
+  - a build takes two to five minutes on 2 cores, not seconds: the format broke on 5-25% of the
     answers after 100-250 steps, mostly the argument count of a call (`Click(12)`, `Click(3, 7,
     199)`, `(8370)` for `(83, 70)`: the digits are one token each, and a 2-layer model loses count
     of where a number ends). Four times the steps (tiny-uitars 1000, tiny-explore 400) is what

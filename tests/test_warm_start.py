@@ -147,9 +147,9 @@ def format_rate(policy, style: str, screens: list, n: int, max_pixels: int, seed
 # The floor each must clear, on 64 answers: 52 of them. Builds of the same recipe are not
 # bit-identical (two of tiny-uitars differed by up to 1.3 in a weight; the cause is not traced):
 # two builds of tiny-uitars measured 0.94 and 0.84 at full size on 32 answers here, the second 0.97
-# on 64 (1.00 at 140x84; tiny-explore 0.97 / 0.97), and 0.96-0.98 in bench/warm_start.py. A model at
-# 0.9 misses 52/64 about one run in a hundred. After 250 steps instead of 1000, tiny-uitars parsed
-# 0.72-0.92 on 32 answers here.
+# on 64 (1.00 at 140x84; tiny-explore 0.97 / 0.97), and 0.96-0.98 with bench/warm_start.py's
+# sampling. A model at 0.9 misses 52/64 about one run in a hundred. After 250 steps instead of 1000,
+# tiny-uitars parsed 0.72-0.92 on 32 answers here.
 FLOOR = {"tiny-explore": 0.8, "tiny-uitars": 0.8}
 
 

@@ -46,7 +46,7 @@ import requests
 from PIL import Image
 
 from actions import Action
-from vm_rules import vm_token
+from vm.rules import vm_token
 
 # ------------------------------------------------------------------------------------------------
 # 1. One VM over HTTP, and N of them in lockstep
@@ -118,7 +118,7 @@ class VMClient:
     def act(self, action: Action | dict, settle: str | float | None = None, screenshot: str | bool = False,
             timeout: float | None = None, quality: int = 90) -> dict | ActResult:
         """Run one action. `settle`: None answers as soon as it ran; "watch" once the desktop has
-        settled (the server watches it: vm_server.py, settle.py); a number sleeps that many seconds
+        settled (the server watches it: vm_server.py, vm/settle.py); a number sleeps that many seconds
         there (0-10, the papers' fixed settle). `screenshot` "png"/"jpeg": answer with the settled
         screen in the same round trip -> ActResult(image, settle); else -> {"ok": True, "settle":
         {...}}. The settle dict: seconds waited, until ("quiet", "nochange", "cap", "fixed",
@@ -185,7 +185,7 @@ class VMPool:
     re-checks remote ones. Those are driven from one thread (the trainer's). The trainers' rollouts
     drive each VM from a thread of its own instead (rollout.py): `call(i, ...)` one request,
     `revive(i)` a health check and, for a local desktop, a restart of that one alone. `token` is the
-    secret each VM's own token is derived from (vm_rules.vm_token; `python vm_server.py --token-for
+    secret each VM's own token is derived from (vm.rules.vm_token; `python vm_server.py --token-for
     URL` prints a remote VM's); local desktops without one get random tokens."""
 
     def __init__(self, vms: int | str | list[str], token: str | None = None, timeout: float = 30,
@@ -198,7 +198,7 @@ class VMPool:
         self.local: list[LocalVM] | None = None
         # Every VM has a token of its own: a local desktop a random one (or, given a secret, the
         # one derived from it), a remote VM the one derived from the secret and its URL (see
-        # vm_rules.vm_token), so a token read inside one VM opens no other.
+        # vm.rules.vm_token), so a token read inside one VM opens no other.
         self._secret = token
         if isinstance(vms, int):
             if vms < 1:
@@ -484,7 +484,7 @@ def launch_local_vms(n: int, screen: tuple[int, int] = (1280, 720), token: str |
     and wait until all answer /health. They start in parallel: 8 take about as long as one.
 
     Each gets a token of its own (`LocalVM.token`): a random one, or with `token` (a secret) the
-    one vm_rules.vm_token derives from it and the desktop's URL, as for remote VMs. We bind each
+    one vm.rules.vm_token derives from it and the desktop's URL, as for remote VMs. We bind each
     port here and hand the socket over (--listen-fd), so no other process can take the port
     before the server starts, and the token travels through a pipe (--token-fd): it is in no argv
     and no environment, where `ps` or a process on the desktop could read it."""

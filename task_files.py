@@ -5,12 +5,12 @@ against the server's own schema before a run starts.
     python tasks/prove.py <task id>        # prove one task solvable on one desktop (tasks/README.md)
 
 A file holds one task object or a list of them (tasks/README.md has the format). The schema of
-the setup steps and checks is vm_tasks.py's (STEP_FIELDS, CHECK_FIELDS), the one the server checks
+the setup steps and checks is vm/tasks.py's (STEP_FIELDS, CHECK_FIELDS), the one the server checks
 requests with, so a typo fails when the tasks load, not in the middle of a run; a solution's
 actions are checked with actions.py's schema. Tested by `python -m pytest -q tests/test_env.py -k task`
 (the files) and tests/test_tasks.py (every shipped task proved on a real desktop).
 
-Where this departs from OSWorld: see vm_tasks.py (what a setup step and a check may do).
+Where this departs from OSWorld: see vm/tasks.py (what a setup step and a check may do).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from actions import Action
-from vm_tasks import CHECK_FIELDS, STEP_FIELDS
+from vm.tasks import CHECK_FIELDS, STEP_FIELDS
 
 
 class TaskError(ValueError):
@@ -47,7 +47,7 @@ class Task:
     solution: list[dict] = field(default_factory=list)
 
 
-# A task file is checked against the server's own schema of steps and checks (vm_tasks.STEP_FIELDS,
+# A task file is checked against the server's own schema of steps and checks (vm.tasks.STEP_FIELDS,
 # CHECK_FIELDS), so a typo fails when the tasks load, not in the middle of a run.
 # `notes` is free text for the people who read the file (why the solution does what it does); nothing
 # loads it.

@@ -18,16 +18,16 @@ no foreign Origin (a web page in a local browser, or DNS rebinding, cannot reach
 seconds, a GET may not carry a body, and at most MAX_CONNECTIONS connections are open (the one
 waiting longest for its request makes room for a new one). `--port 0` picks a free port; the
 first stdout line is `vm_server: serving http://HOST:PORT ...`. With --xvfb the whole desktop,
-this server included, runs inside bubblewrap (sandbox.py; --no-sandbox turns it off): the
+this server included, runs inside bubblewrap (vm/sandbox.py; --no-sandbox turns it off): the
 port is bound outside and the socket handed in (--listen-fd), the token through a pipe
 (--token-fd), and the server makes itself non-dumpable, so nothing on the desktop can read the
 token or reach the port. Each VM has a token of its own: the trainer derives it from one secret and
-the VM's URL (vm_rules.vm_token; --token-for prints it).
+the VM's URL (vm.rules.vm_token; --token-for prints it).
 
 Where this departs from OSWorld's in-VM server (the papers' environment):
   - No endpoint runs code sent by the client: setup/evaluate are a handful of typed steps, the
     programs they may start are an allow-list, and each program's arguments are checked
-    (ARGV_RULES, in vm_rules.py), so no step can run code or touch a file outside HOME. The token is still the
+    (ARGV_RULES, in vm/rules.py), so no step can run code or touch a file outside HOME. The token is still the
     security boundary of the desktop itself: its holder drives the mouse and keyboard, and the
     desktop's terminal runs anything typed into it.
   - Evaluators are generic checks (files, window titles, a command's output) instead of
@@ -35,16 +35,13 @@ Where this departs from OSWorld's in-VM server (the papers' environment):
   - `--xvfb` builds a whole desktop (Xvfb, openbox, tint2 taskbar, pcmanfm icons) per server, with
     its own HOME copied from a template, so N local desktops stand in for N VMs.
   - After an action the papers' clients sleep a fixed time before the next screenshot; here
-    `?settle=watch` waits until the desktop has settled, watched from inside (settle.py), and
+    `?settle=watch` waits until the desktop has settled, watched from inside (vm/settle.py), and
     answers with the settled screen.
 
-What to copy into your VM: vm_server.py, vm_tasks.py (the /setup and /evaluate steps and checks),
-vm_rules.py (the allow-list and its argv rules, HOME confinement, the request checks), procs.py
-(the desktop's processes and windows), settle.py (?settle=watch: when the screen has settled),
-vm_actions.py (POST /action: check it, do it) and actions.py (the action schema it takes; stdlib
-only). desktop.py is the `--xvfb`
-desktop, imported only with `--xvfb`, so a VM serving its own display does without it. Nothing
-imports this file: it is the program you run.
+What to copy into your VM: vm.FILES, that is this file, actions.py (the action schema POST /action
+takes; stdlib only) and the folder vm/ (its steps, checks, request rules, processes, settle; vm/__init__.py
+lists them). vm/desktop.py and vm/sandbox.py are the `--xvfb` desktop and its sandbox, imported only
+with --xvfb. Nothing imports this file: it is the program you run.
 """
 
 from __future__ import annotations
@@ -70,15 +67,15 @@ from urllib.parse import parse_qs, urlsplit
 
 from PIL import ImageGrab
 
-from procs import Desktop, app_windows, kill_tree, prctl, reap
-from settle import watcher
-from vm_actions import check_action, do_action
-from vm_rules import DEFAULT_ALLOW, MAX_BODY, BadRequest, check_object, vm_token
-from vm_tasks import evaluate, setup
+from vm.procs import Desktop, app_windows, kill_tree, prctl, reap
+from vm.settle import watcher
+from vm.act import check_action, do_action
+from vm.rules import DEFAULT_ALLOW, MAX_BODY, BadRequest, check_object, vm_token
+from vm.tasks import evaluate, setup
 
 # -------------------------------------------------------------------------------------------------
-# Limits (a request's body, the allow-list and its argv rules are in vm_rules.py; the type-text
-# and hotkey limits are the action schema's, in actions.py, checked in vm_actions.py)
+# Limits (a request's body, the allow-list and its argv rules are in vm/rules.py; the type-text
+# and hotkey limits are the action schema's, in actions.py, checked in vm/act.py)
 
 PNG_LEVEL = 1            # zlib level: 1 is the fastest that still squeezes flat screen colours well
 REQUEST_TIMEOUT = 120.0  # a request must arrive whole within this long (--request-timeout)
@@ -87,21 +84,20 @@ LISTEN_BACKLOG = 1024    # connections the kernel queues before we accept them (
 
 
 # -------------------------------------------------------------------------------------------------
-# The desktop: /reset (the programs on it and our process tree are in procs.py, the --xvfb desktop
-# itself -- Xvfb, session, icons, HOME template -- in desktop.py)
+# The desktop: /reset (the programs on it and our process tree are in vm/procs.py, the --xvfb desktop
+# itself -- Xvfb, session, icons, HOME template -- in vm/desktop.py)
 
 
 def _desktop(name: str = "desktop"):
-    """desktop.py (the --xvfb desktop) or sandbox.py (its bubblewrap), imported only when a --xvfb
+    """vm/desktop.py (the --xvfb desktop) or vm/sandbox.py (its bubblewrap), imported only when a --xvfb
     server needs it: a VM serving its own display runs without either file."""
     try:
-        import desktop
-        import sandbox
+        from vm import desktop, sandbox
     except ModuleNotFoundError as e:
-        if e.name not in ("desktop", "sandbox"):
+        if e.name not in ("vm.desktop", "vm.sandbox"):
             raise
-        sys.exit(f"vm_server: --xvfb needs {e.name}.py next to vm_server.py; copy it too, or serve an "
-                 "existing display without --xvfb.")
+        sys.exit(f"vm_server: --xvfb needs {e.name.replace('.', '/')}.py beside vm_server.py; copy it too, or serve "
+                 "an existing display without --xvfb.")
     return {"desktop": desktop, "sandbox": sandbox}[name]
 
 
@@ -199,7 +195,7 @@ MAX_FIXED_SETTLE = 10.0  # s: the longest fixed settle a request may ask for
 
 
 def settle_query(query: dict) -> str | float | None:
-    """?settle=watch (settle.py's rule), ?settle=SECONDS (a fixed sleep), or absent (None)."""
+    """?settle=watch (vm/settle.py's rule), ?settle=SECONDS (a fixed sleep), or absent (None)."""
     if "settle" not in query:
         return None
     v = query["settle"][-1]

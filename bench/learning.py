@@ -185,7 +185,7 @@ def eval_numbers(path: str, task_ids: list[str]) -> dict:
 def first_right(action: dict | None, screen=(1280, 720)) -> bool:
     """Step 1 of arpo-multi was right: a double-click on the file manager's desktop icon (inside the
     icon's cell on pcmanfm's desktop grid)."""
-    from desktop import ICON_PITCH, desktop_icons, ICON_CENTRE
+    from vm.desktop import ICON_PITCH, desktop_icons, ICON_CENTRE
     if not action or action.get("type") != "double_click":
         return False
     cx, cy = desktop_icons(screen)[FM_ICON]

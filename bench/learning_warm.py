@@ -26,7 +26,7 @@ MAX_PIXELS = 12544  # 1280x720 -> 140x84: 15 visual tokens a screenshot
 
 def icon_points(image_size: tuple[int, int], screen: tuple[int, int]) -> list[tuple[int, int]]:
     """The desktop icons' centres in the image the model sees (its coordinates live there)."""
-    from desktop import desktop_icons
+    from vm.desktop import desktop_icons
     return [(round(x * image_size[0] / screen[0]), round(y * image_size[1] / screen[1]))
             for x, y in desktop_icons(screen).values()]
 
@@ -88,7 +88,7 @@ def first_screens(screen=(1280, 720)) -> tuple:
     window up, settled by the server's watch), from one real local desktop. -> (desktop image,
     {icon label: image})."""
     from env import VMPool
-    from desktop import desktop_icons
+    from vm.desktop import desktop_icons
     pool = VMPool(1, timeout=60, screen=screen)
     try:
         pool.reset()
@@ -110,7 +110,7 @@ def affordances(label: str, screen=(1280, 720)) -> list[tuple[int, int]]:
     pixels: the items of the window that opened when it shows any (the file manager: its folders
     and its file), else the desktop icons (every other app's window shows none of its own). The
     same list for every task: a prior over what the screen affords, not over what a task wants."""
-    from desktop import desktop_icons
+    from vm.desktop import desktop_icons
     return list(FM_ITEMS.values()) if label == FM_ICON else list(desktop_icons(screen).values())
 
 
@@ -157,7 +157,7 @@ def warm_start_multi(out: str, seed: int, task_ids: list[str], epochs: int, lr: 
 
     from actions import smart_resize
     from chat import encode_chat, uitars_messages
-    from desktop import desktop_icons
+    from vm.desktop import desktop_icons
     from task_files import load_tasks
     from grpo import distill_step, trajectory_sample
     from model import load_policy, save_policy

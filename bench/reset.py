@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from conftest import start_vm_server  # noqa: E402
-from desktop import desktop_icons  # noqa: E402
+from vm.desktop import desktop_icons  # noqa: E402
 from env import VMClient  # noqa: E402
 
 ICONS = desktop_icons()

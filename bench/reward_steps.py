@@ -34,7 +34,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import rewards as R  # noqa: E402
 from conftest import start_vm_server  # noqa: E402
-from desktop import desktop_icons  # noqa: E402
+from vm.desktop import desktop_icons  # noqa: E402
 from env import VMClient  # noqa: E402
 
 

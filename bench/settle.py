@@ -63,9 +63,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from conftest import in_x_namespace, proc_descendants, start_vm_server  # noqa: E402
-from desktop import desktop_icons  # noqa: E402
+from vm.desktop import desktop_icons  # noqa: E402
 from env import VMClient  # noqa: E402
-from settle import BUSY_CPU, LOOK, QUIET, Programs  # noqa: E402
+from vm.settle import BUSY_CPU, LOOK, QUIET, Programs  # noqa: E402
 from task_files import load_tasks  # noqa: E402
 
 CARET, CARET_H = 4, 40   # px: a differing region this narrow (and at most this tall) is a caret

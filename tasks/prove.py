@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from desktop import desktop_icons  # noqa: E402
+from vm.desktop import desktop_icons  # noqa: E402
 from env import VMClient, VMError, VMPool  # noqa: E402
 from task_files import Task, TaskError, load_tasks  # noqa: E402
 

@@ -32,7 +32,7 @@ import requests
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER = os.path.join(ROOT, "vm_server.py")
 sys.path.insert(0, ROOT)
-from vm_rules import vm_token  # noqa: E402
+from vm.rules import vm_token  # noqa: E402
 
 SECRET = secrets.token_hex(8)  # this session's trainer secret: each server's token is derived from it
 

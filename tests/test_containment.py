@@ -43,7 +43,7 @@ from conftest import ROOT, SERVER, ServedDesktop, proc_descendants, wait_for
 from conftest import mouse, x_env
 
 sys.path.insert(0, ROOT)
-from desktop import desktop_icons  # noqa: E402
+from vm.desktop import desktop_icons  # noqa: E402
 from env import VMClient, VMError, VMPool  # noqa: E402
 
 READY = re.compile(r"vm_server: serving (\S+) display (\S+) screen \S+ home (\S+)")
@@ -274,7 +274,7 @@ def test_the_agent_reads_no_secret_of_the_host(desks):
 def test_each_vm_token_is_derived_from_the_secret_and_its_url():
     """HMAC-SHA256(secret, URL), as `printf 'http://10.0.0.5:8000' | openssl dgst -sha256 -hmac s3cret`
     prints it; the URL as written up to case and a trailing slash; `--token-for` prints the same."""
-    from vm_rules import vm_token
+    from vm.rules import vm_token
     vm5 = "8fe4ed9101d664f1ec4f9ff2d2ac7a291ea99883d75d399f38a753a8b79aff04"
     assert vm_token("s3cret", "http://10.0.0.5:8000") == vm5
     assert vm_token("s3cret", " HTTP://10.0.0.5:8000/") == vm5

@@ -551,5 +551,5 @@ def test_a_client_that_hangs_up_leaves_no_traceback(vm_desktop, tmp_path):
 
 def test_every_default_program_has_an_argument_rule():
     sys.path.insert(0, os.path.dirname(SERVER))
-    import vm_rules
+    from vm import rules as vm_rules
     assert set(vm_rules.ARGV_RULES) == set(vm_rules.DEFAULT_ALLOW)

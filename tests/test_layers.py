@@ -18,7 +18,7 @@ from the other's:
                          ScreenExplorer's)
 
 rollout.py, the stepper both trainers play episodes with, sits below both and knows no model (no
-torch: generation is the caller's policy_fn); the bottoms (actions.py, procs.py, qwen_vl.py) import
+torch: generation is the caller's policy_fn); the bottoms (actions.py, vm/procs.py, qwen_vl.py) import
 nothing of ours, and chat.py nothing but qwen_vl.py (the model family's tokens and chat format);
 qwen_vl.py and warm_start.py sit below model.py, and the model side reaches nothing of the VM side;
 no `from X import _name` across our files; no module `__getattr__`; no `sys.modules` assignment or
@@ -34,22 +34,46 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OURS = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+PACKAGES = ("vm", "plumbing")  # the two folders of modules; every other module is a top-level file
+
+
+def _modules() -> list[str]:
+    """Our modules: `x` for a top-level x.py, `vm.x` for vm/x.py (`vm` for its __init__.py)."""
+    mods = [f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")]
+    for pkg in PACKAGES:
+        folder = os.path.join(ROOT, pkg)
+        if os.path.isdir(folder):
+            mods += [pkg if f == "__init__.py" else f"{pkg}.{f[:-3]}" for f in os.listdir(folder) if f.endswith(".py")]
+    return sorted(mods)
+
+
+OURS = _modules()
+
+
+def path_of(mod: str) -> str:
+    if mod in PACKAGES:
+        return os.path.join(ROOT, mod, "__init__.py")
+    return os.path.join(ROOT, *mod.split(".")) + ".py"
 
 
 def tree(mod: str) -> ast.Module:
-    with open(os.path.join(ROOT, mod + ".py"), encoding="utf-8") as f:
-        return ast.parse(f.read(), mod + ".py")
+    with open(path_of(mod), encoding="utf-8") as f:
+        return ast.parse(f.read(), path_of(mod))
 
 
 def imports(mod: str) -> list[tuple[str, list[str], int]]:
-    """(our module, the names taken from it, line) for every import of ours in `mod`, anywhere."""
+    """(our module, the names taken from it, line) for every import of ours in `mod`, anywhere.
+    `from vm import desktop` is an import of the module vm.desktop; `from vm import FILES`, of vm."""
     out = []
     for node in ast.walk(tree(mod)):
         if isinstance(node, ast.Import):
-            out += [(a.name.split(".")[0], [], node.lineno) for a in node.names]
+            out += [(a.name, [], node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.append((node.module.split(".")[0], [a.name for a in node.names], node.lineno))
+            subs = [a.name for a in node.names if f"{node.module}.{a.name}" in OURS]
+            out += [(f"{node.module}.{n}", [], node.lineno) for n in subs]
+            rest = [a.name for a in node.names if a.name not in subs]
+            if rest:
+                out.append((node.module, rest, node.lineno))
     return [(m, names, line) for m, names, line in out if m in OURS and m != mod]
 
 
@@ -86,8 +110,8 @@ def cycles(graph: dict[str, list[str]]) -> list[list[str]]:
 
 def test_the_checks_see_what_is_there():
     # These tests pass by finding nothing, so first: they find what we know is there.
-    assert "actions" in GRAPH["env"] and "vm_tasks" in GRAPH["vm_server"] and "procs" in GRAPH["desktop"]
-    assert "desktop" in GRAPH["vm_server"] and "sandbox" in GRAPH["vm_server"]  # imported inside a function (only with --xvfb)
+    assert "actions" in GRAPH["env"] and "vm.tasks" in GRAPH["vm_server"] and "vm.procs" in GRAPH["vm.desktop"]
+    assert "vm.desktop" in GRAPH["vm_server"] and "vm.sandbox" in GRAPH["vm_server"]  # imported inside a function (only with --xvfb)
     assert cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a", "e"], "e": []}) == [["a", "b", "c"]]
     assert cycles({"a": ["b"], "b": ["a"], "c": ["c", "a"]}) == [["a", "b"]]
 
@@ -123,14 +147,14 @@ def test_each_trainers_own_files_are_below_it_and_apart_from_the_other():
 
 def test_rollout_is_below_both_trainers_and_knows_no_model():
     assert all("rollout" in GRAPH[t] for t in ("train_arpo", "train_explore"))
-    assert set(GRAPH["rollout"]) <= {"env", "progress", "actions", "vm_tasks"}, GRAPH["rollout"]
+    assert set(GRAPH["rollout"]) <= {"env", "progress", "actions", "vm.tasks"}, GRAPH["rollout"]
     names = [a.name for node in ast.walk(tree("rollout")) if isinstance(node, ast.Import) for a in node.names]
     names += [node.module for node in ast.walk(tree("rollout")) if isinstance(node, ast.ImportFrom) and node.module]
     assert names and not [n for n in names if n.split(".")[0] in ("torch", "transformers")], names
 
 
 def test_bottoms_import_nothing_of_ours():
-    for mod in ("actions", "procs", "qwen_vl"):
+    for mod in ("actions", "vm.procs", "qwen_vl"):
         assert GRAPH[mod] == [], f"{mod}.py imports {GRAPH[mod]}"
     assert GRAPH["chat"] == ["qwen_vl"], f"chat.py imports {GRAPH['chat']}"
 
@@ -139,7 +163,7 @@ def test_the_model_family_lives_below_the_model():
     # qwen_vl.py (what is specific to the family) and warm_start.py (the tiny warm-started models)
     # sit below model.py, and nothing of the model side reaches the VM side.
     assert {"qwen_vl", "warm_start"} <= set(GRAPH["model"]) and "model" not in GRAPH["warm_start"]
-    vm_side = {"vm_server", "vm_tasks", "vm_rules", "procs", "desktop", "env"}
+    vm_side = {"vm_server", "env"} | {m for m in OURS if m.startswith("vm.")}
     for mod in ("qwen_vl", "chat", "warm_start", "model", "grpo"):
         assert not vm_side & set(GRAPH[mod]), f"{mod}.py imports {sorted(vm_side & set(GRAPH[mod]))}"
 
@@ -166,3 +190,21 @@ def test_no_sys_modules_tricks():
         return False
     found = [(mod, node.lineno) for mod in OURS for node in ast.walk(tree(mod)) if touches_sys_modules(node)]
     assert found == [], found
+
+
+def test_a_vm_needs_exactly_the_files_vm_files_names():
+    # What vm_server.py imports, at any depth, lies inside vm.FILES (vm_server.py, actions.py, vm/),
+    # and nothing there imports torch or the trainer side: copying those files is putting it in a VM.
+    from vm import FILES
+    seen, todo = set(), ["vm_server"]
+    while todo:
+        mod = todo.pop()
+        if mod not in seen:
+            seen.add(mod)
+            todo += GRAPH[mod]
+    files = {os.path.relpath(path_of(m), ROOT).split(os.sep)[0] for m in seen}
+    assert files == set(FILES), files
+    heavy = [(m, a.name) for m in seen for node in ast.walk(tree(m)) if isinstance(node, (ast.Import, ast.ImportFrom))
+             for a in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+             if a.name.split(".")[0] in ("torch", "transformers", "requests")]
+    assert heavy == [], heavy

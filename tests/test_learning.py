@@ -90,7 +90,7 @@ def test_per_method_defaults():
 def test_warm_start_balances_prompts_and_icons():
     """Every prompt is paired with each of the 7 icons once per epoch, answers parse onto the
     icons on the screen, and the folder loads as an ordinary checkpoint."""
-    from desktop import desktop_icons
+    from vm.desktop import desktop_icons
     from actions import parse_action
     pts = W.icon_points((140, 84), (1280, 720))
     assert len(pts) == len(set(pts)) == 7
@@ -176,7 +176,7 @@ def test_multi_warm_start_is_uniform_over_icons_and_items():
     """Per epoch, every desktop icon is the first answer equally often (5 times: 5 second answers
     each); after the file manager the 5 items once each; after any other app 5 of the 7 icons,
     each icon 5 times in any 7 epochs. The same lists for every task (no task in the function)."""
-    from desktop import desktop_icons
+    from vm.desktop import desktop_icons
     icons = desktop_icons((1280, 720))
     for e in range(7):
         assert all(len(W.second_answers(label, e)) == 5 for label in icons)
@@ -201,7 +201,7 @@ def test_the_two_click_path_on_a_real_desktop(vm_desktop):
     """What arpo-multi's tasks need, on a real desktop: the file manager's desktop icon opens HOME
     with the items at FM_ITEMS, and a double-click on the task's folder there solves the task;
     on another item (or after another icon) it does not."""
-    from desktop import desktop_icons
+    from vm.desktop import desktop_icons
     from env import VMClient
     from task_files import load_tasks
     vm = VMClient(vm_desktop.url, vm_desktop.token, timeout=60)

@@ -34,8 +34,9 @@ from conftest import ROOT, SERVER, proc_alive, proc_descendants, start_vm_server
 from conftest import mouse, wait_for, x11
 
 sys.path.insert(0, os.path.dirname(SERVER))
-import desktop  # noqa: E402
-import sandbox  # noqa: E402
+from vm import desktop  # noqa: E402
+from vm import sandbox  # noqa: E402
+from vm import FILES as VM_FILES  # noqa: E402
 
 # What bwrap's --dev leaves in /dev: no disks, no /dev/mem, no host ttys.
 SANDBOX_DEV = {"console", "core", "fd", "full", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin", "stdout",
@@ -151,12 +152,12 @@ def test_every_process_of_the_desktop_is_confined(vm_desktop):
         assert m["/dev"][1] == "tmpfs"
         assert "rw" in m[vm.home][0] and "ro" in m[os.path.dirname(vm.home)][0]
         # Nothing of the host but its system folders and what the server runs from: no /root,
-        # /home, /run, /srv; of this project its .py files, not tasks/ (the evaluators) or runs/.
+        # /home, /run, /srv; of this project exactly what a VM needs (vm.FILES: vm_server.py,
+        # actions.py, vm/), not the trainers, tasks/ (the evaluators) or runs/.
         folder = os.path.dirname(os.path.dirname(vm.home))  # where every desktop's folder lives: emptied
         extra = [d for d in m if not d.startswith(os.path.dirname(vm.home)) and d not in ("/", folder)
                  and not any(d == s or d.startswith(s + "/") for s in shown)]
-        ours = [d for d in extra if os.path.dirname(d) == ROOT and d.endswith(".py")]
-        assert sorted(set(extra) - set(ours)) == [], comm(p)
+        assert sorted(extra) == sorted(os.path.join(ROOT, f) for f in VM_FILES), comm(p)
         assert not {"/root", "/home", "/run", "/srv", "/mnt", "/opt"} & set(m), comm(p)
     # and the X server works: the host's xdotool reaches it (in its network namespace, with its
     # cookie), and it moves the pointer we asked for

@@ -1,4 +1,4 @@
-"""The watched settle (settle.py, POST /action?settle=watch) on real desktops, one test per rule,
+"""The watched settle (vm/settle.py, POST /action?settle=watch) on real desktops, one test per rule,
 and the protocol around it.
 
 Run: python -m pytest -q tests/test_settle.py   (~1 min; needs the packages of setup.sh)
@@ -28,9 +28,9 @@ from PIL import Image
 from conftest import in_x_namespace, mouse, proc_descendants, vm_call, wait_for, x11
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import settle  # noqa: E402
+from vm import settle  # noqa: E402
 from env import ActResult, VMClient  # noqa: E402
-from settle import CAP, FIRST_CHANGE, QUIET, Programs, verdict, x_time  # noqa: E402
+from vm.settle import CAP, FIRST_CHANGE, QUIET, Programs, verdict, x_time  # noqa: E402
 
 SCREEN = (1280, 720)
 
@@ -190,7 +190,7 @@ def test_a_busy_program_is_waited_for(vm):
 def test_an_app_started_by_a_double_click_is_up_in_the_answer(vm):
     """A desktop icon: the window is up and drawn in the answer (the gap between the icon's
     highlight and the window is covered by the app's own activity)."""
-    from desktop import desktop_icons
+    from vm.desktop import desktop_icons
     x, y = desktop_icons(SCREEN)["Text Editor"]
     info, img = act(vm, {"type": "double_click", "x": x, "y": y})
     assert info["until"] == "quiet" and info["first_change"] is not None, info
@@ -209,7 +209,7 @@ def test_an_app_started_by_a_double_click_is_up_in_the_answer(vm):
      "<openbox_config><theme/><desktops><popupTime>0</popupTime></desktops></openbox_config>")])
 def test_openbox_config_switches_the_workspace_popup_off(tmp_path, monkeypatch, system, want):
     """The system's rc.xml, with the popup's time 0 however the system file states it (or not)."""
-    from desktop import openbox_config
+    from vm.desktop import openbox_config
     os.makedirs(tmp_path / "xdg" / "openbox")
     (tmp_path / "xdg" / "openbox" / "rc.xml").write_text(system)
     monkeypatch.setenv("XDG_CONFIG_DIRS", str(tmp_path / "xdg"))
@@ -291,7 +291,7 @@ def test_the_screenshot_fallback_follows_the_same_rule(vm):
     process, on the served desktop (its server's processes are the desktop). The watcher's
     screenshots need the desktop's display, so the whole episode runs in a thread inside the
     sandbox's network namespace, and the double-click comes from xdotool on that display."""
-    from desktop import desktop_icons
+    from vm.desktop import desktop_icons
     argv = {p: open(f"/proc/{p}/cmdline", "rb").read().split(b"\0") for p in proc_descendants(vm.proc.pid)}
     server = [p for p, a in argv.items() if a[0] == sys.executable.encode() and a[1].endswith(b"vm_server.py")]
     x, y = desktop_icons(SCREEN)["Terminal"]

@@ -1,4 +1,4 @@
-"""Task-file rules (vm_tasks.py) under attack: what a task file alone could once turn into code.
+"""Task-file rules (vm/tasks.py) under attack: what a task file alone could once turn into code.
 
 Run: python -m pytest -q tests/test_task_rules.py      (~20 s; loopback only)
 
@@ -29,8 +29,8 @@ import types
 
 import pytest
 
-import vm_rules
-import vm_tasks
+from vm import rules as vm_rules
+from vm import tasks as vm_tasks
 from conftest import ROOT, vm_call
 from test_hostile_input import armed, home_snapshot, processes_under  # noqa: F401 (armed: a fixture)
 from conftest import mouse

@@ -30,7 +30,7 @@ import pytest
 
 from arpo_episode import outcome_scores
 from conftest import start_vm_server
-from desktop import desktop_icons
+from vm.desktop import desktop_icons
 from env import VMClient, VMPool
 from task_files import Task, load_tasks
 

@@ -230,7 +230,7 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
     """In process, on the session's real desktop: a scripted chooser that opens the terminal (a
     double-click on its icon) and a still one that only moves the mouse, through run_eval."""
     from actions import Action, Parsed
-    from desktop import desktop_icons
+    from vm.desktop import desktop_icons
 
     def chooser(first: Action):
         def choose(looks):
@@ -275,7 +275,7 @@ def test_the_windows_term_reads_the_window_lists_the_rollout_recorded(vm_desktop
     step (only when a term reads it), and score() hands it to rewards.py's windows term. A
     double-click on the terminal icon, then a mouse move, on the session's real desktop."""
     from actions import Action, Parsed
-    from desktop import desktop_icons
+    from vm.desktop import desktop_icons
     x, y = desktop_icons()["Terminal"]
     acts = [Action("double_click", x=x, y=y), Action("move", x=700, y=400)]
 

@@ -25,7 +25,7 @@ from conftest import mouse, netns_of, wait_for, x11 as on_display
 
 sys.path.insert(0, os.path.dirname(SERVER))
 import vm_server  # noqa: E402
-from desktop import desktop_icons  # noqa: E402
+from vm.desktop import desktop_icons  # noqa: E402
 
 ICONS = desktop_icons((1280, 720))
 BG = (0x2F, 0x5F, 0x8F)

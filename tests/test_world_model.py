@@ -140,7 +140,7 @@ def real_transitions(vm_desktop):
     import time
 
     from env import VMClient
-    from desktop import desktop_icons
+    from vm.desktop import desktop_icons
     vm = VMClient(vm_desktop.url, vm_desktop.token, timeout=60)
     icons = desktop_icons()
     (tx, ty), (cx, cy) = icons["Terminal"], icons["Calculator"]

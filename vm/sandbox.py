@@ -1,4 +1,4 @@
-"""sandbox.py: `python vm_server.py --xvfb` inside bubblewrap, so an agent's terminal is not a shell
+"""vm/sandbox.py: `python vm_server.py --xvfb` inside bubblewrap, so an agent's terminal is not a shell
 on the trainer's machine.
 
 `vm_server.py --xvfb` binds its port, then re-runs itself under `bwrap` before it
@@ -34,8 +34,11 @@ import subprocess
 import sys
 import time
 
-from desktop import ENV_KEEP, make_tmp, remove_tree
-from procs import descendants
+from vm import FILES
+from vm.desktop import ENV_KEEP, make_tmp, remove_tree
+from vm.procs import descendants
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: vm_server.py's folder
 
 SANDBOX_LINE = ("vm_server: sandbox: bubblewrap (only the host's system folders, read-only; this desktop's HOME "
                 "the one writable place; private /tmp, /dev, PID, IPC and network namespaces, no route out; an "
@@ -51,7 +54,7 @@ def bwrap_argv(bwrap: str, tmp: str, command: list[str], nested: bool = True) ->
     """The bubblewrap command line that runs `command` confined to the desktop folder `tmp`.
 
     Files: the host's SYSTEM folders read-only, what the server runs from (the Python prefix and
-    search path, and the project's top-level .py files, but not its tasks/ or runs/), a private
+    search path, and the repository's vm.FILES: vm_server.py, actions.py and vm/, not its tasks/ or runs/), a private
     /tmp and /var/tmp, and the desktop folder, whose HOME and run/ (XDG_RUNTIME_DIR) are the only
     writable places. The folder holding every desktop's folder is an empty tmpfs: no desktop sees
     another's HOME or X cookie.
@@ -97,10 +100,9 @@ def bwrap_argv(bwrap: str, tmp: str, command: list[str], nested: bool = True) ->
     if parent not in made:  # the other desktops' folders beside ours
         cmd += mount_point(parent) + ["--tmpfs", parent]
         made.add(parent)
-    here = os.path.dirname(os.path.abspath(__file__))
     runs_from = sorted(p for p in {sys.prefix, sys.base_prefix, *sys.path} if os.path.isabs(p) and os.path.isdir(p)
-                       and not (here == p or here.startswith(p + "/")))  # never the project folder itself
-    files = sorted(os.path.join(here, f) for f in os.listdir(here) if f.endswith(".py"))
+                       and not (ROOT == p or ROOT.startswith(p + "/")))  # never the project folder itself
+    files = [os.path.join(ROOT, f) for f in FILES]  # what a VM needs of the repository (vm/__init__.py)
     bound: list[str] = []
     for path in runs_from + files:
         if not visible(path) and not any(path == b or path.startswith(b + "/") for b in bound):
@@ -176,7 +178,7 @@ def launch(argv: list[str], sock: socket.socket, token: str | None) -> int:
             os.write(w, token.encode())
             os.close(w)
             extra, fds = extra + ["--token-fd", str(r)], fds + [r]
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vm_server.py")
+        script = os.path.join(ROOT, "vm_server.py")
         proc = subprocess.Popen(bwrap_argv(bwrap, tmp, [sys.executable, script, *argv, *extra], nested),
                                 stdin=subprocess.DEVNULL, pass_fds=fds,
                                 env={k: v for k, v in os.environ.items() if k in ENV_KEEP})

@@ -1,4 +1,4 @@
-"""vm_actions.py: POST /action inside the VM: the body checked against the action schema and this
+"""vm/act.py: POST /action inside the VM: the body checked against the action schema and this
 screen (`check_action`), then done with pyautogui (`do_action`), text of any alphabet included
 (`type_text`).
 
@@ -17,8 +17,8 @@ import re
 import time
 
 from actions import ACTION_FIELDS, DIRECTIONS, MAX_KEYS, MAX_TEXT_CHARS
-from procs import Desktop
-from vm_rules import BadRequest, check_number, check_object, check_str
+from vm.procs import Desktop
+from vm.rules import BadRequest, check_number, check_object, check_str
 
 
 def check_action(desk: Desktop, body) -> dict:

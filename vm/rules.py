@@ -1,10 +1,10 @@
-"""vm_rules.py: what a request may ask of a desktop, who may ask it, and the checks that say so.
+"""vm/rules.py: what a request may ask of a desktop, who may ask it, and the checks that say so.
 
 Who: `vm_token`, each VM's bearer token derived from the trainer's one secret and the VM's URL.
 What: the request's JSON (`check_object`, `check_number`, `check_str`, `check_regex`: exact fields, typed
 values, Unicode text), the paths it names (`resolve`, `visible_in_home`, `harmless`) and the
 programs it may run with which arguments (DEFAULT_ALLOW, ARGV_RULES, `check_args`, `runnable`).
-vm_tasks.py runs the steps and checks these rules let through, and vm_server.py checks POST
+vm/tasks.py runs the steps and checks these rules let through, and vm_server.py checks POST
 /action's body with the same JSON checks; copy this file into your VM beside them (nothing here
 runs on its own). Tested by tests/test_task_rules.py and tests/test_hostile_input.py.
 
@@ -22,7 +22,7 @@ desktop's HOME on its own:
     with a [Desktop Entry] header), X resource files (~/XTerm ...), anything in Desktop/; cp/mv
     move no symlinks; pcmanfm is handed folders only;
   - xdotool runs exactly one window command, `date` only prints.
-(vm_tasks.py adds the request as a whole: its time budget and HOME's quota after every step.)
+(vm/tasks.py adds the request as a whole: its time budget and HOME's quota after every step.)
 Where this departs from OSWorld: its setup/evaluate run arbitrary shell commands; ours run
 allow-listed programs whose every argument is checked.
 """
@@ -36,7 +36,7 @@ import re
 import shutil
 from urllib.parse import urlsplit
 
-from procs import Desktop
+from vm.procs import Desktop
 
 # -------------------------------------------------------------------------------------------------
 # Who may ask: one token per VM
@@ -58,7 +58,7 @@ def vm_token(secret: str, url: str) -> str:
 # Limits, the allow-list and each program's argument rule
 
 MAX_BODY = 1 << 20       # 1 MiB per request body: room for a write_file, not for abuse
-HOME_QUOTA = 64 << 20    # what HOME may hold after any step of setup/evaluate (see vm_tasks.usage())
+HOME_QUOTA = 64 << 20    # what HOME may hold after any step of setup/evaluate (see vm.tasks.usage())
 ENTRY_BYTES = 4096       # what each file, folder or link costs against HOME_QUOTA besides its bytes
 MAX_TREE = HOME_QUOTA // ENTRY_BYTES  # cp/mv refuse a folder with more entries (a HOME in quota has fewer)
 DEFAULT_ALLOW = frozenset(
@@ -145,7 +145,7 @@ LAUNCHER_MARKS = (".desktop", ".kdelnk")
 XT_CLASSES = ("xterm", "uxterm", "koi8rxterm", "xcalc", "xclock", "xeyes")
 DESKTOP_ENTRY = ("desktop entry", "desktop action")  # key-file groups a launcher needs (case ignored)
 # Programs that create or change files; their growth of HOME is predicted before they run
-# (vm_tasks.plan), so they run only as `command` steps or checks, which the server waits for.
+# (vm.tasks.plan), so they run only as `command` steps or checks, which the server waits for.
 WRITERS = frozenset("cp mv mkdir touch".split())
 
 
@@ -162,7 +162,7 @@ class BadRequest(Exception):
 
 def check_object(d, what: str, table: dict | None = None, required=(), optional=()) -> dict:
     """A JSON object with exactly these fields (null counts as absent). With `table` (type ->
-    {field: (JSON types, required)}, as actions.ACTION_FIELDS and vm_tasks.STEP_FIELDS), its "type"
+    {field: (JSON types, required)}, as actions.ACTION_FIELDS and vm.tasks.STEP_FIELDS), its "type"
     picks the fields; their values are checked by the caller."""
     if not isinstance(d, dict):
         raise BadRequest(f"{what} must be a JSON object.")

@@ -1,9 +1,9 @@
-"""procs.py: the desktop a server drives, and the processes it starts on it.
+"""vm/procs.py: the desktop a server drives, and the processes it starts on it.
 
 The bottom of the VM side: `Desktop` (screen, HOME, environment, allow-list of one served desktop),
 starting a program on it (`spawn`), its windows (`list_windows`, `app_windows`), and our process
-tree (`descendants`, `reap`, `kill_tree`). vm_server.py, vm_actions.py, vm_tasks.py, vm_rules.py and
-desktop.py build on it, and it imports nothing of ours (stdlib only). Nothing here runs on its own; it is copied into
+tree (`descendants`, `reap`, `kill_tree`). vm_server.py, vm/act.py, vm/tasks.py, vm/rules.py and
+vm/desktop.py build on it, and it imports nothing of ours (stdlib only). Nothing here runs on its own; it is copied into
 a VM with vm_server.py. Tested through tests/test_vm_server.py and tests/test_sandbox.py.
 """
 

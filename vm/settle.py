@@ -1,4 +1,4 @@
-"""settle.py: wait until a desktop has settled after an action, by watching it from inside the VM.
+"""vm/settle.py: wait until a desktop has settled after an action, by watching it from inside the VM.
 
 After an action the papers' trainers sleep a fixed time before the next screenshot (ARPO/OSWorld
 0.5 s, ScreenExplorer 1 s, our learning bench's earlier 2 s), while the desktop is done in about 0.1-0.3 s:
@@ -55,9 +55,9 @@ draws shows in the next grab anyway.
 Nothing in the papers does this: OSWorld-based trainers sleep a fixed time, and desktop-automation
 tools that poll screenshot hashes pay at least their polling interval (0.5-1 s) per step.
 
-Used by vm_server.py (POST /action?settle=watch), vm_tasks.py (a setup that started an app
-answers once it has settled) and desktop.py (a reset's session is up once it has settled); copied
-into a VM with vm_server.py. Stdlib, python-xlib and Pillow; imports procs.py.
+Used by vm_server.py (POST /action?settle=watch), vm/tasks.py (a setup that started an app
+answers once it has settled) and vm/desktop.py (a reset's session is up once it has settled); copied
+into a VM with vm_server.py. Stdlib, python-xlib and Pillow; imports vm/procs.py.
 Tested by `python -m pytest -q tests/test_settle.py` (real desktops); `python bench/settle.py`
 measures it step by step.
 """
@@ -69,7 +69,7 @@ import time
 
 from PIL import ImageGrab
 
-from procs import Desktop, descendants
+from vm.procs import Desktop, descendants
 
 # The constants, and the measurements behind them (bench/settle.py, tests/test_settle.py and
 # probes of the same kind: a 1280x720 --xvfb desktop on 2 shared cores, at load 2, and with 4 CPU

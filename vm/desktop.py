@@ -1,4 +1,4 @@
-"""desktop.py: the local desktop that `python vm_server.py --xvfb` serves.
+"""vm/desktop.py: the local desktop that `python vm_server.py --xvfb` serves.
 
 One Xvfb display per server, with a real session on it: openbox (window manager), tint2 (taskbar)
 and pcmanfm (desktop icons pinned to a fixed grid), and a HOME of its own, copied from a fresh
@@ -6,11 +6,11 @@ template before every episode. N servers are N independent desktops on one machi
 for N VMs. Top to bottom: the icon layout (`desktop_icons`, `DESKTOP_APPS`), the HOME template
 (`template_files`), `start_xvfb` and its cookie, `start_session` (up and settled, read off X
 properties), `restore_home`, `reset_desktop` (POST /reset: a fresh desktop again), and
-`local_desktop`, which puts them together. sandbox.py runs all of it inside bubblewrap.
+`local_desktop`, which puts them together. vm/sandbox.py runs all of it inside bubblewrap.
 
-vm_server.py imports this file (and sandbox.py) lazily, only when `--xvfb` is given, so a VM serving its own display
+vm_server.py imports this file (and vm/sandbox.py) lazily, only when `--xvfb` is given, so a VM serving its own display
 runs without it. The programs and windows on a desktop, and the process-tree cleanup (`spawn`,
-`list_windows`, `kill_tree`, `reap`), are in procs.py, because a real VM's /reset and the server's
+`list_windows`, `kill_tree`, `reap`), are in vm/procs.py, because a real VM's /reset and the server's
 exit need them too.
 Tested through `python -m pytest -q tests/test_vm_server.py tests/test_sandbox.py tests/test_containment.py`
 (real Xvfb desktops; the last types an agent's attacks into a desktop's terminal).
@@ -42,8 +42,8 @@ from dataclasses import replace
 
 from PIL import ImageGrab
 
-from procs import Desktop, kill_tree, prctl, spawn
-from settle import watcher
+from vm.procs import Desktop, kill_tree, prctl, spawn
+from vm.settle import watcher
 
 # -------------------------------------------------------------------------------------------------
 # The icons and the HOME template
@@ -61,7 +61,7 @@ DESKTOP_APPS = [
 ICON_ORIGIN, ICON_PITCH, ICON_ROWS = (16, 16), (120, 100), 4
 ICON_CENTRE = (58, 30)   # from a cell's top-left to its icon's centre, measured on pcmanfm 1.3.2
 BG_COLOUR = "#2f5f8f"
-# What of the caller's environment the desktop's apps (and sandbox.py's bubblewrap) get: no
+# What of the caller's environment the desktop's apps (and vm/sandbox.py's bubblewrap) get: no
 # credentials, keys or tokens a caller happened to export (the agent's terminal can print its environment).
 ENV_KEEP = frozenset({"PATH", "HOME", "SHELL", "TERM", "TZ", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE",
                       "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "PYTHONDONTWRITEBYTECODE",
@@ -273,7 +273,7 @@ def openbox_config(config_home: str) -> None:
     """openbox's rc.xml for this desktop (config_home/openbox/rc.xml, which openbox reads before
     the system's): the system's own, with the workspace popup switched off. A scroll on the empty
     desktop switches workspaces and openbox shows "desktop 2" in the middle of the screen for
-    875 ms, on a timer of its own: the watched settle (settle.py) answers before it goes, a fixed
+    875 ms, on a timer of its own: the watched settle (vm/settle.py) answers before it goes, a fixed
     1-2 s sleep after, so the popup was a screen only the watch ever saw (bench/settle.py
     --explore found it: 18 of 128 random pointer actions, all scrolls, and no other kind).
     The workspace switch itself stays: the screen it leaves is the same with either settle."""
@@ -293,7 +293,7 @@ def openbox_config(config_home: str) -> None:
 
 def start_session(desk: Desktop) -> None:
     """Window manager, then taskbar and desktop icons; returns once the desktop has settled (every
-    icon drawn, nothing busy: settle.py). openbox and tint2 keep their caches (and tint2 its copy
+    icon drawn, nothing busy: vm/settle.py). openbox and tint2 keep their caches (and tint2 its copy
     of the default config) in the desktop's run folder, not in HOME, so HOME is the template and
     nothing else."""
     x = _x(desk.display)

@@ -1,4 +1,4 @@
-"""vm_tasks.py: POST /setup and POST /evaluate on a desktop: typed steps and checks, checked and run.
+"""vm/tasks.py: POST /setup and POST /evaluate on a desktop: typed steps and checks, checked and run.
 
 A task file (tasks/*.json) prepares the desktop with typed setup steps (launch, open, sleep,
 write_file, command) and scores an episode with typed checks (file_exists, file_contains,
@@ -6,12 +6,12 @@ window_exists, command). STEP_FIELDS and CHECK_FIELDS are the one schema of both
 type takes, its JSON type, and whether it is required. The server checks requests against them
 here, and task_files.load_tasks checks task files against them before a run starts.
 
-Every step and check passes vm_rules.py (the allow-list, each program's arguments, paths inside
+Every step and check passes vm/rules.py (the allow-list, each program's arguments, paths inside
 HOME) when the request arrives; on top of that a request is checked whole before anything runs:
 every step, the sum of its sleeps and command timeouts (REQUEST_SECONDS) and HOME's worst-case size
 after every step (HOME_QUOTA). A step is refused when it comes to run only if something outside
 the request changed HOME meanwhile; the error then says which steps ran.
-vm_server.py imports this file; copy it into your VM with vm_rules.py and procs.py (nothing here
+vm_server.py imports this file; copy it into your VM with vm/rules.py and vm/procs.py (nothing here
 runs on its own). Tested by tests/test_task_rules.py, tests/test_hostile_input.py, tests/test_tasks.py.
 
 Where this departs from OSWorld: its setup/evaluate run arbitrary shell commands and per-app Python
@@ -31,9 +31,9 @@ import subprocess
 import tempfile
 import time
 
-from procs import Desktop, app_windows, spawn
-from settle import watcher
-from vm_rules import (ENTRY_BYTES, HOME_QUOTA, MAX_BODY, BadRequest, all_unicode, check_number, check_object,
+from vm.procs import Desktop, app_windows, spawn
+from vm.settle import watcher
+from vm.rules import (ENTRY_BYTES, HOME_QUOTA, MAX_BODY, BadRequest, all_unicode, check_number, check_object,
                       check_program, check_regex, check_str, desktop_entry, harmless, inside, resolve, runnable,
                       visible_in_home, writes)
 
@@ -313,7 +313,7 @@ def setup(desk: Desktop, body) -> dict:
     # A mapped window is not yet a ready one: the file manager lists its folder and takes the
     # keyboard focus a moment later. The episode (and its first screenshot) should start with the
     # app as a person would find it, so a setup that started one returns once the desktop has
-    # settled (settle.py; this was a fixed second). (Without it, a file name typed at once can
+    # settled (vm/settle.py; this was a fixed second). (Without it, a file name typed at once can
     # land in a pcmanfm whose listing is still empty.)
     return {"ok": True, "results": results, "settle": watcher(desk).settle(started)}
 

@@ -29,13 +29,14 @@ from io import BytesIO
 from PIL import Image
 
 import rollout
-import rundir
+from plumbing import rundir
 from actions import parse_action, smart_resize
 from chat import uitars_messages
 from env import VMError, VMPool
 from model import Generation
-from rollout import EnvFailure, parse_settle, refused
-from task_files import Task
+from env import parse_settle
+from rollout import EnvFailure
+from env import Task
 
 # ------------------------------------------------------------------------------------------------
 # Episodes: what one VM did on one task
@@ -167,7 +168,7 @@ def play(desk: rollout.Desktop, task: Task, args, group: int = 0, iteration: int
                 try:
                     img = desk.act(action, settle)  # a window takes a moment to map; the model should see it
                 except VMError as err:
-                    if not refused(err):
+                    if not err.refused:
                         raise
                     # The VM refused the action (a key it does not know, say): the model's answer was
                     # not a valid action after all, so it counts as a format failure.

@@ -22,7 +22,7 @@ import shutil
 import time
 from dataclasses import replace
 
-import dist
+from plumbing import dist
 from arpo_episode import run_jobs, save_episodes
 from env import VMPool
 

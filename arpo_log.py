@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-import dist
+from plumbing import dist
 import rollout
-import rundir
+from plumbing import rundir
 
 UPDATE_KEYS = ("loss", "pg_loss", "kl", "clip_low", "clip_high", "clip_dual", "ratio_mean", "grad_norm", "tokens",
                "steps")

@@ -33,7 +33,7 @@ from actions import Action, Parsed, cursor_after, parse_action
 from chat import explore_messages
 from env import VMError, VMPool
 from model import generate
-from rollout import parse_settle, refused
+from env import parse_settle
 
 
 @dataclass
@@ -116,7 +116,7 @@ def explore(desk: rollout.Desktop, steps: int, settle, out: list, reset: bool, w
         try:
             after = desk.act(parsed.action, settle) if parsed else desk.screenshot()
         except VMError as e:
-            if not refused(e):
+            if not e.refused:
                 raise
             error, after = str(e), desk.screenshot()  # the VM refused the action (bad key name, ...)
         open_after = {w["id"]: w["title"] for w in desk.windows()} if windows else None

@@ -24,13 +24,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-import dist
+from plumbing import dist
 import rewards as R
 import rollout
-import rundir
+from plumbing import rundir
 from env import VMPool
 from explore_episode import Step, explore, step_line
-from rollout import parse_settle
+from env import parse_settle
 
 
 def dhash(img: Image.Image) -> int:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import dist
+from plumbing import dist
 import rewards as R
 import rollout
-import rundir
+from plumbing import rundir
 from explore_episode import Step, step_line
 
 

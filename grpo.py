@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-import dist
+from plumbing import dist
 import qwen_vl  # the image tensors and forward inputs of the model family
 
 

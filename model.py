@@ -19,7 +19,7 @@ sync_weights (push new weights to a generation engine). Model names besides chec
                   an embedded corpus; every test and CPU run uses one
   tiny-uitars, tiny-explore   the tiny Qwen2.5-VL after a short supervised warm start on the
                   UI-TARS / ScreenExplorer answer FORMAT (uniform coordinates, no task knowledge),
-                  built on first use (2-5 minutes on a 2-core CPU) and cached on disk (warm_start.py)
+                  built on first use (2-5 minutes on a 2-core CPU) and cached on disk (plumbing/warm_start.py)
 What is specific to the Qwen-VL family (tokens, chat format, 3D rope, LoRA targets, resize factor,
 which vision attention to batch) is in qwen_vl.py, keyed by config.json's model_type: a checkpoint
 of a family it knows loads through the auto class, any other is refused in one sentence, and so is
@@ -28,7 +28,7 @@ only say so in its load report). Where the other names live: the prompts and enc
 -> ids, target mask, pixels) in chat.py, which this file builds on; the image size caps in
 actions.py (smart_resize uses the same ones); the vLLM engine (VLLMEngine) in vllm_engine.py,
 which builds on this file and is imported only when an engine is built (GPU only); the vision
-tower's batched window attention in vision_windows.py.
+tower's batched window attention in qwen_vl.py.
 
 Where we depart from the papers (the prompts' departures are in chat.py):
   - Sampling never emits the vision placeholder tokens (`<|image_pad|>` & co.): a random model
@@ -44,10 +44,10 @@ from typing import Any
 
 import torch
 
-import dist
+from plumbing import dist
 import qwen_vl  # what is specific to the model family
-import vision_windows  # the vision tower's batched window attention
-import warm_start  # the tiny-uitars / tiny-explore recipes and their cache
+
+from plumbing import warm_start  # the tiny-uitars / tiny-explore recipes and their cache
 from actions import MAX_PIXELS, MIN_PIXELS  # the image size caps
 from chat import EXPLORE_PROMPT, UITARS_PROMPT, Encoded, encode_chats, special_id
 
@@ -226,7 +226,7 @@ def wrap_policy(model, tokenizer, image_processor, name: str, device, dtype, lor
     tokenizer.padding_side = "left"
     _neutral_generation_config(model, tokenizer)
     qwen_vl.install_rope_hook(model)  # 3D rope for every forward (see qwen_vl._rope_hook's comment)
-    vision_windows.install(model, fam.vision_attention)  # one attention call per window length (see file)
+    qwen_vl.install_vision_windows(model, fam.vision_attention)  # one attention call per window length (see file)
     model.to(device=device, dtype=dtype)
     if gradient_checkpointing:
         # Non-reentrant checkpointing also works with frozen inputs (the LoRA case). transformers

@@ -13,7 +13,7 @@ is a Qwen2.5-VL). To try another family, this is the file to rewrite; what the o
                   tiny test configs), the 3D-rope pre-hook (install_rope_hook), LORA_TARGETS,
                   the image processor, the tiny tokenizer's pieces, and for generate the same
                   image_inputs and mm_token_types as grpo.py
-  warm_start.py   family and image_processor (its synthetic screenshots, encoded as a run would)
+  plumbing/warm_start.py   family and image_processor (its synthetic screenshots, encoded as a run would)
   grpo.py         image_inputs (how a batch's images are joined) and forward_inputs (what a
                   forward gets besides the ids: the image tensors and the token types for 3D rope)
   vllm_engine.py  the architecture name vLLM picks its model by, the resize factor
@@ -38,9 +38,11 @@ processor class needs torchvision, which cannot load beside CPU torch.
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 # --------------------------------------------------------------------------------------------
 # Tokens and the chat format (the same in Qwen2-VL, Qwen2.5-VL and Qwen3-VL)
@@ -114,7 +116,7 @@ class Family:
     model_type: str               # config.json's "model_type"
     architecture: str             # the transformers class (also how vLLM picks its model)
     default_system: str | None    # the system turn the chat template adds to a chat without one
-    vision_attention: str         # the vision tower's attention class (vision_windows.py batches it)
+    vision_attention: str         # the vision tower's attention class (install_vision_windows batches it)
     patch_size: int               # pixels per patch side; a model token covers patch_size * MERGE
     image_mean: tuple = (0.48145466, 0.4578275, 0.40821073)  # the image processor's normalisation
     image_std: tuple = (0.26862954, 0.26130258, 0.27577711)  # (OpenAI CLIP's, Qwen2/2.5-VL)
@@ -296,3 +298,96 @@ def forward_inputs(model, batch: dict, device) -> dict:
         kwargs["image_grid_thw"] = batch["image_grid_thw"].to(device)  # (N_img, 3)
         kwargs.update(mm_token_types(model, kwargs["input_ids"]))  # (B, T)
     return kwargs
+
+# --------------------------------------------------------------------------------------------
+# The vision tower's window attention, in a handful of calls instead of thousands
+#
+# model.py's wrap_policy calls install_vision_windows(model, FAMILIES[...].vision_attention).
+# Why: Qwen2.5-VL's vision tower cuts every screenshot into 112x112-pixel windows (64 patches each)
+# and attends inside each window in 28 of its 32 blocks (the other 4 attend over the whole image).
+# Without flash-attention's variable-length kernel, transformers runs that as a Python loop, one
+# scaled_dot_product_attention call per window: a 1280x720 screenshot has 84 windows, so 8 of them
+# cost 84 * 8 * 32 = 21,504 attention calls per forward, each too small to keep a GPU busy: the
+# time goes to launching them (bench/gpu_profile.py, bench/gpu_update.py measure it; on a CPU the
+# calls are not the bottleneck, bench/vision_windows.py).
+# Instead, windows of equal length are stacked and attended in ONE call per distinct length. A
+# screenshot has at most four (whole windows, the right edge, the bottom edge, the corner), and all
+# screenshots of one size share them, so a block makes <= 4 calls whatever the batch size. No
+# padding and no mask: the same math as the loop (tests/test_vision_windows.py checks outputs and
+# gradients against the stock forward), and a GPU still gets its flash / cuDNN kernels.
+# Qwen2-VL's and Qwen3-VL's towers attend over each whole image in the same per-span loop with the
+# same module layout (qkv, 2D rotary, proj): a batch of equally sized screenshots becomes one call
+# per block. An attention class name that matches no module is refused, so a misnamed family is not
+# silently left on the slow path.
+# Nothing in the model changes: the forward of each vision attention module of this one instance is
+# replaced (its class becomes a subclass with our forward), and only when the model does not use
+# flash-attention, whose varlen kernel already does this. The forward mirrors transformers
+# 5.17-5.24 (qkv projection, 2D rotary, attention, proj); a module without those parts is left alone.
+
+
+def _windowed_forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                      position_embeddings=None, **kwargs) -> torch.Tensor:
+    """Drop-in for the vision attention's forward (Qwen2_5_VLVisionAttention & co.).
+    hidden_states: (N_patches, D), all images of the batch concatenated; cu_seqlens: (W+1,) window
+    (or image) boundaries, windows contiguous."""
+    n = hidden_states.shape[0]
+    q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)  # 3 x (N, H, Dh)
+    cos, sin = position_embeddings
+    q, k = self.rotary(q, k, cos, sin)  # (N, H, Dh) each: the 2D rotary of the class's own module
+
+    starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]  # (W,), (W,)
+    outs, order = [], []
+    for length in torch.unique(lengths).tolist():  # <= 4 lengths per screenshot size
+        if length == 0:  # transformers drops empty windows already; harmless if one slips through
+            continue
+        rows = starts[lengths == length, None] + torch.arange(length, device=cu_seqlens.device)  # (w, L)
+        qw, kw, vw = (t[rows].transpose(1, 2) for t in (q, k, v))  # (w, H, L, Dh) each
+        o = F.scaled_dot_product_attention(qw, kw, vw, scale=self.scaling)  # (w, H, L, Dh)
+        outs.append(o.transpose(1, 2).reshape(-1, *o.shape[1:2], o.shape[-1]))  # (w*L, H, Dh)
+        order.append(rows.reshape(-1))  # (w*L,) where those rows came from
+    # Put the rows back in sequence order: out[order[i]] = outs[i], as a gather (autograd-friendly).
+    order_all = torch.cat(order)  # (N,) a permutation of 0..N-1
+    inverse = torch.empty_like(order_all)
+    inverse[order_all] = torch.arange(n, device=order_all.device)
+    out = torch.cat(outs)[inverse]  # (N, H, Dh)
+    return self.proj(out.reshape(n, -1))  # (N, D)
+
+
+_WINDOWED: dict = {}  # a vision attention class -> its subclass with the batched forward
+
+
+def _windowed_class(cls):
+    # The forward goes on a subclass, and the module's __class__ is switched to it (FSDP2's
+    # fully_shard switches classes the same way). A bound method stored on the module instead
+    # would be a reference cycle (module -> method -> module) that only the cyclic garbage
+    # collector frees, which vLLM's gc.freeze() stops for whatever is alive at engine start.
+    if cls not in _WINDOWED:
+        # The 2D rotary the stock forward applies, from the class's own modeling file.
+        rotary = getattr(sys.modules[cls.__module__], "apply_rotary_pos_emb_vision")
+        _WINDOWED[cls] = type(cls.__name__, (cls,), {"forward": _windowed_forward, "stock_class": cls,
+                                                     "rotary": staticmethod(rotary)})
+    return _WINDOWED[cls]
+
+
+def install_vision_windows(model, class_name: str) -> int:
+    """Give every vision attention module of `model` (peft-wrapped or not) whose class is
+    `class_name` the batched window forward. Returns how many modules were changed (0:
+    flash-attention, or a module layout this forward does not know). ValueError if the model has
+    no module of that class at all (a misnamed class in qwen_vl.FAMILIES).
+    `module.__class__ = module.stock_class` puts a module's stock forward back."""
+    changed = found = 0
+    for module in model.modules():
+        cls = getattr(module, "stock_class", type(module))
+        if cls.__name__ != class_name:
+            continue
+        found += 1
+        impl = getattr(module.config, "_attn_implementation", "sdpa") or "sdpa"
+        if "flash" in impl or not all(hasattr(module, a) for a in ("qkv", "proj", "num_heads", "scaling")) \
+                or not hasattr(sys.modules[cls.__module__], "apply_rotary_pos_emb_vision"):
+            continue
+        module.__class__ = _windowed_class(cls)
+        changed += 1
+    if not found:
+        raise ValueError(f"the model has no {class_name} module to batch; fix the family's vision_attention "
+                         "in qwen_vl.FAMILIES.")
+    return changed

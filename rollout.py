@@ -68,38 +68,14 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-import progress
+from plumbing import progress
 from env import VMError, VMPool
 
 GATHER = 0.05  # seconds a batch waits for more observations after its first one (see run)
 GRACE = 5.0    # seconds past a call's own timeout before the stepper gives up on it
 
 # ------------------------------------------------------------------------------------------------
-# The settle rule and who is to blame
-
-
-SETTLE_HELP = "--settle must be 'watch' or seconds from 0 to 10"
-
-
-def parse_settle(value) -> str | float | None:
-    """--settle -> "watch" (the server watches the screen after the action until it stops changing,
-    with a cap: one round trip per step) or a fixed sleep in seconds (0 to 10, the papers' way:
-    ARPO/OSWorld sleep 0.5 s); None if it is neither (SETTLE_HELP says what is). Numbers of old run
-    folders (args.json) parse as before."""
-    if isinstance(value, str) and value.strip().lower() == "watch":
-        return "watch"
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        return None
-    return seconds if 0 <= seconds <= 10 else None
-
-
-def refused(err: VMError) -> bool:
-    """The VM refused the request itself (4xx: an unknown key, a bad field): the sender's fault.
-    401/403 (the token) and 408 (the request arrived too slowly) are the connection's, not the
-    request's; no status (unreachable, silent) and 5xx (the VM's program failed) are the VM's."""
-    return err.status is not None and 400 <= err.status < 500 and err.status not in (401, 403, 408)
+# When an episode is the environment's failure
 
 
 class EnvFailure(Exception):

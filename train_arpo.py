@@ -72,11 +72,11 @@ Where this departs from ARPO (paper + its released code), on purpose:
    the adapter-free model (LoRA) or a frozen copy of --model (full fine-tuning: one more model in
    memory, one more forward per update).
 10. Logging: metrics.jsonl always, plus Weights & Biases (--wandb) and TensorBoard (--tensorboard)
-   when asked for (progress.py).
+   when asked for (plumbing/progress.py).
 11. More than one GPU (ARPO: verl's FSDP on 8-16 GPUs with Ray): `torchrun --nproc_per_node N
    train_arpo.py ...`; each rank plays its own groups on its slice of the VMs, the replay buffer
    and the task order are the same on every rank, and full fine-tuning is sharded with FSDP2
-   (dist.py, README "More than one GPU").
+   (plumbing/dist.py, README "More than one GPU").
 12. A group is always --group-size rollouts (ARPO: one per VM, 16 tasks x 8 on 128 VMs): with fewer
    desktops in service than that, they play the group in turns, so even a lone desktop trains (a
    group of one has advantage 0, and replay would only swap its member for a stored success).
@@ -92,10 +92,10 @@ from transformers.utils import logging as hf_logging
 
 import arpo_eval
 import arpo_log
-import dist
-import progress
+from plumbing import dist
+from plumbing import progress
 import rollout
-import rundir
+from plumbing import rundir
 from actions import MIN_PIXELS
 from arpo_episode import Episode, Observation, as_image, play_all, save_episodes, to_record
 from arpo_replay import ReplayBuffer, replay_groups
@@ -104,9 +104,9 @@ from env import VMPool
 from grpo import group_advantages, trajectory_sample
 from model import Generation, generate, load_policy
 from qwen_vl import TURN_START
-from rollout import SETTLE_HELP, parse_settle
-from rundir import arg
-from task_files import Task, TaskError, load_tasks
+from env import SETTLE_HELP, parse_settle
+from plumbing.rundir import arg
+from env import Task, TaskError, load_tasks
 
 PROG = "train_arpo.py"
 

@@ -6,7 +6,7 @@
     python train_explore.py --vms 8 --generations 3 --iterations-per-generation 100   # E1, E2, E3
     python train_explore.py --resume runs/<name>                     # continue a run
     python train_explore.py --eval-only --model runs/<name>/models/E1 --episodes 20   # vs random actions
-(*) tiny-explore is the tiny model taught the answer format (warm_start.py: built on first use, cached),
+(*) tiny-explore is the tiny model taught the answer format (plumbing/warm_start.py: built on first use, cached),
 so its answers parse and the rewards are real; `--model tiny` (random weights) tests the plumbing only.
 
 A run folder: args.json; metrics.jsonl (one line per iteration: every reward component, world-model
@@ -32,7 +32,7 @@ runs/<name>/distill/; the next generation starts again from the BASE model, fine
 distilled data so far, then does RL.
 
 Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), and what it leaves out:
-1. Rewards and features are rewards.py's, the world model world_model.py's (a fixed patch-grid screen
+1. Rewards and features are rewards.py's, the world model rewards.py's (a fixed patch-grid screen
    feature instead of Cosmos latents, tesseract + MiniLM instead of PaddleOCR + BGE-M3, an MLP world
    model); see their docstrings. The release's two bugs are not here: the world model's image branch
    is trained, and `--rewards all,no_world_model` still trains the actor (the release skipped the
@@ -67,10 +67,10 @@ Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), 
    distinct screens by a 64-bit perceptual hash, pairwise diversity, windows opened, vs random
    actions; every episode saved as a trajectory (--eval-save) that `python view.py` shows.
 7. Logging: metrics.jsonl always; Weights & Biases (--wandb) and TensorBoard (--tensorboard) when
-   asked for and installed (progress.py). Left out: mixed-precision autocast (bf16 weights on GPU
+   asked for and installed (plumbing/progress.py). Left out: mixed-precision autocast (bf16 weights on GPU
    instead).
 8. More than one GPU (the release: two): `torchrun --nproc_per_node N train_explore.py ...`, each rank
-   with its slice of the desktops; the one group and the world model span every rank (dist.py,
+   with its slice of the desktops; the one group and the world model span every rank (plumbing/dist.py,
    README "More than one GPU").
 """
 from __future__ import annotations
@@ -87,22 +87,22 @@ import numpy as np
 import torch
 import transformers
 
-import dist
+from plumbing import dist
 import explore_log
 import grpo
-import progress
+from plumbing import progress
 import rewards as R
 import rollout
-import rundir
-import world_model as WM
+from plumbing import rundir
+
 from actions import MAX_PIXELS, MIN_PIXELS
 from env import VMPool
 from explore_episode import Step, play, policy_chooser, random_chooser
 from explore_distill import distill_samples, write_distill_dataset
 from explore_eval import run_eval
 from model import load_policy, sync_weights
-from rollout import SETTLE_HELP, parse_settle
-from rundir import arg
+from env import SETTLE_HELP, parse_settle
+from plumbing.rundir import arg
 
 PROG = "train_explore.py"
 
@@ -242,7 +242,7 @@ class Learner:
     start_model: str  # the generation's starting model: LoRA's base and the KL reference
     ref_fn: object  # full fine-tuning's frozen reference (reference_fn), or None
     generation: int
-    wm: WM.WorldModel
+    wm: R.WorldModel
     wm_opt: torch.optim.Optimizer
     flags: dict  # the --rewards switches, usable ones only (rewards.effective_flags)
     tools: object  # OCR + embedder, or None
@@ -275,7 +275,7 @@ def score(buffer: list[Step], L: Learner, a: Args, times: dict, it: int = 0):
             # ALGO: curiosity is the surprise of the world model as it stood before this buffer;
             # then it learns the buffer (--wm-train-first: the release's order, the other way round).
             if actions_all:
-                pred_s, pred_t, wm_metrics = WM.update_and_predict(L.wm, L.wm_opt, f_all, actions_all,
+                pred_s, pred_t, wm_metrics = R.update_and_predict(L.wm, L.wm_opt, f_all, actions_all,
                                                                   [1] * len(actions_all), a.wm_epochs, a.wm_batch_size,
                                                                   a.wm_train_first)  # (V_all, D), (V_all, E)
                 pred_s, pred_t = pred_s[mine], None if pred_t is None else pred_t[mine]  # (V, D), (V, E)
@@ -452,7 +452,7 @@ def setup(args: Args, run: str, ckpt, screen, vm_offset: int) -> tuple:
     tools = R.load_text_tools() if "text" in R.reads(want) else None
     flags = R.effective_flags(want, tools)
     print("reward terms on: " + ", ".join(R.terms_on(flags)), flush=True)
-    wm = WM.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags.get("text")) else 0, args.wm_hidden, screen)
+    wm = R.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags.get("text")) else 0, args.wm_hidden, screen)
     wm_opt = adamw(wm.parameters(), args.wm_lr)
     if ckpt is None:
         policy, start_model, distill_metrics = start_generation(1, run, args)
@@ -549,7 +549,7 @@ def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int,
         metrics = {"iteration": it, "generation": L.generation,
                    **explore_log.iteration_metrics(buffer, r, adv, wm_metrics, upd, out), **distill_metrics}
         distill_metrics = {}
-        with rundir.timed(times, "save"):  # trajectories, checkpoint, then the metrics line: see rundir.py
+        with rundir.timed(times, "save"):  # trajectories, checkpoint, then the metrics line: see plumbing/rundir.py
             explore_log.save_trajectories(run, it, buffer, r, adv, L.vm_offset)
             # Always at a generation's last iteration: the boundary (dataset, SFT) is redone from it.
             if (it + 1) % args.ckpt_every == 0 or (it + 1) % ipg == 0 or it + 1 == total:

@@ -49,8 +49,8 @@ import train_arpo as T  # noqa: E402
 from arpo_replay import ReplayBuffer  # noqa: E402
 from env import VMPool  # noqa: E402
 from model import load_policy  # noqa: E402
-from rollout import SETTLE_HELP, parse_settle  # noqa: E402
-from task_files import load_tasks  # noqa: E402
+from env import SETTLE_HELP, parse_settle  # noqa: E402
+from env import load_tasks  # noqa: E402
 
 
 def acting(policy_fn, seed: int):

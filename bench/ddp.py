@@ -30,7 +30,7 @@ def worker(mode: str, n: int, steps: int, out: str) -> None:
     """One process or one rank: `steps` updates of its share of n samples; rank 0 writes the times."""
     import torch
 
-    import dist
+    from plumbing import dist
     import grpo
     from dist_update import samples
     from model import load_policy

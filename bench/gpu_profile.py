@@ -11,11 +11,11 @@ idle while the CPU works shows up as CPU-side operators (Python loops, host sync
 rivals the kernels'. Last line: `gpu_update_share_vision_fwd: <vision forward / update>`.
 
 Measured on an H200 (torch 2.11, transformers 5.17), full fine-tuning, micro-batch 4:
-  transformers' stock vision attention (one call per window, vision_windows.py not installed):
+  transformers' stock vision attention (one call per window, qwen_vl.py not installed):
       vision forward 1.003 s, log-prob pass 1.062 s, update 9.280 s; 2.25 s of GPU time in 9.28 s
       of wall time, 37,840 cuDNN attention calls of ~7 us each: the GPU waited on Python launching
       one attention call per window.
-  with vision_windows.py (what wrap_policy installs): vision forward 0.322 s, log-prob pass
+  with qwen_vl.py (what wrap_policy installs): vision forward 0.322 s, log-prob pass
       0.555 s, update 2.367 s, 1.86 s of it GPU time (GPU-bound; the top kernels are the matmuls).
 """
 import argparse

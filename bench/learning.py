@@ -88,7 +88,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The project first: bench/ has files named like the project's (vision_windows.py). learning_explore
+# The project first: bench/ has files named like the project's (qwen_vl.py). learning_explore
 # is found in bench/ after it (the script's own folder is on the path when run as a script).
 sys.path.insert(0, ROOT)
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:

@@ -77,7 +77,7 @@ import grpo  # noqa: E402
 import model as M  # noqa: E402
 from chat import encode_chat, explore_messages  # noqa: E402
 from env import VMPool  # noqa: E402
-from warm_start import EXPLORE_CALLS  # noqa: E402
+from plumbing.warm_start import EXPLORE_CALLS  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()  # the warm start's save: no progress bar in the table
 

@@ -42,7 +42,7 @@ def warm_start(out: str, seed: int, task_ids: list[str], epochs: int, lr: float,
     from env import VMPool
     from grpo import distill_step, trajectory_sample
     from model import load_policy, save_policy
-    from task_files import load_tasks
+    from env import load_tasks
 
     t0 = time.perf_counter()
     tasks = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
@@ -158,7 +158,7 @@ def warm_start_multi(out: str, seed: int, task_ids: list[str], epochs: int, lr: 
     from actions import smart_resize
     from chat import encode_chat, uitars_messages
     from vm.desktop import desktop_icons
-    from task_files import load_tasks
+    from env import load_tasks
     from grpo import distill_step, trajectory_sample
     from model import load_policy, save_policy
 

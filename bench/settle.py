@@ -66,7 +66,7 @@ from conftest import in_x_namespace, proc_descendants, start_vm_server  # noqa: 
 from vm.desktop import desktop_icons  # noqa: E402
 from env import VMClient  # noqa: E402
 from vm.settle import BUSY_CPU, LOOK, QUIET, Programs  # noqa: E402
-from task_files import load_tasks  # noqa: E402
+from env import load_tasks  # noqa: E402
 
 CARET, CARET_H = 4, 40   # px: a differing region this narrow (and at most this tall) is a caret
 CLOCK = 160, 34          # px from the bottom-right corner: tint2's clock and date

@@ -1,4 +1,4 @@
-"""Benchmark: Qwen2.5-VL-3B's vision tower, batched window attention (vision_windows.py) vs stock.
+"""Benchmark: Qwen2.5-VL-3B's vision tower, batched window attention (qwen_vl.py) vs stock.
 
     python bench/vision_windows.py                     # GPU if there is one: 32 blocks, 8 screenshots
     python bench/vision_windows.py                     # CPU: depth 2, 1 screenshot, ~1 minute
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpu_update as G  # noqa: E402 -- the 3B config lives there
 import model as M  # noqa: E402
-import vision_windows  # noqa: E402
+import qwen_vl  # noqa: E402
 
 
 def main():
@@ -73,7 +73,7 @@ def main():
 
     attn = [b.attn for b in tower.blocks]
     ways = {"stock loop": lambda: [setattr(a, "__class__", getattr(a, "stock_class", type(a))) for a in attn],
-            "batched windows": lambda: vision_windows.install(tower, "Qwen2_5_VLVisionAttention")}
+            "batched windows": lambda: qwen_vl.install_vision_windows(tower, "Qwen2_5_VLVisionAttention")}
     best, outs = {w: float("inf") for w in ways}, {}
     for w, use in ways.items():  # warm-up both
         use()

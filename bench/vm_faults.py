@@ -40,7 +40,7 @@ from arpo_replay import ReplayBuffer  # noqa: E402
 from conftest import proc_alive as alive, proc_children as children, proc_group as group_pids  # noqa: E402
 from env import VMPool  # noqa: E402
 from model import load_policy  # noqa: E402
-from task_files import load_tasks  # noqa: E402
+from env import load_tasks  # noqa: E402
 
 SMALL = 64 * 28 * 28
 TASK = {"id": "notes-there", "instruction": "Look at the notes.", "setup": [], "max_steps": 3,

@@ -32,7 +32,6 @@ from PIL import Image, ImageDraw, ImageFont
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rewards as R  # noqa: E402
-import world_model as WM  # noqa: E402
 
 WORDS = "File Edit View Search Document Help Terminal Calculator Open Save Close Settings Tools".split()
 
@@ -95,12 +94,12 @@ def main():
     e_dim = tools.dim if tools else 384
     eb = torch.nn.functional.normalize(torch.randn(n, e_dim), dim=1)  # (N, E) stand-ins if no embedder
     ea = torch.nn.functional.normalize(torch.randn(n, e_dim), dim=1)  # (N, E)
-    wm = WM.WorldModel(text_dim=e_dim)
+    wm = R.WorldModel(text_dim=e_dim)
     opt = torch.optim.AdamW(wm.parameters(), lr=1e-3)
 
     def wm_iter():
-        m = WM.train_world_model(wm, opt, sb, actions, sa, eb, ea, epochs=3, batch_size=16)
-        return m, WM.predict_next(wm, sb, actions, eb)
+        m = R.train_world_model(wm, opt, sb, actions, sa, eb, ea, epochs=3, batch_size=16)
+        return m, R.predict_next(wm, sb, actions, eb)
 
     t_wm, (_, (ps, pt)) = timed(wm_iter, args.repeats)
     n_params = sum(p.numel() for p in wm.parameters())

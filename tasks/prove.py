@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vm.desktop import desktop_icons  # noqa: E402
 from env import VMClient, VMError, VMPool  # noqa: E402
-from task_files import Task, TaskError, load_tasks  # noqa: E402
+from env import Task, TaskError, load_tasks  # noqa: E402
 
 SCREEN = (1280, 720)  # the `vm_server.py --xvfb` desktop's screen: solutions are in its pixels
 ENDS = ("done", "fail")  # actions that end an episode: scored, never sent to the desktop

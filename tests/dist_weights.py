@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import dist  # noqa: E402
+from plumbing import dist  # noqa: E402
 from model import load_policy, merged_weights  # noqa: E402
 
 if __name__ == "__main__":

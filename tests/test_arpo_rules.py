@@ -20,10 +20,10 @@ sys.path.insert(0, ROOT)
 
 import arpo_episode as E  # noqa: E402
 import arpo_log  # noqa: E402
-import rundir  # noqa: E402
+from plumbing import rundir  # noqa: E402
 import train_arpo as T  # noqa: E402
 from model import load_policy  # noqa: E402
-from task_files import load_tasks  # noqa: E402
+from env import load_tasks  # noqa: E402
 
 SMALL = 64 * 28 * 28  # screenshots of ~64 visual tokens for the tiny model: fast on CPU
 TASKS = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}

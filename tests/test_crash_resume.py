@@ -33,7 +33,7 @@ import time
 import pytest
 import torch
 
-import rundir
+from plumbing import rundir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))

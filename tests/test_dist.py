@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-import dist
+from plumbing import dist
 from conftest import free_port, proc_descendants, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""Tests for env.py's VM side (VMClient, VMPool, launch_local_vms) and task_files.py (load_tasks).
+"""Tests for env.py's VM side (VMClient, VMPool, launch_local_vms) and env.py (load_tasks).
 
 Run: python -m pytest -q tests/test_env.py   (needs Xvfb & co from setup.sh; about a minute)
 
@@ -18,7 +18,7 @@ from PIL import Image
 from actions import Action, parse_action
 from conftest import free_port, wait_for
 from env import VMClient, VMError, VMPool, launch_local_vms
-from task_files import Task, TaskError, load_tasks
+from env import Task, TaskError, load_tasks
 
 
 

@@ -30,7 +30,7 @@ from arpo_replay import ReplayBuffer
 from conftest import proc_alive, proc_group
 from env import VMPool
 from model import load_policy
-from task_files import load_tasks
+from env import load_tasks
 
 SMALL = 64 * 28 * 28
 VM_TIMEOUT = 8.0

@@ -14,13 +14,13 @@ from the other's:
     train_explore.py  -> explore_eval.py (exploration eval) -> explore_episode.py (one episode)
                       -> explore_distill.py (the distillation data)
                       -> explore_log.py (the metrics line, the console line, trajectories)
-    both              -> rollout.py, rundir.py, grpo.py, model.py, ... (world_model.py -> rewards.py:
+    both              -> rollout.py, plumbing/rundir.py, grpo.py, model.py, ... (rewards.py -> rewards.py:
                          ScreenExplorer's)
 
 rollout.py, the stepper both trainers play episodes with, sits below both and knows no model (no
 torch: generation is the caller's policy_fn); the bottoms (actions.py, vm/procs.py, qwen_vl.py) import
 nothing of ours, and chat.py nothing but qwen_vl.py (the model family's tokens and chat format);
-qwen_vl.py and warm_start.py sit below model.py, and the model side reaches nothing of the VM side;
+qwen_vl.py and plumbing/warm_start.py sit below model.py, and the model side reaches nothing of the VM side;
 no `from X import _name` across our files; no module `__getattr__`; no `sys.modules` assignment or
 setdefault.
 
@@ -147,7 +147,7 @@ def test_each_trainers_own_files_are_below_it_and_apart_from_the_other():
 
 def test_rollout_is_below_both_trainers_and_knows_no_model():
     assert all("rollout" in GRAPH[t] for t in ("train_arpo", "train_explore"))
-    assert set(GRAPH["rollout"]) <= {"env", "progress", "actions", "vm.tasks"}, GRAPH["rollout"]
+    assert set(GRAPH["rollout"]) <= {"env", "plumbing.progress", "actions", "vm.tasks"}, GRAPH["rollout"]
     names = [a.name for node in ast.walk(tree("rollout")) if isinstance(node, ast.Import) for a in node.names]
     names += [node.module for node in ast.walk(tree("rollout")) if isinstance(node, ast.ImportFrom) and node.module]
     assert names and not [n for n in names if n.split(".")[0] in ("torch", "transformers")], names
@@ -160,11 +160,11 @@ def test_bottoms_import_nothing_of_ours():
 
 
 def test_the_model_family_lives_below_the_model():
-    # qwen_vl.py (what is specific to the family) and warm_start.py (the tiny warm-started models)
+    # qwen_vl.py (what is specific to the family) and plumbing/warm_start.py (the tiny warm-started models)
     # sit below model.py, and nothing of the model side reaches the VM side.
-    assert {"qwen_vl", "warm_start"} <= set(GRAPH["model"]) and "model" not in GRAPH["warm_start"]
+    assert {"qwen_vl", "plumbing.warm_start"} <= set(GRAPH["model"]) and "model" not in GRAPH["plumbing.warm_start"]
     vm_side = {"vm_server", "env"} | {m for m in OURS if m.startswith("vm.")}
-    for mod in ("qwen_vl", "chat", "warm_start", "model", "grpo"):
+    for mod in ("qwen_vl", "chat", "plumbing.warm_start", "model", "grpo"):
         assert not vm_side & set(GRAPH[mod]), f"{mod}.py imports {sorted(vm_side & set(GRAPH[mod]))}"
 
 

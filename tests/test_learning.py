@@ -203,7 +203,7 @@ def test_the_two_click_path_on_a_real_desktop(vm_desktop):
     on another item (or after another icon) it does not."""
     from vm.desktop import desktop_icons
     from env import VMClient
-    from task_files import load_tasks
+    from env import load_tasks
     vm = VMClient(vm_desktop.url, vm_desktop.token, timeout=60)
     tasks = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
     fm = desktop_icons((1280, 720))[W.FM_ICON]

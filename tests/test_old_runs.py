@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-import rundir
+from plumbing import rundir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD = os.path.join(ROOT, "tests", "fixtures", "old_runs")

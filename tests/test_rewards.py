@@ -12,7 +12,6 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 import rewards as R
-import world_model as WM
 from rewards import OcrBox, exploration_rewards, parse_reward_flags
 
 ALL = parse_reward_flags("all")
@@ -366,8 +365,8 @@ def test_step_features_end_to_end(tools):
     want = R.embed_texts(tools, [R.click_text(acts[0], f.ocr_before[0]), R.screen_text(f.ocr_before[0])])
     assert close(f.click_text[0], want[0], atol=1e-4) and torch.count_nonzero(f.click_text[1]) == 0
     assert close(f.text_before[0], want[1], atol=1e-4)
-    wm = WM.WorldModel(text_dim=tools.dim)
-    ps, pt, m = WM.update_and_predict(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, acts, [1, 1], epochs=1)
+    wm = R.WorldModel(text_dim=tools.dim)
+    ps, pt, m = R.update_and_predict(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, acts, [1, 1], epochs=1)
     assert ps.shape == f.screen_after.shape and pt.shape == f.text_after.shape and m["wm/loss"] > 0
     r = exploration_rewards(ALL, [0, 1], [1, 1], f.screen_before, f.screen_after, ps, f.text_before,
                             f.text_after, pt, f.intent, f.click_text, f.click_hit)

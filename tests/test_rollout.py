@@ -39,9 +39,10 @@ from PIL import Image
 import rollout
 import train_arpo as A
 import explore_episode as X
+import env
 from env import VMPool
 from model import load_policy
-from task_files import Task
+from env import Task
 
 from conftest import wait_for
 
@@ -356,12 +357,12 @@ def test_settle_metrics_by_hand():
 
 
 def test_settle_parses():
-    assert [rollout.parse_settle(v) for v in ("watch", "WATCH", "0.5", 2, 0, "10")] == ["watch", "watch", 0.5, 2.0,
+    assert [env.parse_settle(v) for v in ("watch", "WATCH", "0.5", 2, 0, "10")] == ["watch", "watch", 0.5, 2.0,
                                                                                           0.0, 10.0]
-    assert [rollout.parse_settle(v) for v in ("soon", "-1", 11, None, "nan")] == [None] * 5
+    assert [env.parse_settle(v) for v in ("soon", "-1", 11, None, "nan")] == [None] * 5
 
 
 def test_who_is_to_blame_by_status():
     from env import VMError
-    assert [rollout.refused(VMError("x", s)) for s in (400, 404, 413, 422)] == [True] * 4
-    assert [rollout.refused(VMError("x", s)) for s in (None, 401, 403, 408, 500, 503)] == [False] * 6
+    assert [VMError("x", s).refused for s in (400, 404, 413, 422)] == [True] * 4
+    assert [VMError("x", s).refused for s in (None, 401, 403, 408, 500, 503)] == [False] * 6

@@ -1,4 +1,4 @@
-"""Tests for rundir.py's shared plumbing: flags, run paths, resume of saved args, checkpoint meaning.
+"""Tests for plumbing/rundir.py's shared plumbing: flags, run paths, resume of saved args, checkpoint meaning.
 
     python -m pytest -q tests/test_rundir.py
 
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-import rundir
+from plumbing import rundir
 import train_arpo
 import train_explore
 

@@ -32,7 +32,7 @@ from arpo_episode import outcome_scores
 from conftest import start_vm_server
 from vm.desktop import desktop_icons
 from env import VMClient, VMPool
-from task_files import Task, load_tasks
+from env import Task, load_tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS_DIR = os.path.join(ROOT, "tasks")

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import arpo_episode as E  # noqa: E402
 import arpo_eval  # noqa: E402
 import arpo_log  # noqa: E402
-import rundir  # noqa: E402
+from plumbing import rundir  # noqa: E402
 import train_arpo as T  # noqa: E402
 from arpo_replay import ReplayBuffer  # noqa: E402
 from conftest import free_port, kill_x_server  # noqa: E402

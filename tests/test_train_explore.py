@@ -28,8 +28,7 @@ import rewards as R
 import explore_episode as EE
 import explore_eval as EV
 import explore_log
-import rundir
-import world_model as WM
+from plumbing import rundir
 import train_explore as T
 from explore_distill import top_steps
 from chat import encode_chat, explore_messages
@@ -397,14 +396,14 @@ def test_score_rewards_curiosity_before_the_world_model_learns():
     s, s2 = R.screen_features([before]), R.screen_features([after])  # (1, D) each
     for train_first in (False, True):
         torch.manual_seed(0)
-        wm = WM.WorldModel(hidden=32)
+        wm = R.WorldModel(hidden=32)
         opt = T.adamw(wm.parameters(), 1e-2)
         untrained = copy.deepcopy(wm)
         learner = T.Learner(None, None, "", None, 1, wm, opt, flags, None)
         r, m = T.score(buffer, learner, T.Args(wm_train_first=train_first), {})
         assert m["wm/loss"] > 0 and any(not torch.equal(a, b) for a, b in zip(wm.parameters(), untrained.parameters()))
         scorer = wm if train_first else untrained  # the model whose guess curiosity must be
-        want = 1 - R.cosine(s2, WM.predict_next(scorer, s, [act])[0])  # (1,)
+        want = 1 - R.cosine(s2, R.predict_next(scorer, s, [act])[0])  # (1,)
         assert torch.allclose(r.image_world_model, want.expand(8), atol=1e-5), (train_first, r.image_world_model, want)
         assert torch.allclose(r.total, r.image_world_model)
     assert rundir.parse_args(T.Args, ["--wm-train-first"], T.PROG)[0].wm_train_first and not T.Args().wm_train_first

@@ -1,4 +1,4 @@
-"""Tests for view.py (the static HTML report of a run) and progress.py (bars, console lines, trackers).
+"""Tests for view.py (the static HTML report of a run) and plumbing/progress.py (bars, console lines, trackers).
 
 Run: python -m pytest -q tests/test_view.py        (about a minute on 2 CPU cores)
 
@@ -29,7 +29,7 @@ from PIL import Image
 
 import grpo
 import model as M
-import progress
+from plumbing import progress
 import view
 from chat import encode_chat, explore_messages
 
@@ -326,7 +326,7 @@ def test_cli_one_sentence_errors(tmp_path):
 
 
 # -----------------------------------------------------------------------------------------------
-# progress.py
+# plumbing/progress.py
 
 
 def test_bars_say_and_scalars(capsys):

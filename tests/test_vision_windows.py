@@ -1,4 +1,4 @@
-"""vision_windows.py gives the same vision-tower outputs and gradients as transformers' own loop.
+"""qwen_vl.py gives the same vision-tower outputs and gradients as transformers' own loop.
 
     python -m pytest -q tests/test_vision_windows.py
 
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pytest  # noqa: E402
 
 import model as M  # noqa: E402
-import vision_windows  # noqa: E402
+import qwen_vl  # noqa: E402
 
 
 def _pixels(policy, sizes):
@@ -40,7 +40,7 @@ def test_same_outputs_and_gradients_as_the_stock_loop(name):
     policy = M.load_policy(name, seed=3)
     visual = M.inner_model(policy.model).visual
     attn = [b.attn for b in visual.blocks]
-    assert all(type(a).forward is vision_windows._windowed_forward for a in attn), "load_policy must install it"
+    assert all(type(a).forward is qwen_vl._windowed_forward for a in attn), "load_policy must install it"
     assert all(type(a).stock_class.__name__ == policy.family.vision_attention for a in attn)
 
     # 1280x720 -> 92x52 patches: windows of 64, 32 (right/bottom edges) and 16 (corner) patches
@@ -95,9 +95,9 @@ def test_install_skips_flash_attention_and_counts_modules():
     for b in visual.blocks:
         _stock(b.attn)
     visual.config._attn_implementation = "flash_attention_2"  # its varlen kernel needs no help
-    assert vision_windows.install(policy.model, "Qwen2_5_VLVisionAttention") == 0
+    assert qwen_vl.install_vision_windows(policy.model, "Qwen2_5_VLVisionAttention") == 0
     visual.config._attn_implementation = "sdpa"
-    assert vision_windows.install(policy.model, "Qwen2_5_VLVisionAttention") == len(visual.blocks) == 2
+    assert qwen_vl.install_vision_windows(policy.model, "Qwen2_5_VLVisionAttention") == len(visual.blocks) == 2
     # A class name that matches no module (a family row naming the wrong class) is an error.
     with pytest.raises(ValueError, match="no Qwen3VLVisionAttention module"):
-        vision_windows.install(policy.model, "Qwen3VLVisionAttention")
+        qwen_vl.install_vision_windows(policy.model, "Qwen3VLVisionAttention")

@@ -1,4 +1,4 @@
-"""warm_start.py: `--model tiny-uitars` / `tiny-explore` build, cache, and answer in format on a
+"""plumbing/warm_start.py: `--model tiny-uitars` / `tiny-explore` build, cache, and answer in format on a
 real desktop.
 
     python -m pytest -q tests/test_warm_start.py   (seconds with the models cached; a first run on a
@@ -26,7 +26,7 @@ import torch
 
 import model as M
 import qwen_vl
-import warm_start
+from plumbing import warm_start
 from actions import MAX_PIXELS, parse_action
 from chat import explore_messages, uitars_messages
 from conftest import vm_call

@@ -1,4 +1,4 @@
-"""Tests for world_model.py: the action vector, every parameter gets a gradient, curiosity is
+"""Tests for rewards.py: the action vector, every parameter gets a gradient, curiosity is
 scored before the model learns the buffer (and not in the release's order), the model learns and
 curiosity decays, on synthetic transitions and on 12 real transitions of a real desktop
 (vm_server.py --xvfb, the session's desktop from conftest.py).
@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import rewards as R
-import world_model as WM
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,14 +26,14 @@ def close(a, b, atol=1e-5):
 
 
 def test_encode_actions():
-    a = WM.encode_actions([{"type": "click", "x": 640, "y": 360}, None, {"type": "type", "text": "hello"},
+    a = R.encode_actions([{"type": "click", "x": 640, "y": 360}, None, {"type": "type", "text": "hello"},
                           {"type": "type", "text": "hello"}, {"type": "key", "keys": ["ctrl", "s"]},
                           {"type": "scroll", "x": 0, "y": 0, "direction": "down", "amount": 5}], (1280, 720))
-    assert a.shape == (6, WM.ACTION_DIM)
+    assert a.shape == (6, R.ACTION_DIM)
     assert torch.count_nonzero(a[1]) == 0  # malformed step -> zeros
     assert torch.equal(a[2], a[3]) and not torch.equal(a[2], a[4])  # stable hashing
-    o = len(WM.ACTION_TYPES)
-    assert a[0, WM.ACTION_TYPES.index("click")] == 1 and close(a[0, o:o + 3], [1.0, 0.5, 0.5])
+    o = len(R.ACTION_TYPES)
+    assert a[0, R.ACTION_TYPES.index("click")] == 1 and close(a[0, o:o + 3], [1.0, 0.5, 0.5])
     heat = a[0, o + 6:o + 6 + 144].reshape(9, 16)  # (hh, hw)
     # (0.5, 0.5) lies between cells 7/8 across and in cell 4 down: the peak is there
     assert heat.argmax() // 16 == 4 and heat.argmax() % 16 in (7, 8)
@@ -59,8 +58,8 @@ def _transitions(n=48, text_dim=8, seed=0):
 
 def test_world_model_every_parameter_gets_gradient():
     s, e, actions, s2, e2 = _transitions(n=8)
-    wm = WM.WorldModel(text_dim=8)
-    loss, parts = WM.world_model_loss(wm, s, WM.encode_actions(actions), s2, e, e2)
+    wm = R.WorldModel(text_dim=8)
+    loss, parts = R.world_model_loss(wm, s, R.encode_actions(actions), s2, e, e2)
     loss.backward()
     for name, p in wm.named_parameters():
         assert p.grad is not None and torch.count_nonzero(p.grad) > 0, f"{name} got no gradient"
@@ -70,12 +69,12 @@ def test_world_model_every_parameter_gets_gradient():
 def test_update_and_predict_trains_on_valid_steps_only():
     s, e, actions, s2, e2 = _transitions(n=6)
     f = R.StepFeatures(s, s2, text_before=e, text_after=e2)
-    wm = WM.WorldModel(text_dim=8, hidden=32)
+    wm = R.WorldModel(text_dim=8, hidden=32)
     w0 = [p.detach().clone() for p in wm.parameters()]
-    ps, pt, m = WM.update_and_predict(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, actions, [0] * 6)
+    ps, pt, m = R.update_and_predict(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, actions, [0] * 6)
     assert m == {} and all(torch.equal(a, b) for a, b in zip(w0, wm.parameters()))  # nothing valid: no update
     assert ps.shape == (6, R.SCREEN_DIM) and pt.shape == (6, 8)  # but a prediction for every step
-    _, _, m = WM.update_and_predict(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, actions, [1, 0, 1, 0, 0, 0])
+    _, _, m = R.update_and_predict(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, actions, [1, 0, 1, 0, 0, 0])
     assert m["wm/loss"] > 0 and not all(torch.equal(a, b) for a, b in zip(w0, wm.parameters()))
 
 
@@ -85,10 +84,10 @@ def _warm_world_model_and_novel_buffer(seed=0):
     (8 desktops, one start screen after a reset, the same first double-click)."""
     torch.manual_seed(seed)
     s, _, actions, s2, _ = _transitions(n=40, seed=seed)
-    wm = WM.WorldModel(hidden=64)
+    wm = R.WorldModel(hidden=64)
     opt = torch.optim.AdamW(wm.parameters(), lr=1e-3, betas=(0.9, 0.95))
     for _ in range(10):
-        WM.train_world_model(wm, opt, s, actions, s2, epochs=3, batch_size=16)
+        R.train_world_model(wm, opt, s, actions, s2, epochs=3, batch_size=16)
     g = torch.Generator().manual_seed(seed + 100)
     new = torch.nn.functional.normalize(torch.randn(1, R.SCREEN_DIM, generator=g), dim=1)  # (1, D)
     new2 = torch.nn.functional.normalize(new + 0.05 * torch.randn(1, R.SCREEN_DIM, generator=g), dim=1)  # (1, D)
@@ -100,7 +99,7 @@ def test_curiosity_scores_before_the_world_model_learns_the_buffer():
     scores = {}
     for train_first in (False, True):  # the same warm model and buffer, each order
         wm, opt, f, actions = _warm_world_model_and_novel_buffer()
-        ps, _, m = WM.update_and_predict(wm, opt, f, actions, [1] * 48, epochs=3, batch_size=16,
+        ps, _, m = R.update_and_predict(wm, opt, f, actions, [1] * 48, epochs=3, batch_size=16,
                                         train_first=train_first)
         assert m["wm/loss"] > 0  # the model learns the buffer in both orders
         cur = 1 - R.cosine(f.screen_after, ps)  # (48,) image curiosity
@@ -117,19 +116,19 @@ def test_curiosity_scores_before_the_world_model_learns_the_buffer():
 def test_world_model_learns_and_curiosity_decays():
     torch.manual_seed(0)
     s, e, actions, s2, e2 = _transitions()
-    wm = WM.WorldModel(text_dim=8, hidden=64)
+    wm = R.WorldModel(text_dim=8, hidden=64)
     opt = torch.optim.AdamW(wm.parameters(), lr=3e-3)
-    cur = lambda: 1 - R.cosine(s2, WM.predict_next(wm, s, actions, e)[0])  # (N,) image curiosity
+    cur = lambda: 1 - R.cosine(s2, R.predict_next(wm, s, actions, e)[0])  # (N,) image curiosity
     cur0 = cur()
-    first = WM.train_world_model(wm, opt, s, actions, s2, e, e2, epochs=3, batch_size=16)
+    first = R.train_world_model(wm, opt, s, actions, s2, e, e2, epochs=3, batch_size=16)
     for _ in range(20):  # the same transitions again and again, as a desktop that never changes
-        m = WM.train_world_model(wm, opt, s, actions, s2, e, e2, epochs=3, batch_size=16)
+        m = R.train_world_model(wm, opt, s, actions, s2, e, e2, epochs=3, batch_size=16)
     assert m["wm/loss"] < 0.3 * first["wm/loss_first_epoch"]
     assert cur().mean() < 0.3 * cur0.mean()
     # state_dict round trip: a rebuilt model predicts the same
-    wm2 = WM.WorldModel(**wm.config)
+    wm2 = R.WorldModel(**wm.config)
     wm2.load_state_dict(wm.state_dict())
-    assert torch.equal(WM.predict_next(wm2, s, actions, e)[0], WM.predict_next(wm, s, actions, e)[0])
+    assert torch.equal(R.predict_next(wm2, s, actions, e)[0], R.predict_next(wm, s, actions, e)[0])
 
 
 @pytest.fixture(scope="module")
@@ -178,16 +177,16 @@ def test_world_model_learns_on_real_desktop_transitions(real_transitions):
     change = 1 - R.cosine(s, s2)  # (12,) how much each action changed the screen
     assert change.max() > 0.2, "no action changed the screen: the desktop did not react"
     torch.manual_seed(0)
-    wm = WM.WorldModel(hidden=64)
+    wm = R.WorldModel(hidden=64)
     opt = torch.optim.AdamW(wm.parameters(), lr=3e-3)
-    cur = lambda: 1 - R.cosine(s2, WM.predict_next(wm, s, actions)[0])  # (12,) image curiosity
+    cur = lambda: 1 - R.cosine(s2, R.predict_next(wm, s, actions)[0])  # (12,) image curiosity
     cur0 = cur()
     # Untrained, the model predicts "no change" (small heads on a residual): its curiosity is about
     # how much the screen changed.
     assert torch.allclose(cur0, change, atol=0.05)
-    first = WM.train_world_model(wm, opt, s, actions, s2, epochs=3, batch_size=4)
+    first = R.train_world_model(wm, opt, s, actions, s2, epochs=3, batch_size=4)
     for _ in range(20):  # the same real transitions again and again
-        m = WM.train_world_model(wm, opt, s, actions, s2, epochs=3, batch_size=4)
+        m = R.train_world_model(wm, opt, s, actions, s2, epochs=3, batch_size=4)
     assert m["wm/loss"] < 0.3 * first["wm/loss_first_epoch"]
     # The transition that surprised it most (an app window opening) is no longer a surprise.
     k = int(cur0.argmax())

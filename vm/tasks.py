@@ -4,7 +4,7 @@ A task file (tasks/*.json) prepares the desktop with typed setup steps (launch, 
 write_file, command) and scores an episode with typed checks (file_exists, file_contains,
 window_exists, command). STEP_FIELDS and CHECK_FIELDS are the one schema of both: every field each
 type takes, its JSON type, and whether it is required. The server checks requests against them
-here, and task_files.load_tasks checks task files against them before a run starts.
+here, and env.load_tasks checks task files against them before a run starts.
 
 Every step and check passes vm/rules.py (the allow-list, each program's arguments, paths inside
 HOME) when the request arrives; on top of that a request is checked whole before anything runs:

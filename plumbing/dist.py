@@ -1,10 +1,10 @@
-"""dist.py: the few torch.distributed calls the trainers make, and what they are in one process.
+"""plumbing/dist.py: the few torch.distributed calls the trainers make, and what they are in one process.
 
     python train_arpo.py ...                                  # world size 1: no process group at all
     torchrun --nproc_per_node 2 train_arpo.py ...             # 2 ranks (gloo on CPU, nccl on GPUs)
     torchrun --nnodes 2 --node-rank R --rdzv-endpoint HOST:29500 --nproc_per_node 8 train_arpo.py ...
 
-    import dist
+    from plumbing import dist
     rank, world = dist.init()          # reads torchrun's RANK / WORLD_SIZE / LOCAL_RANK
     dist.all_sum([loss, tokens])       # the same floats summed over ranks ([loss, tokens] itself at world 1)
     dist.gather(obj)                   # [obj of rank 0, obj of rank 1, ...] on every rank
@@ -244,7 +244,7 @@ def mute_others() -> None:
     """Only rank 0 talks: the other ranks' stdout goes nowhere (their errors still reach stderr)."""
     import sys
 
-    import progress
+    from plumbing import progress
     if rank() != 0:
         progress.MUTED = True
         sys.stdout = open(os.devnull, "w")

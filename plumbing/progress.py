@@ -1,6 +1,6 @@
-"""progress.py: what a running train script shows and sends: progress bars, console lines, trackers.
+"""plumbing/progress.py: what a running train script shows and sends: progress bars, console lines, trackers.
 
-    import progress
+    from plumbing import progress
     for t in progress.track(range(args.steps), "rollout"):  # a tqdm bar on a terminal, silent in logs
     with progress.bar(len(jobs), "eval") as pb:             # the same, advanced by hand: pb.update(n)
     progress.say(console_line(metrics))                     # the iteration's line, above open bars

@@ -1,4 +1,4 @@
-"""warm_start.py: `--model tiny-uitars` and `--model tiny-explore`, the tiny Qwen2.5-VL taught an
+"""plumbing/warm_start.py: `--model tiny-uitars` and `--model tiny-explore`, the tiny Qwen2.5-VL taught an
 answer FORMAT on its first use, then cached on disk.
 
     python -c "import model; model.load_policy('tiny-explore')"   # builds it once, then loads the cache
@@ -73,7 +73,7 @@ import grpo
 import qwen_vl
 from chat import encode_chat, explore_messages, uitars_messages
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 @dataclass(frozen=True)
@@ -340,7 +340,7 @@ def train(policy, recipe: Recipe, seed: int) -> dict:
 # ------------------------------------------------------------------------------------------------
 # The cache: built once per recipe, seed, library versions and source, written atomically
 
-SOURCES = ("warm_start.py", "qwen_vl.py", "chat.py", "model.py", "grpo.py")  # the model, its prompts, its SFT step
+SOURCES = ("plumbing/warm_start.py", "qwen_vl.py", "chat.py", "model.py", "grpo.py")  # the model, its prompts, its SFT step
 
 
 def cache_dir() -> str:
@@ -360,7 +360,7 @@ def key(name: str, seed: int) -> str:
         "versions": [torch.__version__, transformers.__version__, tokenizers.__version__, PIL.__version__,
                      numpy.__version__]}, sort_keys=True, default=str).encode())
     for f in SOURCES:
-        with open(os.path.join(HERE, f), "rb") as fh:
+        with open(os.path.join(ROOT, f), "rb") as fh:
             h.update(fh.read())
     return h.hexdigest()[:16]
 

@@ -1,4 +1,4 @@
-"""rundir.py: the plumbing both train scripts share: flags, the run folder, desktops, checkpoints, metrics.
+"""plumbing/rundir.py: the plumbing both train scripts share: flags, the run folder, desktops, checkpoints, metrics.
 
     lr: float = rundir.arg(1e-6, "AdamW learning rate")               # one Args field = one flag
     args, given = rundir.parse_args(Args, argv, "train_arpo.py")      # one flag per Args field
@@ -51,9 +51,9 @@ from dataclasses import asdict, field, is_dataclass
 import numpy as np
 import torch
 
-import dist
+from plumbing import dist
 import grpo
-import progress
+from plumbing import progress
 from env import VMPool
 from model import cpu_weights, save_policy, sync_weights
 

@@ -215,12 +215,13 @@ class VMPool:
     URL` prints a remote VM's); local desktops without one get random tokens."""
 
     def __init__(self, vms: int | str | list[str], token: str | None = None, timeout: float = 30,
-                 screen: tuple[int, int] = (1280, 720)):
+                 screen: tuple[int, int] = (1280, 720), first: int = 0):
         if isinstance(vms, str) and vms.strip().isdigit():
             vms = int(vms)
         if isinstance(vms, str):
             vms = [u.strip() for u in vms.split(",") if u.strip()]
         self.timeout, self.screen = timeout, tuple(screen)
+        self.first = first  # the number of its first VM in the run (torchrun: among all ranks'; rollout.Desktop.id)
         self.local: list[LocalVM] | None = None
         # Every VM has a token of its own: a local desktop a random one (or, given a secret, the
         # one derived from it), a remote VM the one derived from the secret and its URL (see
@@ -584,7 +585,7 @@ class Task:
     """One task file (tasks/README.md has the format). `solution` is its scripted solution, Action
     dicts in screen pixels, replayed by `python tasks/prove.py` and tests/test_tasks.py to prove the
     task solvable. The trainers never show it to a model: a prompt is built from `instruction` and
-    the screenshots alone (chat.uitars_messages takes the instruction string), and a trajectory file
+    the screenshots alone (model.uitars_messages takes the instruction string), and a trajectory file
     records the task's id and instruction only (tests/test_tasks.py checks both)."""
     id: str
     instruction: str

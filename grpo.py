@@ -1,13 +1,14 @@
-"""GRPO for vision-language GUI agents: advantages, per-token log-probs, the clipped loss,
-rollout micro-batches and the distillation (SFT) step (ARPO's replay buffer: arpo_replay.py).
+"""GRPO for vision-language GUI agents: advantages, per-token log-probs, the clipped loss and the
+update, ARPO's replay buffer, the distillation (SFT) step, the learning-rate schedule.
 
 Used by train_explore.py (ScreenExplorer) and train_arpo.py (ARPO); nothing here talks to a VM.
-Tests: `python -m pytest -q tests/test_grpo.py`. Benchmark: `python bench/logprobs.py`.
+Tests: `python -m pytest -q tests/test_grpo.py tests/test_grpo_model.py tests/test_arpo_replay.py`.
+Benchmark: `python bench/logprobs.py`.
 
-One update, top to bottom (see `update_policy`):
-    samples (prompt + completion ids, reward, advantage)  ->  padded micro-batches  ->
-    old log-probs (no grad)  ->  [reference log-probs, only if beta > 0]  ->
-    clipped surrogate per token, aggregated, accumulated over micro-batches  ->  clip grad  ->  step
+One update, top to bottom (`update_policy`):
+    samples (prompt + completion ids, advantage)  ->  padded micro-batches, grouped into optimizer
+    steps  ->  old log-probs (no grad)  ->  [reference log-probs, only if beta > 0]  ->  clipped
+    surrogate per token, aggregated, accumulated over micro-batches  ->  clip grad  ->  step
 
 Where this departs from the papers (on purpose, each one small):
 1. The loss is DAPO-style "clip-higher" (separate eps_low / eps_high, ARPO uses 0.2 / 0.3) with
@@ -19,28 +20,33 @@ Where this departs from the papers (on purpose, each one small):
    weigh more). Sequences with no target token are left out of the sequence mean; Sample.weight
    lets the pieces of one cut trajectory count as that one sequence.
 3. With a single optimizer step per rollout the update is exactly on-policy: the ratio is 1 and
-   clipping never fires. `mini_batch_size` / `epochs` give verl-style several steps per rollout
-   (ARPO's default: two), where old log-probs are fixed before the first step and clipping
-   matters; `shuffle` mixes the samples first, as ScreenExplorer's release does.
-4. Old log-probs are recomputed by the trainer, not taken from the sampler (vLLM's
-   numbers differ slightly from HF's; top_p < 1 draws from a truncated distribution that the
-   trainer does not reproduce). verl does the same, and logs the gap (our `logp_gap`). Every
-   log-prob is scored at the sampling temperature with the never-sampled vision tokens removed,
-   so at top_p 1 the trainer's numbers ARE the sampler's (Generation.logprobs). Samples may
-   carry the sampler's log-probs (Sample.old_logps, collated to (B, T)): the update only
-   measures its gap to them.
+   clipping never fires. `mini_batch_size` / `optimizer_steps` / `epochs` give verl-style several
+   steps per rollout (ARPO's default: two), where old log-probs are fixed before the first step
+   and clipping matters; `shuffle` mixes the samples first, as ScreenExplorer's release does.
+4. Old log-probs are recomputed by the trainer, not taken from the sampler (vLLM's numbers differ
+   slightly from HF's; top_p < 1 draws from a truncated distribution that the trainer does not
+   reproduce). verl does the same, and logs the gap (our `logp_gap`). Every log-prob is scored at
+   the sampling temperature with the never-sampled vision tokens removed, so at top_p 1 the
+   trainer's numbers ARE the sampler's (Generation.logprobs).
+5. ARPO's replay buffer (ReplayBuffer): an injection replaces the (first) lowest-scoring member of
+   a failed group. ARPO's paper says a random member, its code the first one; in a group that
+   qualifies (std < 0.05, mean < 0.2) the members score about the same, and the lowest keeps a rare
+   partial success (one 0.1 among seven 0s, std 0.035) that a random or first pick could throw
+   away. The buffer is saved in every checkpoint, its RNG included (ARPO's is lost).
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from plumbing import dist
 import qwen_vl  # the image tensors and forward inputs of the model family
+from plumbing import dist
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,6 +90,75 @@ def group_advantages(rewards, group_ids=None, scale: bool = True, eps: float = 1
         if scale:
             adv[idx] = adv[idx] / (g.std() + eps)  # ALGO: GRPO divides by the group's std, (G,)
     return adv
+
+
+# ----------------------------------------------------------------------------------------------
+# ARPO's replay buffer of successes
+
+
+class ReplayBuffer:
+    """Per-task store of successful trajectories (ARPO). A trajectory is whatever the trainer keeps
+    (train_arpo.py: an episode as plain data); it must pickle, for checkpoints.
+
+    Call order per iteration: inject into each new group first, then add its members, so an
+    injected success always comes from an earlier iteration. Departure 5 (module docstring).
+    """
+
+    def __init__(self, capacity_per_task: int = 8, success_threshold: float = 0.1, seed: int = 0):
+        self.capacity_per_task = int(capacity_per_task)
+        self.success_threshold = float(success_threshold)
+        self.data: dict[str, list[tuple[Any, float]]] = {}  # task -> [(trajectory, score)], oldest first
+        self.rng = random.Random(seed)  # own RNG: resuming from state_dict replays the same choices
+
+    def add(self, task_id, trajectory, score: float) -> bool:
+        """Keep a success (score strictly above the threshold); returns whether it was kept."""
+        if not (float(score) > self.success_threshold):  # ALGO: success = score > 0.1 (NaN is not)
+            return False
+        items = self.data.setdefault(str(task_id), [])
+        items.append((trajectory, float(score)))
+        if len(items) > self.capacity_per_task:
+            items.pop(0)  # ALGO: bounded per task, oldest out: stays close to the current policy
+        return True
+
+    def sample(self, task_id):
+        """A random stored success of this task, or None."""
+        items = self.data.get(str(task_id))
+        return self.rng.choice(items)[0] if items else None
+
+    def inject(self, task_id, trajectories: list, scores: Sequence[float], std_below: float = 0.05,
+               mean_below: float = 0.2) -> tuple[list, list[float], bool]:
+        """If the group failed alike (std < std_below and mean < mean_below), replace its lowest
+        scorer (the first of them on a tie) with a stored success so GRPO sees a non-zero
+        advantage. ARPO's code replaces the first member, its paper a random one: the lowest keeps
+        a partial success the group may hold (departure 5). Returns new lists + flag."""
+        trajectories, scores = list(trajectories), [float(s) for s in scores]
+        if not scores:
+            return trajectories, scores, False
+        std = statistics.stdev(scores) if len(scores) > 1 else 0.0  # unbiased, as group_advantages
+        items = self.data.get(str(task_id))
+        if not (std < std_below and statistics.fmean(scores) < mean_below) or not items:  # ALGO
+            return trajectories, scores, False
+        traj, score = self.rng.choice(items)
+        worst = min(range(len(scores)), key=scores.__getitem__)
+        trajectories[worst], scores[worst] = traj, score  # ALGO: one success into the failed group
+        return trajectories, scores, True
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.data.values())
+
+    def state_dict(self) -> dict:
+        """Plain lists, ints and floats (plus the trajectories): fits torch.save / pickle."""
+        version, internal, gauss = self.rng.getstate()
+        return {"capacity_per_task": self.capacity_per_task, "success_threshold": self.success_threshold,
+                "data": {k: [[t, s] for t, s in v] for k, v in self.data.items()},
+                "rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.capacity_per_task = int(d["capacity_per_task"])
+        self.success_threshold = float(d["success_threshold"])
+        self.data = {k: [(t, float(s)) for t, s in v] for k, v in d["data"].items()}
+        version, internal, gauss = d["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,7 +240,7 @@ class Sample:
 
 def step_sample(prompt, completion_ids: Sequence[int], reward: float = 0.0, group: int | str = 0,
                 old_logps: Sequence[float] | None = None) -> Sample:
-    """ScreenExplorer step: an Encoded prompt (chat.encode_chat) followed by the sampled tokens,
+    """ScreenExplorer step: an Encoded prompt (model.encode_chat) followed by the sampled tokens,
     used verbatim (re-tokenising the text could give other ids than the ones sampled).
     old_logps: the sampler's log-prob of each completion token (Generation.logprobs), optional."""
     ids = list(prompt.input_ids) + [int(t) for t in completion_ids]
@@ -176,7 +251,7 @@ def step_sample(prompt, completion_ids: Sequence[int], reward: float = 0.0, grou
 
 def trajectory_sample(encoded, reward: float = 0.0, group: int | str = 0,
                       old_logps: Sequence[float] | None = None) -> Sample:
-    """ARPO trajectory: the whole conversation encoded once (chat.encode_chat with
+    """ARPO trajectory: the whole conversation encoded once (model.encode_chat with
     add_generation_prompt=False), target_mask already 1 on every assistant turn.
     old_logps: one per target token, i.e. every turn's sampler log-probs concatenated, optional."""
     olds = None if old_logps is None else [float(x) for x in old_logps]
@@ -288,8 +363,8 @@ def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float
 
     per token: -min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A)
                + beta * (exp(ref - logps) - (ref - logps) - 1),        ratio = exp(logps - old_logps)
-    dual_clip = c > 1 (dual-clip PPO, arXiv 1912.09729; ARPO: 3.0; None = off, the default of
-    this function): where A < 0 the policy-gradient part is min(that, -c * A), i.e. -max(min(ratio * A,
+    dual_clip = c > 1 (dual-clip PPO, arXiv 1912.09729; ARPO: 3.0; None or inf = off, the default
+    of this function): where A < 0 the policy-gradient part is min(that, -c * A), i.e. -max(min(ratio * A,
     clip(ratio) * A), c * A), so a token whose ratio ran far above 1 on a bad action cannot make
     the loss (and its gradient) unbounded; those tokens get zero gradient, as in verl's
     compute_policy_loss. seq_weights (B,): each sequence's weight in the "seq-mean-token-mean" mean
@@ -302,8 +377,9 @@ def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float
     """
     if agg not in ("seq-mean-token-mean", "token-mean"):
         raise ValueError(f"unknown aggregation {agg!r}; use 'seq-mean-token-mean' or 'token-mean'.")
-    if dual_clip is not None and dual_clip and not dual_clip > 1:
-        raise ValueError(f"dual_clip must be above 1 (ARPO: 3.0), or None to switch it off; got {dual_clip}.")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be above 1 (ARPO: 3.0), or None / inf to switch it off; got {dual_clip}.")
+    dual_clip = dual_clip if dual_clip is not None and math.isfinite(dual_clip) else None  # inf: no cap
     m = mask.to(logps.dtype)  # (B, T)
     adv = advantages.to(logps.dtype)  # (B,) or (B, T)
     A = adv[:, None] if adv.dim() == 1 else adv  # (B, 1) or (B, T)
@@ -356,9 +432,95 @@ def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float
         }
     return loss, metrics
 
-
 # ----------------------------------------------------------------------------------------------
 # The update
+
+
+STEP_KEYS = ("pg_loss", "kl", "clip_low", "clip_high", "clip_dual", "ratio_mean")  # token-weighted over micro-batches
+
+
+def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_batch_size: int = 4,
+                  eps_low: float = 0.2, eps_high: float = 0.28, beta: float = 0.0,
+                  ref_fn: Callable[[dict], torch.Tensor] | None = None, max_grad_norm: float = 1.0,
+                  agg: str = "seq-mean-token-mean", mini_batch_size: int | None = None,
+                  epochs: int = 1, on_micro_batch: Callable[[int], None] | None = None, temperature: float = 1.0,
+                  dual_clip: float | None = None, shuffle: random.Random | None = None,
+                  optimizer_steps: int | None = None) -> dict:
+    """One GRPO update on a rollout; returns metrics averaged over its optimizer steps ({} when no
+    rank had a sample).
+
+    samples carry .advantage already (the trainer sets it from group_advantages). By default the
+    whole rollout is one optimizer step, accumulated over micro-batches of `micro_batch_size`
+    (memory knob only: the loss is scaled so the gradient equals the full-batch one).
+    `mini_batch_size` samples per step, or `optimizer_steps` steps (ARPO: 2, whatever the batch
+    size), split it into several steps, and `epochs` repeats them; old log-probs are fixed before
+    the first step. `shuffle` (a seeded random.Random) mixes the samples before they are cut
+    (ScreenExplorer's release shuffles; verl reorders by length). `temperature`: the sampling
+    temperature, at which every log-prob is scored (per_token_logps). `dual_clip`: grpo_loss's c.
+    Reference for beta > 0: `ref_fn(batch) -> (B, T)` (a frozen copy, reference_fn), or, for a
+    peft model, the same weights with the LoRA adapter disabled; beta 0 computes no reference.
+    `on_micro_batch(n)` is called after each micro-batch's backward (a progress bar). The sampler's
+    log-probs the samples carry (Sample.old_logps) are only compared with the trainer's own:
+    metrics["logp_gap"] is the mean |trainer - sampler| over the target tokens (departure 4).
+    Under torchrun every rank passes its own samples: sizes and means count all ranks' samples.
+    """
+    model, pad_id, suppressed = _unwrap(policy_or_model)
+    samples = list(samples)
+    n_all = int(dist.all_sum([len(samples)])[0])  # under torchrun: every rank's samples together
+    if n_all == 0:
+        return {}
+    if beta != 0.0 and ref_fn is None and not hasattr(model, "disable_adapter"):
+        raise ValueError("beta > 0 needs a reference policy: pass ref_fn, or train with LoRA (--lora-rank) "
+                         "so the adapter can be switched off.")
+    if shuffle is not None:
+        shuffle.shuffle(samples)  # our copy of the list: the caller's order stays
+    per_step = mini_batch_size or math.ceil(n_all / (optimizer_steps or 1))
+    batches, steps = _plan(samples, n_all, per_step, micro_batch_size,
+                           # what the sampler did to the logits travels with each batch (verl: meta_info),
+                           # so every forward that scores it (old, new, a ref_fn's) scores the sampling distribution
+                           {"temperature": float(temperature), "suppressed": suppressed}, pad_id)
+    steps = _matched(model, steps, batches)  # FSDP2: every rank runs as many forwards as the busiest
+    # On-policy shortcut: with one step in all, the weights that score the tokens are the weights
+    # old_logps would come from, so old = current logps, detached (a second forward would only
+    # return the same numbers).
+    single = len(steps) == 1 and epochs == 1
+    gap = _LogpGap()
+    model.train()  # gradient checkpointing only runs in train mode; dropout is 0 in our configs
+    with torch.no_grad():
+        old = [None if single else gap.note(per_token_logps(model, b), b) for b in batches]  # [(B, T)]
+        if not single:
+            _matched_forwards(model, steps, batches)
+        ref = _reference_logps(model, batches, beta, ref_fn)  # [(B, T) or None]
+    # ALGO: what each step's loss is a mean over (sequences or target tokens), over ALL ranks' samples
+    units = dist.all_sum([sum(_units(batches[i], agg) for i in step if i >= 0) for step in steps])
+    done = []
+    optimizer.zero_grad(set_to_none=True)
+    for _ in range(max(1, epochs)):
+        for step, step_units in zip(steps, units):
+            sums = dict.fromkeys(("loss", "tokens") + STEP_KEYS, 0.0)
+            for i in step:
+                b = batches[max(i, 0)]
+                logps = per_token_logps(model, b)  # (B, T)
+                if i < 0:  # FSDP2's matched forward: a zero-weight loss, for the collectives only
+                    (logps.sum() * 0.0).backward()
+                    continue
+                if single:
+                    gap.note(logps, b)
+                dev = logps.device
+                loss, m = grpo_loss(logps, logps.detach() if single else old[i].to(dev),
+                                    b["advantages"].to(dev), b["completion_mask"].to(dev),
+                                    None if ref[i] is None else ref[i].to(dev), eps_low, eps_high, beta, agg,
+                                    dual_clip, b["weights"].to(dev))
+                w = _units(b, agg) / step_units if step_units > 0 else 0.0  # ALGO: its share of the step's mean
+                (loss * w * dist.grad_scale(model)).backward()
+                if on_micro_batch is not None:
+                    on_micro_batch(len(b["advantages"]))
+                sums["loss"] += m["loss"] * w
+                sums["tokens"] += m["tokens"]
+                for key in STEP_KEYS:
+                    sums[key] += m[key] * m["tokens"]
+            done.append(_optimizer_step(model, optimizer, sums, max_grad_norm))  # ranks summed, clipped, stepped
+    return _update_metrics(done, samples, gap, epochs)
 
 
 def _unwrap(policy_or_model):
@@ -380,6 +542,72 @@ def _units(batch: dict, agg: str) -> float:
     return float(n_tok.sum())
 
 
+def _plan(samples: list[Sample], n_all: int, per_step: int, micro: int, sampling: dict, pad_id: int):
+    """The update's batches and steps: -> (collated micro-batches, per optimizer step the indices of
+    its micro-batches). per_step counts samples of ALL ranks: each rank cuts its own share into as
+    many mini-batches as one process would cut the whole batch into (verl's data-parallel split)."""
+    n_steps = math.ceil(n_all / per_step)
+    share = max(1, math.ceil(per_step * len(samples) / n_all))  # at world size 1: per_step itself
+    minis = list(micro_batches(samples, share)) if samples else []
+    batches, steps = [], []
+    for mini in minis + [[]] * (n_steps - len(minis)):
+        steps.append([])
+        for mb in micro_batches(mini, micro):
+            steps[-1].append(len(batches))
+            batches.append({**collate(mb, pad_id), **sampling})
+    return batches, steps
+
+
+def _matched(model, steps: list[list[int]], batches: list) -> list[list[int]]:
+    """FSDP2: every forward is a collective, so each rank runs as many per step as the busiest
+    rank; the extra ones are marked -1 (a forward of batches[0] that counts for nothing). Without
+    sharding the steps as they are."""
+    if not dist.is_sharded(model):
+        return steps
+    busiest = [max(c) for c in zip(*dist.gather([len(s) for s in steps]))]
+    if any(len(s) < m for s, m in zip(steps, busiest)) and not batches:
+        raise ValueError("FSDP2 needs at least one sample on every rank to match the others' forwards.")
+    return [s + [-1] * (m - len(s)) for s, m in zip(steps, busiest)]
+
+
+def _matched_forwards(model, steps: list[list[int]], batches: list) -> None:
+    """FSDP2: the busiest rank's extra old-log-prob forwards, matched on this rank (no grad)."""
+    if dist.is_sharded(model):
+        for i in (i for step in steps for i in step if i < 0):
+            per_token_logps(model, batches[0])
+
+
+def _reference_logps(model, batches: list, beta: float, ref_fn) -> list:
+    """The KL reference's (B, T) log-probs of every batch (None each with beta 0): ref_fn's, or with
+    LoRA the same model with its adapter switched off (the starting policy)."""
+    if beta == 0.0:
+        return [None] * len(batches)
+    if ref_fn is not None:
+        return [ref_fn(b) for b in batches]
+    out = []
+    for b in batches:
+        with model.disable_adapter():
+            out.append(per_token_logps(model, b))
+    return out
+
+
+class _LogpGap:
+    """Sum of |trainer - sampler| old log-probs over target tokens, and their count (verl logs the
+    same, rollout_probs_diff): how far the sampler's numbers are from the trainer's for the same
+    weights and tokens, e.g. vLLM vs HF, or a temperature mismatch."""
+
+    def __init__(self):
+        self.sum, self.n = 0.0, 0
+
+    def note(self, trainer_old: torch.Tensor, b: dict) -> torch.Tensor:
+        if b["old_logps"] is not None:
+            on = b["completion_mask"].bool()  # (B, T)
+            on[:, 0] = False  # per_token_logps leaves position 0 out
+            d = (trainer_old.detach().float().cpu() - b["old_logps"])[on].abs()  # (N_target,)
+            self.sum, self.n = self.sum + float(d.sum()), self.n + d.numel()
+        return trainer_old
+
+
 def _clip_and_step(model, optimizer, max_grad_norm) -> tuple[float, bool]:
     params = [p for p in model.parameters() if p.grad is not None]
     limit = max_grad_norm if max_grad_norm and max_grad_norm > 0 else float("inf")
@@ -394,154 +622,37 @@ def _clip_and_step(model, optimizer, max_grad_norm) -> tuple[float, bool]:
     return norm, True
 
 
-def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_batch_size: int = 4,
-                  eps_low: float = 0.2, eps_high: float = 0.28, beta: float = 0.0,
-                  ref_fn: Callable[[dict], torch.Tensor] | None = None, max_grad_norm: float = 1.0,
-                  agg: str = "seq-mean-token-mean", mini_batch_size: int | None = None,
-                  epochs: int = 1, on_micro_batch: Callable[[int], None] | None = None, temperature: float = 1.0,
-                  dual_clip: float | None = None, shuffle: random.Random | None = None,
-                  optimizer_steps: int | None = None) -> dict:
-    """One GRPO update on a rollout; returns metrics averaged over its optimizer steps.
+def _optimizer_step(model, optimizer, sums: dict, max_grad_norm: float) -> dict:
+    """The end of one optimizer step: every rank's gradients summed (data parallel; FSDP2 does its
+    own), its numbers summed over ranks, the gradient clipped, the step taken. -> the step's metrics."""
+    if not dist.is_sharded(model):
+        dist.sync_grads([p for p in model.parameters() if p.requires_grad])
+    keys = list(sums)
+    sums = dict(zip(keys, dist.all_sum([sums[k] for k in keys])))
+    for key in STEP_KEYS:
+        sums[key] /= max(sums["tokens"], 1.0)
+    sums["grad_norm"], ok = _clip_and_step(model, optimizer, max_grad_norm)
+    sums["skipped"] = 0.0 if ok else 1.0
+    return sums
 
-    samples carry .advantage already (the trainer sets it from group_advantages). By default the
-    whole rollout is one optimizer step, accumulated over micro-batches of `micro_batch_size`
-    (memory knob only: the loss is scaled so the gradient equals the full-batch one). `mini_batch_size` splits the rollout
-    into several steps and `epochs` repeats them; old log-probs are fixed before the first step.
-    `optimizer_steps` (with mini_batch_size None) cuts the batch into that many steps instead
-    (ARPO: 2, whatever the batch size).
-    `shuffle` (a seeded random.Random) shuffles the samples before they are cut into mini-batches
-    (ScreenExplorer's release shuffles; verl reorders by length), so one step is not one time slice
-    or one group; None keeps their order. `temperature`: the sampling temperature, at which every
-    log-prob is scored (per_token_logps). `dual_clip`: grpo_loss's c (ARPO: 3.0; None: off).
-    Reference for beta > 0: `ref_fn(batch) -> (B, T)` (e.g. a frozen copy), or, for a peft model,
-    the same weights with the LoRA adapter disabled. beta == 0 computes no reference at all.
-    `on_micro_batch(n)` is called after each micro-batch's backward with its n samples (a progress bar).
-    Old log-probs come from the trainer's own forward pass (departure 4 in the module docstring);
-    the log-probs the samples carry from the sampler (Sample.old_logps) are only compared with
-    them: metrics["logp_gap"] is the mean |trainer - sampler| over the target tokens.
-    """
-    model, pad_id, suppressed = _unwrap(policy_or_model)
-    samples = list(samples)
-    n_global = int(dist.all_sum([len(samples)])[0])  # under torchrun: every rank's samples together
-    if n_global == 0:
-        return {}
-    if mini_batch_size is None and optimizer_steps:
-        mini_batch_size = math.ceil(n_global / optimizer_steps)
-    if beta != 0.0 and ref_fn is None and not hasattr(model, "disable_adapter"):
-        raise ValueError("beta > 0 needs a reference policy: pass ref_fn, or train with LoRA (--lora-rank) "
-                         "so the adapter can be switched off.")
-    model.train()  # gradient checkpointing only runs in train mode; dropout is 0 in our configs
-    if shuffle is not None:
-        shuffle.shuffle(samples)  # our copy of the list: the caller's order stays
-    # Each optimizer step takes one mini-batch of samples (all of them by default), accumulated
-    # over micro-batches; `steps` holds the indices into `batches` of each step's micro-batches.
-    # mini_batch_size counts samples of ALL ranks: each rank cuts its own share into as many
-    # mini-batches as one process would cut the whole batch into (verl's data-parallel split).
-    n_steps = math.ceil(n_global / (mini_batch_size or n_global))
-    share = max(1, math.ceil((mini_batch_size or n_global) * len(samples) / n_global))  # at world 1: the mini-batch
-    minis = list(micro_batches(samples, share)) if samples else []
-    batches, steps = [], []
-    for mini in minis + [[]] * (n_steps - len(minis)):
-        steps.append([])
-        for mb in micro_batches(mini, micro_batch_size):
-            steps[-1].append(len(batches))
-            # What the sampler did to the logits travels with the batch (verl: meta_info), so every
-            # forward that scores it (old, new, a ref_fn's) scores the sampling distribution.
-            batches.append({**collate(mb, pad_id), "temperature": float(temperature), "suppressed": suppressed})
-    sharded = dist.is_sharded(model)
-    if sharded:  # FSDP2: every forward is a collective, so each rank runs as many as the busiest one
-        busiest = [max(c) for c in zip(*dist.gather([len(s) for s in steps]))]
-        if any(len(s) < m for s, m in zip(steps, busiest)) and not batches:
-            raise ValueError("FSDP2 needs at least one sample on every rank to match the others' forwards.")
-        for s, m in zip(steps, busiest):
-            s += [-1] * (m - len(s))  # -1: a forward of batches[0] that counts for nothing
-    # On-policy shortcut: with one step in total, the weights that score the tokens are the
-    # weights old_logps would come from, so old = current logps, detached (a second forward
-    # would return the same numbers at a third more compute).
-    single = n_steps == 1 and epochs == 1
-    gap = [0.0, 0]  # sum of |trainer - sampler| old log-probs over target tokens, and their count
 
-    def note_gap(trainer_old, b):
-        # verl logs the same (rollout_probs_diff): how far the sampler's numbers are from the
-        # trainer's for the same weights and tokens, e.g. vLLM vs HF, or a temperature mismatch.
-        if b["old_logps"] is not None:
-            on = b["completion_mask"].bool()  # (B, T)
-            on[:, 0] = False  # per_token_logps leaves position 0 out
-            d = (trainer_old.detach().float().cpu() - b["old_logps"])[on].abs()  # (N_target,)
-            gap[0], gap[1] = gap[0] + float(d.sum()), gap[1] + d.numel()
-
-    with torch.no_grad():
-        old = [None if single else per_token_logps(model, b) for b in batches]  # [(B, T)]
-        for o, b in zip(old, batches):
-            if o is not None:
-                note_gap(o, b)
-        if sharded and not single:
-            for step in steps:
-                for i in step:
-                    if i < 0:
-                        per_token_logps(model, batches[0])  # the busiest rank's extra forwards, matched
-        ref = [None] * len(batches)
-        if beta != 0.0:
-            for i, b in enumerate(batches):
-                if ref_fn is not None:
-                    ref[i] = ref_fn(b)  # (B, T)
-                else:
-                    with model.disable_adapter():  # LoRA off = the starting policy
-                        ref[i] = per_token_logps(model, b)  # (B, T)
-
-    avg_keys = ("pg_loss", "kl", "clip_low", "clip_high", "clip_dual", "ratio_mean")
-    keys = ("loss", "tokens") + avg_keys
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    # ALGO: what the loss is a mean over (sequences or tokens), per step, over ALL ranks' samples
-    units = dist.all_sum([sum(_units(batches[i], agg) for i in step if i >= 0) for step in steps])
-    totals: dict[str, float] = {}
-    optimizer.zero_grad(set_to_none=True)
-    for _ in range(max(1, epochs)):
-        for step, step_units in zip(steps, units):
-            sums = dict.fromkeys(keys, 0.0)
-            for i in step:
-                b = batches[max(i, 0)]
-                logps = per_token_logps(model, b)  # (B, T)
-                dev = logps.device
-                if i < 0:  # FSDP2's matched forward: a zero-weight loss, for the collectives only
-                    (logps.sum() * 0.0).backward()
-                    continue
-                if single:
-                    note_gap(logps, b)
-                loss, m = grpo_loss(logps, logps.detach() if single else old[i].to(dev),
-                                    b["advantages"].to(dev), b["completion_mask"].to(dev),
-                                    None if ref[i] is None else ref[i].to(dev), eps_low, eps_high, beta, agg,
-                                    dual_clip, b["weights"].to(dev))
-                w = _units(b, agg) / step_units if step_units > 0 else 0.0
-                # ALGO: this micro-batch's share of the step's mean loss over all ranks (FSDP2
-                # averages the ranks' gradients: times the world size, that is their sum)
-                (loss * (w * dist.size() if sharded else w)).backward()
-                if on_micro_batch is not None:
-                    on_micro_batch(len(b["advantages"]))
-                sums["loss"] += m["loss"] * w
-                sums["tokens"] += m["tokens"]
-                for key in avg_keys:
-                    sums[key] += m[key] * m["tokens"]  # token-weighted across micro-batches
-            if not sharded:
-                dist.sync_grads(trainable)  # data parallel: the ranks' shares summed (FSDP2 does its own)
-            sums = dict(zip(keys, dist.all_sum([sums[k] for k in keys])))
-            for key in avg_keys:
-                sums[key] /= max(sums["tokens"], 1.0)
-            sums["grad_norm"], ok = _clip_and_step(model, optimizer, max_grad_norm)
-            sums["skipped"] = 0.0 if ok else 1.0
-            for key, v in sums.items():
-                totals[key] = totals.get(key, 0.0) + v
-    n_steps *= max(1, epochs)
-    metrics = {key: v / n_steps for key, v in totals.items()}
+def _update_metrics(done: list[dict], samples: list[Sample], gap: _LogpGap, epochs: int) -> dict:
+    """The steps' metrics averaged, the advantages' mean and std over every rank's samples, the
+    sampler's log-prob gap."""
+    metrics = {key: sum(s[key] for s in done) / len(done) for key in done[0]}
     a_sum, a_sq, n = dist.all_sum([sum(float(s.advantage) for s in samples),
                                    sum(float(s.advantage) ** 2 for s in samples), len(samples)])
     mean = a_sum / n
     metrics.update(adv_mean=mean, adv_std=math.sqrt(max(0.0, (a_sq - n * mean * mean) / (n - 1))) if n > 1 else 0.0,
-                   steps=float(n_steps), tokens=totals["tokens"] / max(1, epochs))
-    gap_sum, gap_n = dist.all_sum(gap)
+                   steps=float(len(done)), tokens=sum(s["tokens"] for s in done) / max(1, epochs))
+    gap_sum, gap_n = dist.all_sum([gap.sum, gap.n])
     if gap_n:
         metrics["logp_gap"] = gap_sum / gap_n
     return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Experience-stream distillation: one SFT step
 
 
 def distill_step(policy_or_model, optimizer, samples: Sequence[Sample], micro_batch_size: int = 4,
@@ -562,3 +673,38 @@ def distill_step(policy_or_model, optimizer, samples: Sequence[Sample], micro_ba
         nll += loss.item()
     norm, ok = _clip_and_step(model, optimizer, max_grad_norm)
     return {"nll": nll, "tokens": total, "grad_norm": norm, "skipped": 0.0 if ok else 1.0}
+
+
+# ----------------------------------------------------------------------------------------------
+# The learning rate schedule and the KL reference
+
+
+def scheduled_lr(lr: float, u: int, n: int, warmup: int, schedule: str) -> float:
+    """The learning rate of update u (0-based) of n: a linear warm-up over the first `warmup`
+    updates (lr * (u + 1) / warmup), then `schedule` over the rest, towards 0 at update n but never
+    0 itself (the last update still learns):
+        constant: lr,  linear: lr * (1 - f),  cosine: lr * (1 + cos(pi f)) / 2,  f = (u - warmup) / (n - warmup).
+    A function of u alone, so a resumed run continues the schedule where it stopped."""
+    if u < warmup:
+        return lr * (u + 1) / warmup
+    if schedule == "constant":
+        return lr
+    f = (u - warmup) / max(1, n - warmup)  # 0 at the first update after the warm-up, < 1 at the last
+    return lr * (1 - f) if schedule == "linear" else lr * 0.5 * (1 + math.cos(math.pi * f))
+
+
+def set_lr(optimizer, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def reference_fn(beta: float, lora_rank: int, load):
+    """--beta's KL reference with full fine-tuning: a frozen copy of the starting model, `load()`
+    (the trainer's own loader, no LoRA). None when no reference is needed: beta 0, or LoRA, where
+    update_policy switches the adapter off instead. -> batch -> (B, T) log-probs."""
+    if beta == 0 or lora_rank > 0:
+        return None
+    ref = load()
+    ref.model.eval().requires_grad_(False)
+    return functools.partial(per_token_logps, ref.model)

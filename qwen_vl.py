@@ -7,7 +7,7 @@ AutoTokenizer) and asks this file for the rest. To try another Qwen-VL checkpoin
 editing: load_policy reads config.json's `model_type` and looks it up in FAMILIES below (UI-TARS-1.5
 is a Qwen2.5-VL). To try another family, this is the file to rewrite; what the others ask of it:
 
-  chat.py         the special tokens, the ChatML turn markers, the image placeholder and how many
+  model.py         the special tokens, the ChatML turn markers, the image placeholder and how many
                   pads an image becomes (expand_image_tokens), the default system turn
   model.py        FAMILIES (the transformers class, the vision attention class to batch, the
                   tiny test configs), the 3D-rope pre-hook (install_rope_hook), LORA_TARGETS,
@@ -20,7 +20,7 @@ is a Qwen2.5-VL). To try another family, this is the file to rewrite; what the o
   actions.py      nothing: smart_resize takes the factor as an argument (Policy.resize_factor:
                   28 for Qwen2/2.5-VL, 32 for Qwen3-VL; 28 is its default)
 
-This file imports nothing of ours (tests/test_layers.py): it sits below chat.py and model.py.
+This file imports nothing of ours (tests/test_layers.py): it sits below model.py and model.py.
 
 What the three families share, and so what is written once here: the ChatML turns (`<|im_start|>`,
 `<|im_end|>`), one `<|vision_start|><|image_pad|><|vision_end|>` per image that the processor's
@@ -70,7 +70,7 @@ LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_p
 def chat_template(default_system: str | None) -> str:
     """The ChatML template the real checkpoints ship (images, text, generation prompt; no tools or
     video), written out for the tiny tokenizer. default_system: the system turn added when a chat
-    has none (Qwen2/2.5-VL), or None (Qwen3-VL). chat.encode_chat builds the same tokens piece by
+    has none (Qwen2/2.5-VL), or None (Qwen3-VL). model.encode_chat builds the same tokens piece by
     piece so it can mark the assistant tokens; tests check that the two agree."""
     system = ("{%- if loop.first and m['role'] != 'system' -%}{{ '<|im_start|>system\\n"
               + default_system + "<|im_end|>\\n' }}{%- endif -%}") if default_system else ""

@@ -1,6 +1,8 @@
-"""ScreenExplorer's exploration rewards and the frozen screen features they compare.
+"""ScreenExplorer's exploration rewards: the frozen screen features they compare, the OCR text, the
+curiosity world model, the reward terms, and the exploration measures of its eval.
 
-Used by train_explore.py; the unit tests are `python -m pytest -q tests/test_rewards.py`.
+Used by train_explore.py; the unit tests are `python -m pytest -q tests/test_rewards.py
+tests/test_world_model.py`.
 
 Per step t of a trajectory (before-screen s_t, after-screen s'_t, intent i), every weight 1:
 
@@ -11,7 +13,7 @@ Per step t of a trajectory (before-screen s_t, after-screen s'_t, intent i), eve
                       + cos(E(OCR text under the click), i) )             intent_click
 
 format_t is 0/1: a malformed answer executes nothing and earns exactly 0. Each term is one
-function of the same record of the buffer's steps (`Steps`) and one line of the table `TERMS`
+function of the same record of the buffer's N steps (`Buffer`) and one line of the table `TERMS`
 (name -> function, on in the paper's reward or not, the switches that turn it off); the flags,
 metrics, trajectory lines, console line and view.py read that table. Terms can be switched off from
 one string (`parse_reward_flags("all,no_world_model")`), so the paper's ablations are one flag away;
@@ -49,15 +51,14 @@ Where we depart from the paper / release, and why:
    (tests/test_world_model.py measures it on synthetic features). `train_first=True`
    (train_explore.py --wm-train-first) keeps the release's order for comparison.
 
-One iteration, as train_explore.py uses it:
+One iteration, as train_explore.py uses it (on the format-valid steps):
     flags = parse_reward_flags(args.rewards)                      # once
     tools = load_text_tools() if "text" in reads(flags) else None  # None + one message if missing
     flags = effective_flags(flags, tools)
-    wm = rewards.WorldModel(text_dim=tools.dim if flags["text"] else 0)       # rewards.py
-    opt = AdamW(wm.parameters(), 1e-3, betas=(0.9, 0.95))
+    wm = WorldModel(text_dim=tools.dim if flags["text"] else 0)    # once
     f = step_features(before_imgs, after_imgs, intents, actions, tools if "text" in reads(flags) else None)
-    pred_s, pred_e, wm_metrics = rewards.update_and_predict(wm, opt, f, actions, valid)  # if it reads it
-    r = reward(record(f, traj_ids, valid, screen_pred=pred_s, text_pred=pred_e, actions=actions), flags)
+    pred_s, pred_e, wm_metrics = update_and_predict(wm, opt, f, actions, format_ok)  # if a term reads it
+    r = reward(make_buffer(f, traj_ids, format_ok, screen_pred=pred_s, text_pred=pred_e, actions=actions), flags)
     r.total -> GRPO advantages (one group);  summarize_rewards(r) -> metrics.jsonl
 """
 
@@ -271,7 +272,7 @@ def click_text(action, boxes: list[OcrBox]) -> str | None:
 # Everything the rewards need about one buffer of steps.
 
 @dataclass
-class StepFeatures:
+class Features:
     screen_before: torch.Tensor  # (N, D) s_t
     screen_after: torch.Tensor  # (N, D) s'_t
     text_before: torch.Tensor | None = None  # (N, E) e_t = E("Screen OCR: " + OCR(before))
@@ -284,9 +285,9 @@ class StepFeatures:
 
 
 def step_features(before: list[Image.Image], after: list[Image.Image], intents: list[str | None],
-                  actions: list, tools: TextTools | None = None, workers=None) -> StepFeatures:
+                  actions: list, tools: TextTools | None = None, workers=None) -> Features:
     """Screen features always; OCR + embeddings too when tools is given (None: text fields None)."""
-    f = StepFeatures(screen_features(before), screen_features(after))
+    f = Features(screen_features(before), screen_features(after))
     if tools is None:
         return f
     n = len(before)
@@ -449,7 +450,7 @@ def predict_next(wm: WorldModel, feats, actions, text=None):
     return ps.cpu(), (None if pt is None else pt.cpu())
 
 
-def update_and_predict(wm: WorldModel, optimizer, f: StepFeatures, actions: list, valid, epochs=3,
+def update_and_predict(wm: WorldModel, optimizer, f: Features, actions: list, valid, epochs=3,
                        batch_size=16, train_first=False):
     """ALGO: curiosity before learning: predict all N transitions with the world model as it stood
     before this iteration, then train it on the valid ones (`epochs` passes).
@@ -476,15 +477,15 @@ def update_and_predict(wm: WorldModel, optimizer, f: StepFeatures, actions: list
 
 
 # ---------------------------------------------------------------------------------------------
-# The record every reward term reads: N steps of a rollout buffer.
+# What every reward term reads: the N steps of a rollout buffer.
 
 @dataclass
-class Steps:
+class Buffer:
     """What one buffer of N steps recorded, as every reward term gets it. A term reads the fields it
     needs; a field no term that is on needs may be None (the trainer computes the costly ones, OCR
     text, world-model guesses, window lists, only when a term that is on reads them: Term.reads)."""
     traj: list  # (N,) the trajectory (desktop) of each step; one trajectory's steps in time order
-    valid: torch.Tensor  # (N,) float 0/1, the format reward: the answer parsed and its action ran
+    format_ok: torch.Tensor  # (N,) float 0/1, the format reward: the answer parsed and its action ran
     screen_before: torch.Tensor  # (N, D) s_t
     screen_after: torch.Tensor  # (N, D) s'_t
     screen_pred: torch.Tensor | None = None  # (N, D) the world model's guess of s'_t
@@ -499,26 +500,26 @@ class Steps:
     windows_after: list | None = None  # (N,) X window ids open after it
 
     def __post_init__(self):
-        self.valid = torch.as_tensor(self.valid, dtype=torch.float32).reshape(len(self.traj))  # (N,)
+        self.format_ok = torch.as_tensor(self.format_ok, dtype=torch.float32).reshape(len(self.traj))  # (N,)
 
     def trajectories(self) -> list[list[int]]:
         """The rows of each trajectory's valid steps, in time order (a malformed step changed
         nothing, so it is left out of the sequences)."""
         rows: dict = {}
         for k, t in enumerate(self.traj):
-            if self.valid[k] > 0:
+            if self.format_ok[k] > 0:
                 rows.setdefault(t, []).append(k)
         return list(rows.values())
 
 
-def record(f: StepFeatures, traj: list, valid, **more) -> Steps:
-    """A Steps record from step_features' output; `more`: predictions, actions, window lists."""
-    return Steps(traj, valid, f.screen_before, f.screen_after, text_before=f.text_before, text_after=f.text_after,
+def make_buffer(f: Features, traj: list, format_ok, **more) -> Buffer:
+    """A Buffer from step_features' output; `more`: predictions, actions, window lists."""
+    return Buffer(traj, format_ok, f.screen_before, f.screen_after, text_before=f.text_before, text_after=f.text_after,
                  intent=f.intent, click_text=f.click_text, click_hit=f.click_hit, **more)
 
 
 # ---------------------------------------------------------------------------------------------
-# The reward terms: each one function of the record -> (N,), and one line of TERMS below.
+# The reward terms: each one function of the Buffer -> (N,), and one line of TERMS below.
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Row-wise cosine similarity of (N, D) and (N, D) -> (N,). Clamped to [-1, 1]: float32 rounding
@@ -551,48 +552,48 @@ def _require(x, what, flag):
     return x.float().cpu() if isinstance(x, torch.Tensor) else x
 
 
-def _sequence(s: Steps, before, after) -> torch.Tensor:
+def _sequence(s: Buffer, before, after) -> torch.Tensor:
     out = torch.zeros(len(s.traj))  # (N,)
     for rows in s.trajectories():
         out[rows] = 1 - sequence_similarity(before[rows[0]], after[rows])  # (T,)
     return out
 
 
-def image_immediate(s: Steps) -> torch.Tensor:
+def image_immediate(s: Buffer) -> torch.Tensor:
     return 1 - cosine(s.screen_before, s.screen_after)  # ALGO: the screen changed
 
 
-def image_sequence(s: Steps) -> torch.Tensor:
+def image_sequence(s: Buffer) -> torch.Tensor:
     return _sequence(s, s.screen_before, s.screen_after)  # ALGO: the trajectory keeps reaching new screens
 
 
-def image_world_model(s: Steps) -> torch.Tensor:
+def image_world_model(s: Buffer) -> torch.Tensor:
     pred = _require(s.screen_pred, "the world model's image prediction", "world_model")
     return 1 - cosine(s.screen_after, pred)  # ALGO: curiosity, the world model was wrong
 
 
-def text_immediate(s: Steps) -> torch.Tensor:
+def text_immediate(s: Buffer) -> torch.Tensor:
     return 1 - cosine(_require(s.text_before, "text before", "text"), _require(s.text_after, "text after", "text"))
 
 
-def text_sequence(s: Steps) -> torch.Tensor:
+def text_sequence(s: Buffer) -> torch.Tensor:
     return _sequence(s, _require(s.text_before, "text before", "text"), _require(s.text_after, "text after", "text"))
 
 
-def text_world_model(s: Steps) -> torch.Tensor:
+def text_world_model(s: Buffer) -> torch.Tensor:
     pred = _require(s.text_pred, "the world model's text prediction", "world_model")
     return 1 - cosine(_require(s.text_after, "text after", "text"), pred)
 
 
-def intent_before(s: Steps) -> torch.Tensor:  # ALGO: the intent matches the screen it saw
+def intent_before(s: Buffer) -> torch.Tensor:  # ALGO: the intent matches the screen it saw
     return cosine(_require(s.text_before, "text before", "intent"), _require(s.intent, "intent embeddings", "intent"))
 
 
-def intent_after(s: Steps) -> torch.Tensor:  # ALGO: ... and the screen it reached
+def intent_after(s: Buffer) -> torch.Tensor:  # ALGO: ... and the screen it reached
     return cosine(_require(s.text_after, "text after", "intent"), _require(s.intent, "intent embeddings", "intent"))
 
 
-def intent_click(s: Steps) -> torch.Tensor:
+def intent_click(s: Buffer) -> torch.Tensor:
     """cos(E(OCR text under the click), i) where the click hit an OCR box, else 0."""
     hit = _require(s.click_hit, "click_hit", "intent_click") > 0  # (N,)
     c = cosine(_require(s.click_text, "click text embeddings", "intent_click"),
@@ -600,7 +601,7 @@ def intent_click(s: Steps) -> torch.Tensor:
     return torch.where(hit, c, torch.zeros(len(s.traj)))  # ALGO: clicked on what it meant to
 
 
-def windows_opened(s: Steps) -> torch.Tensor:
+def windows_opened(s: Buffer) -> torch.Tensor:
     """The number of X windows open after the step that were not open before it (a bonus for
     opening apps, dialogs, menus that are windows). Not in the paper: an example of a term that
     reads what the step recorded besides pixels; the rollout asks GET /windows only when it is on."""
@@ -610,7 +611,7 @@ def windows_opened(s: Steps) -> torch.Tensor:
 
 
 class Term(NamedTuple):
-    fn: Callable[[Steps], torch.Tensor]  # the record of N steps -> (N,)
+    fn: Callable[[Buffer], torch.Tensor]  # the N steps -> (N,)
     default: bool  # in the paper's reward, i.e. on with `--rewards all`
     switches: tuple  # the --rewards words that switch it; it is on when all of them are
     reads: tuple = ()  # costly inputs beyond the screen features: "text" (OCR), "world_model", "windows"
@@ -701,22 +702,22 @@ class Rewards:
         raise AttributeError(name)
 
 
-def reward(s: Steps, flags: dict[str, bool]) -> Rewards:
+def reward(s: Buffer, flags: dict[str, bool]) -> Rewards:
     """ALGO: r_t = format_t * sum of the terms that are on (weights 1), for the N steps of `s`."""
-    ok = s.valid > 0  # (N,)
+    ok = s.format_ok > 0  # (N,)
     parts = {name: torch.zeros(len(s.traj)) for name in TERMS}  # (N,) each
     for name in terms_on(flags):
         parts[name] = TERMS[name].fn(s).float().cpu() * ok  # a malformed step's screens are not its doing
-    total = s.valid * sum(parts.values())  # ALGO: weights 1, summed, times the format reward
-    return Rewards(total=total, format=s.valid, parts=parts)
+    total = s.format_ok * sum(parts.values())  # ALGO: weights 1, summed, times the format reward
+    return Rewards(total=total, format=s.format_ok, parts=parts)
 
 
-def exploration_rewards(flags: dict[str, bool], traj_ids: list, valid, screen_before: torch.Tensor,
+def exploration_rewards(flags: dict[str, bool], traj_ids: list, format_ok, screen_before: torch.Tensor,
                         screen_after: torch.Tensor, screen_pred: torch.Tensor | None = None,
                         text_before=None, text_after=None, text_pred=None, intent=None,
                         click_text=None, click_hit=None, **more) -> Rewards:
-    """reward() with the record's fields as arguments (traj_ids, valid, then the tensors)."""
-    return reward(Steps(traj_ids, valid, screen_before, screen_after, screen_pred, text_before, text_after,
+    """reward() with the buffer's fields as arguments (traj_ids, format_ok, then the tensors)."""
+    return reward(Buffer(traj_ids, format_ok, screen_before, screen_after, screen_pred, text_before, text_after,
                         text_pred, intent, click_text, click_hit, **more), flags)
 
 
@@ -748,3 +749,81 @@ def summarize_rewards(r: Rewards) -> dict[str, float]:
     for name, x in r.parts.items():
         out[f"reward/{name}"] = x[ok].mean().item() if bool(ok.any()) else 0.0
     return out
+
+# ---------------------------------------------------------------------------------------------
+# Exploration measures (train_explore.py --eval-only): what exploring means, which the reward never
+# sees. Per episode: the format rate, the immediate and sequence image terms per step, distinct
+# screens (a 64-bit perceptual hash, dHash; and feature clusters), the mean pairwise diversity of
+# its distinct screens, and the windows it opened (X windows seen after a step that were not open
+# at the start: one window counts once, whatever its title does).
+
+
+def dhash(img: Image.Image) -> int:
+    """ALGO: the screen's 64-bit perceptual hash (dHash): grayscale, box-averaged down to 9 x 8
+    pixels; bit k (row by row, the first bit highest) = pixel k+1 of its row is brighter than pixel k.
+    It sees layout (a window, a menu), not detail: typing in a terminal keeps the hash."""
+    a = np.asarray(img.convert("L").resize((9, 8), Image.BOX), dtype=np.int16)  # (8, 9)
+    bits = (a[:, 1:] > a[:, :-1]).ravel()  # (64,)
+    return sum(1 << (63 - k) for k, b in enumerate(bits) if b)
+
+
+def hash_leaders(hashes: list[int], max_bits: int) -> list[int]:
+    """ALGO: greedy leader clustering by Hamming distance: a screen is new when its hash differs
+    from every earlier leader's in more than `max_bits` bits. Returns the leaders' indices."""
+    leaders = []
+    for k, h in enumerate(hashes):
+        if all((h ^ hashes[j]).bit_count() > max_bits for j in leaders):
+            leaders.append(k)
+    return leaders
+
+
+def distinct_screens(feats: torch.Tensor, same: float) -> int:
+    """ALGO: greedy leader clustering of unit feature rows (N, D): a screen is new when its cosine
+    to every earlier cluster leader is below `same`. Returns the number of clusters."""
+    leaders = []
+    for row in feats:
+        if not leaders or float((torch.stack(leaders) @ row).max()) < same:
+            leaders.append(row)
+    return len(leaders)
+
+
+def pairwise_diversity(feats: torch.Tensor) -> float:
+    """ALGO: mean of 1 - cos over all pairs p < q of unit feature rows (N, D); 0 with fewer than 2."""
+    n = len(feats)
+    if n < 2:
+        return 0.0
+    sim = feats @ feats.T  # (N, N) cosines (unit rows)
+    iu = torch.triu_indices(n, n, offset=1)  # (2, N(N-1)/2) every pair once
+    return float((1 - sim[iu[0], iu[1]]).mean())
+
+
+def opened_windows(windows_before: list, windows_after: list) -> dict:
+    """{X window id: title} of the windows seen after some step of an episode (its steps' window
+    lists, in order) that were not open at its start (the first title a window was seen with)."""
+    start, opened = windows_before[0] or {}, {}
+    for after in windows_after:
+        for wid, title in (after or {}).items():
+            if wid not in start and wid not in opened:
+                opened[wid] = title
+    return opened
+
+
+def episode_measures(befores: list[Image.Image], afters: list[Image.Image], format_ok: list[bool],
+                     windows_before: list, windows_after: list, same_hash: int, same_screen: float) -> dict:
+    """One eval episode (its steps in order): format rate, immediate visual change and sequence
+    diversity per step (the image terms, 0 on format failures); over its screens [s_0, s'_1, ...,
+    s'_T]: distinct screens (perceptual hash, <= same_hash bits apart = one screen; and feature
+    clusters, cosine >= same_screen = one screen), the mean pairwise diversity of the distinct
+    ones; windows: how many it opened (opened_windows)."""
+    flags = parse_reward_flags("none,image,immediate,sequence")
+    sb, sa = screen_features(befores), screen_features(afters)  # (T, D) each
+    r = reward(Buffer([0] * len(befores), format_ok, sb, sa), flags)
+    screens = torch.cat([sb[:1], sa])  # (T + 1, D): s_0, s'_1 .. s'_T
+    hashes = [dhash(im) for im in [befores[0]] + list(afters)]
+    lead = hash_leaders(hashes, same_hash)
+    windows = opened_windows(windows_before, windows_after)
+    return {"steps": len(befores), "format": float(r.format.mean()),
+            "immediate": float(r.image_immediate.mean()), "sequence": float(r.image_sequence.mean()),
+            "distinct_screens": len(lead), "distinct_screens_feat": distinct_screens(screens, same_screen),
+            "diversity": pairwise_diversity(screens[lead]), "windows": len(windows),
+            "window_titles": [windows[k] for k in sorted(windows)], "hashes": [f"{h:016x}" for h in hashes]}

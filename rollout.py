@@ -1,6 +1,6 @@
 """rollout.py: the stepper both trainers play their episodes with. No lockstep: each desktop steps on its own.
 
-    out = rollout.run(pool, [episode, episode, ...], policy_fn, retries=1)
+    out = rollout.play(pool, [episode, episode, ...], policy_fn, retries=1)
     out.results[k]          # what episode k returned, or a rollout.Lost (the environment failed it)
     out.times, out.batches  # time/* (below) and the size of every policy_fn call
     out.settles             # how every action settled (the server's X-Settle; settle_metrics sums it up)
@@ -104,7 +104,8 @@ class Desktop:
     VM down if it never answers (VMPool.call), raises VMError, and adds its seconds to `times`."""
 
     def __init__(self, pool: VMPool, vm: int):
-        self.pool, self.vm = pool, vm
+        self.pool, self.vm = pool, vm  # vm: the pool's index, what every call goes to
+        self.id = pool.first + vm      # the VM's number in the run (under torchrun among all ranks'): what episodes record
         self.times = {"reset": 0.0, "env": 0.0, "evaluate": 0.0}
         self.settles: list[dict] = []  # the server's X-Settle of every action: seconds, until (quiet, cap, ...)
         self.deadline: float | None = None  # while a call runs: when the stepper stops waiting for it
@@ -196,7 +197,7 @@ class Rollout:
 
 @dataclass
 class _Job:
-    k: int                   # its index in the episodes given to run()
+    k: int                   # its index in the episodes given to play()
     tries: int = 0           # plays the environment failed so far
     avoid: int | None = None  # the desktop it last failed on
     ticket: int = -1         # which play of it a desktop's events belong to
@@ -243,7 +244,7 @@ def _desktop_thread(desk: Desktop, inbox: queue.Queue, events: queue.Queue) -> N
             return
 
 
-def run(pool: VMPool, episodes: list, policy_fn, retries: int = 0, on: list | None = None,
+def play(pool: VMPool, episodes: list, policy_fn, retries: int = 0, on: list | None = None,
         desktops: list[int] | None = None, gather: float = GATHER, desc: str = "episodes") -> Rollout:
     """Play every episode (a generator function of a Desktop) on the pool's desktops, each desktop
     stepping on its own; the module docstring has the rules. `on[k]`: the desktop job k must run on

@@ -1,117 +1,83 @@
 """ARPO: GRPO on multi-turn desktop tasks, with a replay buffer of successes (arXiv 2505.16282).
 
     python train_arpo.py --vms 16 --group-size 8 --tasks tasks/          # UI-TARS-1.5-7B, a GPU
-    python train_arpo.py --vms 4 --group-size 2 --model tiny-uitars --iterations 2 --max-steps 3   # CPU
+    python train_arpo.py --vms 2 --group-size 4 --model tiny-uitars --iterations 3 --max-steps 1   # CPU
     python train_arpo.py --resume runs/<name>                             # continue a run
     python train_arpo.py --select-tasks 16 ...                            # ARPO's task selection first
     python train_arpo.py --eval-only --resume runs/<name>                 # standard + hard success rates
 
-One iteration, top to bottom (`run_iteration`):
-    pick tasks (desktops in service // group size, at least 1) -> every group member is a job for
-    rollout.py's stepper, and each desktop plays its job on its own (arpo_episode.play): reset, task setup,
-      then screenshot -> the policy's answer -> parse the UI-TARS answer -> act (the settled screen
-      comes back) until finished()/call_user()/an unparseable answer/max steps -> score, as OSWorld's
-      DesktopEnv.evaluate: a last call_user() (FAIL) scores 1 on an infeasible task and 0 on a
-      feasible one; otherwise 0, resp. the task's evaluator on the VM. Generation batches whatever
-      observations are waiting (one policy call), so a slow desktop holds nobody ->
-    replay: an all-failed group gets one member swapped for a stored success of the same task ->
-    store this iteration's successes -> reward = score - format penalty -> advantages per group,
-    broadcast to every assistant token -> GRPO update on whole trajectories (ARPO's schedule: the
-    batch shuffled into two optimizer steps, dual clip, log-probs at the sampling temperature) -> log,
-    checkpoint.
-Tasks come in a seeded shuffled round robin. Every rollout goes through a `policy_fn(observations)
--> answers` (default: one batched model.generate), so a scripted policy can stand in (the tests do).
-Output: runs/<name>/ with args.json, metrics.jsonl (one line per iteration), trajectories/, ckpt/.
-The episode itself (UI-TARS turns, OSWorld's scoring) is arpo_episode.py; evaluation and task
-selection are arpo_eval.py; the metrics line and the console line, arpo_log.py; this file is the
-training: groups, replay, advantages, update, loop.
+One iteration, top to bottom (`iteration`):
+    one task per group (desktops in service // group size) -> every group member is an episode
+    (`episode`: reset, the task's setup, then screenshot -> the policy's answer -> parse the UI-TARS
+    answer -> act, until finished() / call_user() / an unparseable answer / max steps -> the score,
+    OSWorld's rule), each desktop playing on its own while generation batches whatever is waiting
+    (rollout.play) -> replay: a group that failed alike gets one member swapped for a stored
+    success of its task -> store this iteration's successes -> one advantage per trajectory against
+    its group, broadcast to every assistant token -> GRPO update (grpo.update_policy: the batch in
+    two optimizer steps, dual clip, log-probs at the sampling temperature) -> log, checkpoint.
+Everything an episode asks of a policy goes through `policy_fn(observations) -> answers` (default:
+one batched model.generate), so a scripted policy can stand in (the tests do). A run folder:
+args.json, metrics.jsonl (one line per iteration), trajectories/, ckpt/ (plumbing/rundir.py).
 
-Where this departs from ARPO (paper + its released code), on purpose:
-1. Desktops are local Xvfb desktops (or remote `vm_server.py`s), not OSWorld's Ubuntu VMs; tasks are
+Where this departs from ARPO (its paper and released code), on purpose:
+1. Desktops are local Xvfb desktops (or remote `vm_server.py`s), not OSWorld's VMs; tasks are
    tasks/*.json with execution-based checks. A VM that fails (no answer, a 5xx, garbage) drops its
-   episode as the environment's failure (the group goes on with fewer members; `env_failures` in the
-   metrics) instead of stalling the run or costing the model a format penalty; only a refused
-   action (4xx) is the model's. Evaluation and task selection play a lost episode once more.
-2. No lockstep (rollout.py): each desktop steps on its own and generation batches the observations
-   that are ready, so VM waits and generation overlap (`bench/arpo_iter.py` measures it); ARPO's
-   workers are Ray actors stepped together, one batched generate per step. The sampled tokens of a
-   run are therefore not reproducible across runs (batches depend on timing); the task order is.
-   After an action the screen settles by the server's watch (--settle watch, the default: until
-   it stops changing, with a cap) or, as ARPO/OSWorld, a fixed sleep (--settle 0.5).
-3. The format penalty follows ARPO's code (reward = score + 0.5 * (-1 on an unparseable answer), and
-   that answer ends the episode); `--format-penalty` sets the 0.5, `--no-stop-on-format-error` lets the
-   episode go on (the penalty is still paid once per trajectory). `--format-penalty-on advantage`
-   (not ARPO's) takes it from the broken trajectory's advantage after the group's scores are
-   normalised, so a group that failed alike does not reward its well-formed failures (advantages).
-4. The replay buffer is saved in every checkpoint and restored on resume (ARPO's is lost). Injection
-   replaces the lowest scorer of the failed group (arpo_replay.ReplayBuffer); ARPO's paper says a random
-   member, its code replaces the first. The members of a group that qualifies score about the same;
-   the lowest keeps a rare partial success that the first or a random pick could throw away.
-5. The update follows ARPO's verl config (examples/osworld_full_arpo.sh): its global_batch_size 8
-   counts tasks and EasyR1 multiplies it by the 8 rollouts, so 16 tasks x 8 make two optimizer
-   steps of 64 trajectories; `--mini-batch 0` does the same at any scale (half the batch per step),
-   on a seeded shuffle of it (verl reorders the batch by length; ScreenExplorer's release shuffles).
-   Dual clip c = 3.0, clip 0.2 / 0.3, no learning-rate warm-up (ARPO: lr_warmup_ratio 0.0). Every
-   log-prob is scored at the sampling temperature, as verl does. HF generate on CPU / vLLM on a GPU,
-   where the context length comes from --max-images, --max-pixels, --max-steps, --max-new-tokens
-   (ARPO leaves vLLM at the model's own).
-6. Training contexts: with max steps <= max images (the default 15/15, as ARPO) a trajectory is one
-   sequence, exactly the context each step saw, as ARPO trains. With more steps (ARPO never has
-   them) each later answer becomes its own sequence with the screenshots it saw (episode_samples),
-   weighted so the trajectory still counts once.
-7. Scoring is OSWorld's (arpo_episode.outcome_scores). Evaluation: "standard" counts an episode that runs out of
-   steps as ending in FAIL (so an infeasible task passes by timing out and a feasible one scores 0),
-   "hard" does not (ARPO's OSWorld-Hard). Training rewards use the hard rule, as ARPO's training
-   environment did.
-8. Knobs ARPO does not have, for small models trained from scratch (bench/learning.py): a learning-rate
-   warm-up and decay (--lr-warmup, --lr-schedule; ARPO: constant), several passes over each batch
-   (--epochs; ARPO: one), and a sampling seed of its own (--sample-seed), so an evaluation draws fresh
-   samples from a checkpoint while the task order stays the run's; --no-scale-rewards for Dr. GRPO's
-   advantages (reward - group mean, no division by the std). Their defaults are ARPO's.
-9. KL to the starting policy: off (beta 0, as ARPO). `--beta` adds DeepSeekMath's estimator against
-   the adapter-free model (LoRA) or a frozen copy of --model (full fine-tuning: one more model in
-   memory, one more forward per update).
-10. Logging: metrics.jsonl always, plus Weights & Biases (--wandb) and TensorBoard (--tensorboard)
-   when asked for (plumbing/progress.py).
-11. More than one GPU (ARPO: verl's FSDP on 8-16 GPUs with Ray): `torchrun --nproc_per_node N
-   train_arpo.py ...`; each rank plays its own groups on its slice of the VMs, the replay buffer
-   and the task order are the same on every rank, and full fine-tuning is sharded with FSDP2
-   (plumbing/dist.py, README "More than one GPU").
-12. A group is always --group-size rollouts (ARPO: one per VM, 16 tasks x 8 on 128 VMs): with fewer
-   desktops in service than that, they play the group in turns, so even a lone desktop trains (a
-   group of one has advantage 0, and replay would only swap its member for a stored success).
+   episode as the environment's failure (`env_failures`; the group goes on with fewer members),
+   never the model's; only an action the VM refuses (4xx) is a format failure. Evaluation and task
+   selection play a lost episode once more.
+2. No lockstep (rollout.py): each desktop steps on its own, so the sampled tokens of a run are not
+   reproducible across runs (batches depend on timing); the task order is. After an action the
+   screen settles by the server's watch (--settle watch) or, as ARPO/OSWorld, a fixed sleep
+   (--settle 0.5).
+3. The format penalty is ARPO's code's (reward = score - 0.5 if any answer did not parse, and that
+   answer ends the episode; --no-stop-on-format-error goes on). --format-penalty-on advantage (not
+   ARPO's) takes it from the broken trajectory's advantage after the group's scores are normalised
+   (`advantages` says why).
+4. The replay buffer is saved in every checkpoint (ARPO's is lost) and an injection replaces the
+   lowest scorer of the group (ARPO: its paper a random member, its code the first; grpo.ReplayBuffer).
+5. The update follows ARPO's verl config: its batch of 16 tasks x 8 rollouts makes two optimizer
+   steps (--optimizer-steps 2, at any scale), on a seeded shuffle (verl reorders by length); dual
+   clip 3.0, clip 0.2 / 0.3, no warm-up, every log-prob scored at the sampling temperature.
+6. With more steps than --max-images (ARPO never has them) each later answer is a training
+   sequence of its own with the screenshots it saw (`episode_samples`), weighted so the trajectory
+   counts once.
+7. Scoring is OSWorld's (`outcome_scores`). "standard" evaluation counts a timeout as FAIL, "hard"
+   (ARPO's OSWorld-Hard, and training) does not.
+8. Knobs ARPO does not have, for small models trained from scratch: --lr-warmup, --lr-schedule,
+   --epochs, --sample-seed, --no-scale-rewards (Dr. GRPO), --beta (KL to the start; ARPO: 0).
+   Their defaults are ARPO's.
+9. A group is always --group-size rollouts: fewer desktops than that play it in turns.
+10. More than one GPU: `torchrun --nproc_per_node N train_arpo.py ...`; each rank plays its own
+   groups on its slice of the VMs, the replay buffer and task order are the same on every rank,
+   full fine-tuning is sharded with FSDP2 (docs/gpu.md).
 """
 from __future__ import annotations
 
+import json
+import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import partial
+from io import BytesIO
 
 import torch
+from PIL import Image
 from transformers.utils import logging as hf_logging
 
-import arpo_eval
-import arpo_log
-from plumbing import dist
-from plumbing import progress
+import grpo
 import rollout
-from plumbing import rundir
-from actions import MIN_PIXELS
-from arpo_episode import Episode, Observation, as_image, play_all, save_episodes, to_record
-from arpo_replay import ReplayBuffer, replay_groups
-from chat import encode_chat, uitars_messages
-from env import VMPool
-from grpo import group_advantages, trajectory_sample
-from model import Generation, generate, load_policy
-from qwen_vl import TURN_START
-from env import SETTLE_HELP, parse_settle
+from actions import MIN_PIXELS, parse_action, smart_resize
+from env import SETTLE_HELP, Task, TaskError, VMError, VMPool, load_tasks, parse_settle
+from model import Generation, encode_chat, generate, load_policy, sync_weights, uitars_messages
+from plumbing import ckpt, dist, logs, progress, rundir
 from plumbing.rundir import arg
-from env import Task, TaskError, load_tasks
+from qwen_vl import TURN_START
 
 PROG = "train_arpo.py"
 
 # ------------------------------------------------------------------------------------------------
-# Args
+# Flags
 
 
 @dataclass
@@ -123,11 +89,10 @@ class Args:
     screen: str = arg("1280x720", "screen size of local desktops")
     tasks: str = arg("tasks/", "a task file or a folder of *.json task files")
     task_ids: str = arg("", "comma-separated task ids to use (default: every task)")
-    group_size: int = arg(8, "rollouts per task = one GRPO group (ARPO: 8); tasks per iteration = desktops in "
-                      "service // this, at least 1 (fewer desktops than a group play it in turns); 1 trains "
-                      "nothing (no baseline: every advantage is 0), a smoke test only")
-    groups: int = arg(0, "tasks (groups) per iteration, played in turns on the desktops; 0 = desktops in service "
-                         "// --group-size (ARPO: 16 tasks x 8 rollouts on 128 VMs, one update)")
+    group_size: int = arg(8, "rollouts per task = one GRPO group (ARPO: 8); fewer desktops than a group play it "
+                             "in turns; 1 trains nothing (a group of one has advantage 0), a smoke test only")
+    groups: int | None = arg(None, "tasks (groups) per iteration, played in turns on the desktops (default: the "
+                                   "desktops in service // --group-size, at least 1)")
     # policy
     model: str = arg("ByteDance-Seed/UI-TARS-1.5-7B",
                      "HF id or folder of a Qwen-VL checkpoint; 'tiny-uitars' = tiny, UI-TARS format taught (CPU); "
@@ -166,15 +131,17 @@ class Args:
                            "fine-tuning: a frozen copy of --model)")
     loss_agg: str = arg("seq-mean-token-mean", "loss aggregation: seq-mean-token-mean or token-mean")
     micro_batch: int = arg(1, "sequences per forward/backward (memory knob only)")
-    mini_batch: int = arg(0, "sequences per optimizer step; 0 = ARPO's schedule: the batch in two steps "
-                             "(ARPO: 16 tasks x 8 rollouts, 8 tasks x 8 per step)")
-    dual_clip: float = arg(3.0, "dual-clip c: a negative advantage's loss is capped at c * |A| (ARPO: 3.0; 0 = off)")
+    optimizer_steps: int = arg(2, "optimizer steps per iteration, the batch cut into that many mini-batches "
+                                  "(ARPO: 2, i.e. 16 tasks x 8 rollouts in steps of 8 x 8)")
+    mini_batch: int | None = arg(None, "sequences per optimizer step instead (default: set by --optimizer-steps)")
+    dual_clip: float = arg(3.0, "dual-clip c: a negative advantage's loss is capped at c * |A| (ARPO: 3.0; inf = off)")
     max_grad_norm: float = arg(1.0, "gradient clipping")
     # replay buffer and task selection
     replay: bool = arg(True, "ARPO's replay buffer of successes (--no-replay: the GRPO ablation)")
     replay_capacity: int = arg(8, "stored successes per task (ARPO: 8)")
     success_threshold: float = arg(0.1, "a trajectory is a success if its score is above this (ARPO: 0.1)")
-    select_tasks: int = arg(0, "before training, K rollouts per task; keep the tasks solved at least once (ARPO: 16)")
+    select_tasks: int = arg(0, "before training, K rollouts per task; keep the tasks solved at least once "
+                               "(ARPO: 16; 0: no selection)")
     # evaluation
     eval_only: bool = arg(False, "evaluate the policy (standard and hard protocols), do not train")
     eval_episodes: int = arg(1, "episodes per task in --eval-only")
@@ -186,29 +153,32 @@ class Args:
     resume: str = arg("", "a run folder to continue (flags given now override the saved ones)")
     ckpt_every: int = arg(1, "checkpoint every N iterations (and at the end)")
     save_trajectories: bool = arg(True, "write every episode's screenshots + steps into the run folder")
-    seed: int = arg(0, "seed of task order, the update's shuffle, the replay buffer and the tiny model's weights")
-    # Task order (pick_tasks), the replay buffer and the tiny model's weights have Randoms of their
-    # own seeded by --seed; sampling draws from torch's generator. So an eval can take fresh samples
-    # of a checkpoint, and two runs can share a task order and differ in their samples.
-    sample_seed: int = arg(-1, "seed of sampling answers (training and --eval-only); -1 = --seed")
+    seed: int = arg(0, "seed of the task order, the update's shuffle, the replay buffer and the tiny model's weights")
+    sample_seed: int | None = arg(None, "seed of sampling answers (training and --eval-only; default: --seed), so "
+                                        "an eval can draw fresh samples while the task order stays the run's")
     wandb: bool = arg(False, "also log every metric to Weights & Biases (pip install wandb; WANDB_PROJECT names the project)")
     tensorboard: bool = arg(False, "also log every metric to TensorBoard in runs/<name>/tb (pip install tensorboard)")
+
+
+# Flag values of run folders written before these flags said what they mean (args.json, checkpoints).
+OLD_VALUES = {"groups": {0: None}, "sample_seed": {-1: None}, "mini_batch": {0: None}, "dual_clip": {0: float("inf")}}
+
 
 def check_args(args: Args) -> None:
     """Errors a user can cause, each as one sentence."""
     import vllm_engine  # plain Python until an engine is built (vLLM itself is imported there)
     rundir.check([
         (args.group_size < 1, "--group-size must be at least 1 (ARPO uses 8)"),
-        (args.groups < 0, "--groups must be 0 (one per --group-size desktops) or more"),
+        (args.groups is not None and args.groups < 1, "--groups must be at least 1"),
         (args.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
         (args.loss_agg not in ("seq-mean-token-mean", "token-mean"), "--loss-agg must be seq-mean-token-mean or token-mean"),
         (args.beta < 0, "--beta must be >= 0"),
         (args.format_penalty_on not in ("reward", "advantage"), "--format-penalty-on must be reward or advantage"),
         (args.engine == "vllm" and args.beta > 0 and args.lora_rank == 0, "--engine vllm with full fine-tuning and "
                                                                           "--beta > 0 would hold three model copies; use LoRA or --beta 0"),
-        (args.dual_clip != 0 and not args.dual_clip > 1, "--dual-clip must be above 1 (ARPO uses 3.0), or 0 to switch it off"),
-        (args.mini_batch < 0 or args.micro_batch < 1, "--mini-batch must be 0 (ARPO's two steps per iteration) or "
-                                                      "more, and --micro-batch at least 1"),
+        (not args.dual_clip > 1, "--dual-clip must be above 1 (ARPO uses 3.0), or inf to switch it off"),
+        (args.optimizer_steps < 1 or (args.mini_batch is not None and args.mini_batch < 1) or args.micro_batch < 1,
+         "--optimizer-steps, --mini-batch and --micro-batch must be at least 1"),
         (min(args.max_steps, args.max_images, args.max_new_tokens, args.eval_episodes, args.ckpt_every) < 1,
          "--max-steps, --max-images, --max-new-tokens, --eval-episodes and --ckpt-every must be at least 1"),
         (args.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
@@ -228,9 +198,173 @@ def resolve_args(argv=None) -> tuple:
     """The command line; on --resume, the run's saved args with the flags given now on top.
     -> (args, (checkpoint state, folder) or None, the flags given now)."""
     args, given = rundir.parse_args(Args, argv, PROG)
-    args, ckpt = rundir.resume_args(Args, args, given, PROG, marker="group_size")
+    args, state = ckpt.resume_args(Args, args, given, PROG, marker="group_size", old_values=OLD_VALUES)
     check_args(args)
-    return args, ckpt, given
+    return args, state, given
+
+
+# ------------------------------------------------------------------------------------------------
+# The episode: one task on one desktop, a generator rollout.play steps in the desktop's own thread
+
+
+@dataclass
+class Episode:
+    """One rollout of one task on one VM. Step i: screenshots[i] was seen, assistant[i] answered."""
+    task: Task
+    vm: int                    # the desktop that played it (numbered among all ranks')
+    group: int = 0
+    iteration: int = 0
+    screenshots: list = field(default_factory=list)   # PIL images (PNG bytes once stored for replay)
+    assistant: list = field(default_factory=list)     # per step: sampled token ids, or text (scripted)
+    logprobs: list = field(default_factory=list)      # per step: the sampler's log-prob per id, or None (scripted)
+    texts: list = field(default_factory=list)         # per step: the answer as text
+    thoughts: list = field(default_factory=list)      # per step: the parsed Thought ("" if unparseable)
+    actions: list = field(default_factory=list)       # per step: Action dict in screen pixels, or None
+    format_ok: list = field(default_factory=list)     # per step: the answer parsed into an action the VM took
+    end: str | None = None     # done | fail | format | max_steps | dropped (the VM failed)
+    error: str | None = None   # why it was dropped
+    score: float = 0.0         # evaluator score, hard protocol (the training signal)
+    score_standard: float = 0.0  # standard protocol: running out of steps counts as FAIL
+    reward: float = 0.0        # score - the format penalty (score_episode)
+    replayed: bool = False     # came from the replay buffer (an earlier iteration)
+    job: int = -1              # its index among the episodes played together (play_tasks)
+
+
+@dataclass
+class Observation:
+    """What a policy gets for one episode at one step. The model reads `messages`; a scripted
+    stand-in (tests) can read the task, the step and where the screen is, in the image the model sees."""
+    task: Task
+    vm: int
+    step: int
+    messages: list          # the UI-TARS prompt: instruction, screenshots, earlier answers
+    screen: tuple           # (w, h) of the screenshot in screen pixels
+    image_size: tuple       # (w, h) of the screenshot as the model sees it (coordinates live here)
+    job: int = 0            # which of the episodes played together this is (a scripted policy plans by it)
+
+
+def observe(e: Episode, img: Image.Image, args) -> Observation:
+    """The prompt of the episode's next step: its screenshots so far, the last one `img`."""
+    # The size the processor resizes this screenshot to: UI-TARS answers in those pixels.
+    h, w = smart_resize(img.height, img.width, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+    # The history: earlier answers as the sampled ids themselves, so this prompt and the training
+    # sequence built from the same episode later hold the very same tokens.
+    msgs = uitars_messages(e.task.instruction, e.screenshots, e.assistant, max_images=args.max_images)
+    return Observation(e.task, e.vm, len(e.assistant), msgs, img.size, (w, h), e.job)
+
+
+def add_answer(e: Episode, o: Observation, answer, args):
+    """One answer into its episode, parsed in the image the model saw. -> the Action to run, or None."""
+    if isinstance(answer, Generation):  # the model: keep the sampled ids, parse in the image it saw
+        text, content, seen, lps = answer.text, list(answer.completion_ids), answer.prompt.image_sizes[-1], answer.logprobs
+    else:                               # a scripted stand-in: text, in o.image_size coordinates
+        text, content, seen, lps = str(answer), str(answer), o.image_size, None
+    parsed = parse_action(text, "uitars", o.screen, seen)
+    e.texts.append(text)
+    e.assistant.append(content)
+    e.logprobs.append(None if lps is None else [float(x) for x in lps])
+    e.thoughts.append(parsed.thought if parsed else "")
+    e.actions.append(parsed.action.to_dict() if parsed else None)
+    e.format_ok.append(parsed is not None)
+    if parsed is None:
+        e.end = "format" if args.stop_on_format_error else None  # ALGO: ARPO stops the episode
+    elif parsed.action.type in ("done", "fail"):
+        e.end = parsed.action.type  # finished() / call_user(): nothing to execute
+    else:
+        return parsed.action
+    return None
+
+
+def episode(desk: rollout.Desktop, task: Task, args, group: int = 0, iteration: int = 0, job: int = 0):
+    """One ARPO episode on one desktop, top to bottom: reset, the task's setup, then screenshot ->
+    the policy's answer (`yield`, batched with other desktops' by rollout.play) -> parse (UI-TARS,
+    coordinates mapped from the image the model saw to the screen) -> act (the settled screen comes
+    back) until finished() / call_user() / an unparseable answer / max steps; then the score, as
+    soon as the episode ends (as ARPO does). -> the Episode. A VM that fails at any point (no answer,
+    5xx, garbage) drops it: EnvFailure with the Episode so far, the environment's fault, not the
+    model's. Only a refused action (4xx) is the model's: a format failure."""
+    settle = parse_settle(args.settle)
+    e = Episode(task, desk.id, group, iteration, job=job)
+    try:
+        desk.reset()
+        desk.setup(task.setup)
+        img = desk.screenshot()
+        while e.end is None:
+            e.screenshots.append(img)
+            o = observe(e, img, args)
+            answer = yield o
+            action = add_answer(e, o, answer, args)
+            if action is not None:
+                try:
+                    img = desk.act(action, settle)  # a window takes a moment to map; the model should see it
+                except VMError as err:
+                    if not err.refused:
+                        raise
+                    # The VM refused the action (a key it does not know, say): the model's answer was
+                    # not a valid action after all, so it counts as a format failure.
+                    e.format_ok[-1] = False
+                    e.actions[-1] = {**e.actions[-1], "refused": str(err)}
+                    e.end = "format" if args.stop_on_format_error else None
+                    action = None
+            if e.end is None and len(e.assistant) >= min(args.max_steps, task.max_steps):
+                e.end = "max_steps"
+            if e.end is None and action is None:
+                img = desk.screenshot()  # nothing ran, and the episode goes on: look again
+        checks = None
+        if not task.infeasible:  # ALGO: execution-based score (an infeasible task's is the client's)
+            checks = desk.evaluate(task.evaluator)
+            if not isinstance(checks, dict) or "score" not in checks:
+                # No score is not a score of 0: training on it would punish the policy for a VM fault.
+                raise VMError("the VM's /evaluate answered without a score")
+        score_episode(e, checks["score"] if checks else None, args)
+        desk.reset_ahead()  # the next episode here begins with a reset: it runs while the learner updates
+    except VMError as err:
+        e.end, e.error = "dropped", str(err)
+        raise rollout.EnvFailure(str(err), partial=e) from None
+    return e
+
+
+def outcome_scores(infeasible: bool, actions: list, end: str | None, evaluator_score: float | None = None):
+    """ALGO: (hard, standard) score of one finished episode, by OSWorld's `DesktopEnv.evaluate`:
+    if the last action is FAIL (call_user()), an infeasible task scores 1 and a feasible one 0,
+    whatever its checks say; otherwise an infeasible task scores 0 and a feasible one its
+    evaluator's score. The two protocols differ only in what "the last action" is: the standard one
+    replaces it by FAIL when the episode ran out of steps (end == "max_steps"), the hard one (ARPO's
+    OSWorld-Hard, and ARPO's training environment) keeps what the agent did. So a timeout passes an
+    infeasible task and fails a feasible one under standard only. An unparseable last answer is no
+    FAIL (ARPO's environment turns it into DONE). actions: Action dicts per step (None: unparseable)."""
+    def score(last):
+        if infeasible:
+            return 1.0 if last == "fail" else 0.0
+        return 0.0 if last == "fail" else float(evaluator_score)
+    last = actions[-1]["type"] if actions and actions[-1] else None
+    return score(last), score("fail" if end == "max_steps" else last)
+
+
+def score_episode(e: Episode, evaluator_score: float | None, args) -> None:
+    """Fill score (hard), score_standard and reward of a finished episode, in place: the scores by
+    OSWorld's rule (outcome_scores), the reward ARPO's: the score minus the format penalty, once, if
+    any answer did not parse (its code: eval_result + 0.5 * format_reward, format_reward = -1). The
+    one place the penalty is computed; `advantages` decides where it is paid."""
+    e.score, e.score_standard = outcome_scores(e.task.infeasible, e.actions, e.end, evaluator_score)
+    e.reward = e.score - args.format_penalty * (not all(e.format_ok))  # ALGO: ARPO's trajectory reward
+
+
+def play_tasks(pool: VMPool, tasks: list[Task], policy_fn, args, groups: list[int] | None = None,
+               iteration: int = 0, retries: int = 0, first_job: int = 0,
+               desc: str = "episodes") -> tuple[list[Episode], rollout.Rollout]:
+    """Play tasks[k] (repeats allowed; group groups[k]) on the pool's desktops (rollout.play: a
+    freed desktop takes the next task, so more tasks than desktops are played in turns; one the
+    environment failed is played again elsewhere up to `retries` times). Episode k is job first_job
+    + k. -> (one Episode per task, in order: finished, or `dropped` with its error; the Rollout)."""
+    groups = groups or [0] * len(tasks)
+    eps = [partial(episode, task=t, args=args, group=g, iteration=iteration, job=first_job + k)
+           for k, (t, g) in enumerate(zip(tasks, groups))]
+    out = rollout.play(pool, eps, policy_fn, retries=retries, desc=desc)
+    return [r if not isinstance(r, rollout.Lost) else
+            r.partial or Episode(tasks[k], -1 if r.vm is None else pool.first + r.vm, groups[k], iteration,
+                                 end="dropped", error=r.error, job=first_job + k)
+            for k, r in enumerate(out.results)], out
 
 
 def model_policy(policy, args: Args, temperature: float):
@@ -242,43 +376,25 @@ def model_policy(policy, args: Args, temperature: float):
 
 
 # ------------------------------------------------------------------------------------------------
-# The pieces of one training iteration
+# The algorithm: tasks and groups, replay, advantages, training sequences
 
 
-@dataclass
-class Trainer:
-    """What an iteration needs; replay is None with --no-replay."""
-    args: Args
-    pool: VMPool
-    policy: object
-    optimizer: torch.optim.Optimizer
-    replay: ReplayBuffer | None
-    policy_fn: object
-    run: str | None = None
-    tasks: list = field(default_factory=list)  # the training task list (after --select-tasks)
-    picker: dict = field(default_factory=lambda: {"epoch": 0, "pos": 0})  # pick_tasks' place in the order
-    vm_offset: int = 0  # under torchrun: the number of this rank's first VM among all ranks' VMs
-    ref_fn: object = None  # --beta with full fine-tuning: the frozen starting policy's log-probs
-
-
-def n_groups(desktops: int, group_size: int, groups: int = 0) -> int:
+def n_groups(desktops: int, group_size: int, groups: int | None = None) -> int:
     """How many groups (tasks) an iteration plays on `desktops` desktops in service: `groups` if
     given (more jobs than desktops: a desktop whose episode ended takes the next), else one per
     group_size of them (leftovers idle), and at least one. A group is always group_size rollouts:
-    fewer desktops than that play it in turns (rollout.py gives a freed desktop the next episode),
-    so a lone desktop still trains; a group of one would not (its advantage is always 0, and replay
-    would only swap its one member for a stored success, with nothing to compare it with)."""
+    fewer desktops than that play it in turns, so a lone desktop still trains; a group of one would
+    not (its advantage is always 0, and replay would only swap its member for a stored success)."""
     if not desktops:
         return 0
     return groups or max(1, desktops // group_size)
 
 
-def lr_at(it: int, args: Args) -> float:
-    """The learning rate of iteration `it` (0-based): rundir.scheduled_lr over --iterations. ARPO
+def lr_at(it: int, a: Args) -> float:
+    """The learning rate of iteration `it` (0-based): grpo.scheduled_lr over --iterations. ARPO
     keeps lr constant without warm-up; a small model trained from scratch at a high lr needs the
-    decay to keep what it learned (at a constant lr 1e-3 the tiny model can learn a task to 0.92
-    and lose it in the last iterations)."""
-    return rundir.scheduled_lr(args.lr, it, args.iterations, args.lr_warmup, args.lr_schedule)
+    decay to keep what it learned (it can learn a task and lose it again in the last iterations)."""
+    return grpo.scheduled_lr(a.lr, it, a.iterations, a.lr_warmup, a.lr_schedule)
 
 
 def pick_tasks(ids: list[str], state: dict, n: int, seed: int) -> list[str]:
@@ -299,26 +415,76 @@ def pick_tasks(ids: list[str], state: dict, n: int, seed: int) -> list[str]:
     return out
 
 
-def assign_tasks(tr: Trainer, pick) -> tuple[list[str], list[Task], list[int], int]:
-    """The next task for each group of the desktops in service. -> (task id per group, every
-    rank's; this rank's jobs: one task per group member; the group of each job; the number of
-    this rank's first job among all ranks')."""
-    desktops = len(rollout.in_service(tr.pool))  # dead remote VMs are re-checked
-    if not desktops:
-        raise SystemExit("No VM answered; check that the desktops run (see --vms).")
-    # Under torchrun every rank draws the tasks of ALL groups (the same ids: the order is a function
-    # of the seed) and plays its own, numbered after the earlier ranks' groups: a group never
-    # straddles ranks.
-    counts = dist.gather(n_groups(desktops, tr.args.group_size, tr.args.groups))
-    group_offset, size = sum(counts[:dist.rank()]), tr.args.group_size
-    task_ids = pick(sum(counts))
-    by_id = {t.id: t for t in tr.tasks}
-    mine = range(group_offset, group_offset + counts[dist.rank()])
-    return task_ids, [by_id[task_ids[g]] for g in mine for _ in range(size)], [g for g in mine for _ in range(size)], \
-        group_offset * size
+def to_dict(e: Episode) -> dict:
+    """An episode as plain data, for the replay buffer and checkpoints: screenshots as PNG bytes
+    (~10x smaller than pixels), the task as a dict without its scripted solution (the test
+    suite's, never part of what the policy learns from); unpickling needs no class of ours."""
+    def png(img):
+        if isinstance(img, bytes):
+            return img
+        buf = BytesIO()
+        img.save(buf, format="PNG", compress_level=1)
+        return buf.getvalue()
+    d = {f.name: getattr(e, f.name) for f in fields(Episode)}
+    return {**d, "task": {**asdict(e.task), "solution": []}, "screenshots": [png(s) for s in e.screenshots]}
 
 
-def episode_samples(policy, ep: Episode, args: Args, advantage: float = 0.0) -> list:
+def from_dict(d: dict) -> Episode:
+    return Episode(**{**d, "task": Task(**d["task"])})
+
+
+def as_image(x) -> Image.Image:
+    """A stored screenshot (PNG bytes, from the replay buffer) or a live one, as a PIL image."""
+    return Image.open(BytesIO(x)).convert("RGB") if isinstance(x, bytes) else x
+
+
+def replay(buffer: grpo.ReplayBuffer | None, fresh: list[Episode], task_ids: list[str],
+           scores: list[tuple[int, float]]) -> tuple[list[Episode], list[dict]]:
+    """ALGO: ARPO's replay. A group that failed alike (score std < 0.05 and mean < 0.2) gets one
+    member replaced by a stored success of its task, which was stored in an EARLIER iteration (this
+    one's successes are added after). Decided on the evaluator scores, not the rewards: a group
+    whose members all failed the task needs a success, however well-formed their answers were.
+    `scores`: (group, score) of the fresh episodes of EVERY group (under torchrun, of every rank:
+    each rank keeps the same buffer, so every rank draws for every group, in order). -> (this rank's
+    groups' episodes for the update, the injections)."""
+    by_group: dict[int, list[float]] = {}
+    for g, s in scores:
+        by_group.setdefault(g, []).append(s)
+    batch, injections = [], []
+    for g, tid in enumerate(task_ids):
+        members = [e for e in fresh if e.group == g]
+        if buffer is not None and by_group.get(g):
+            new, _, injected = buffer.inject(tid, members or [None] * len(by_group[g]), by_group[g])
+            if injected and members:  # (another rank's group: the same draw as there, nothing to swap here)
+                k = next(i for i, (a, b) in enumerate(zip(members, new)) if a is not b)  # the replaced member
+                # The stored success joins this group: its own reward, normalised against today's
+                # members. Its sampler log-probs are an older policy's: dropped (logp_gap compares like with like).
+                ep = replace(from_dict(new[k]), group=g, replayed=True, logprobs=[])
+                injections.append({"task": tid, "group": g, "replaced_vm": members[k].vm, "from_iteration": ep.iteration,
+                                   "from_vm": ep.vm, "score": ep.score, "reward": ep.reward})
+                members = members[:k] + [ep] + members[k + 1:]
+        batch += members  # (a group every VM of which failed has none: nothing to learn from it)
+    return batch, injections
+
+
+def advantages(batch: list[Episode], a: Args) -> list[float]:
+    """ALGO: one advantage per trajectory, against its group. --format-penalty-on reward (ARPO): the
+    group normalises the rewards (score - penalty on a broken one, score_episode). --format-penalty-on
+    advantage: the group normalises the scores, and a broken trajectory alone loses its penalty
+    afterwards. Why the second exists: in a group that failed the task alike, ARPO's way turns one
+    broken answer into a positive advantage for every other member (scores [0, 0, 0, 0], one broken:
+    rewards [0, 0, 0, -0.5] -> [+0.5, +0.5, +0.5, -1.5]), which reinforces whatever the failed
+    members did; here that group gives [0, 0, 0, -0.5]: the format is still taught, and nothing a
+    failure did is rewarded."""
+    groups = [e.group for e in batch]
+    if a.format_penalty_on == "reward":
+        return grpo.group_advantages([e.reward for e in batch], groups, a.scale_rewards).tolist()  # (N,)
+    adv = grpo.group_advantages([e.score for e in batch], groups, a.scale_rewards)  # (N,)
+    penalty = torch.tensor([e.score - e.reward for e in batch])  # (N,) the format penalty, 0 if none
+    return (adv - penalty).tolist()  # (N,)
+
+
+def episode_samples(policy, ep: Episode, args, advantage: float = 0.0) -> list[grpo.Sample]:
     """ALGO: a trajectory as training sequences, every answer in the context it was sampled in: the
     conversation re-encoded, the sampled answer ids verbatim, the sampler's log-probs alongside.
 
@@ -341,7 +507,7 @@ def episode_samples(policy, ep: Episode, args: Args, advantage: float = 0.0) -> 
             last_turn = max(i for i, t in enumerate(enc.input_ids) if t == im_start)
             enc.target_mask = [0] * last_turn + enc.target_mask[last_turn:]
         old = [x for lp in lps[first_target:end] for x in lp] if lps is not None else None
-        pieces.append(trajectory_sample(enc, ep.reward, ep.group, old))
+        pieces.append(grpo.trajectory_sample(enc, ep.reward, ep.group, old))
     total = sum(sum(p.target_mask) for p in pieces)
     for p in pieces:
         p.advantage = advantage
@@ -349,80 +515,148 @@ def episode_samples(policy, ep: Episode, args: Args, advantage: float = 0.0) -> 
     return pieces
 
 
-def replay_and_store(tr: Trainer, fresh: list[Episode], task_ids: list[str]) -> tuple:
-    """ALGO: replay into all-failed groups, THEN store this iteration's successes. Under torchrun
-    every rank keeps the same buffer: the groups' scores and the successes of every rank, in rank
-    order. -> replay_groups' (batch, injections, group stats) of this rank's groups."""
-    scores = {}
-    for part in dist.gather({e.group: [x.score for x in fresh if x.group == e.group] for e in fresh}):
-        scores.update(part)
-    batch, injections, stats = replay_groups(tr.replay, fresh, task_ids, scores, tr.vm_offset)
-    if tr.replay is not None:
-        # ALGO: success = score > 0.1; PNG-encode only those
-        mine = [(e.task.id, to_record(e, tr.vm_offset), e.score) for e in fresh if e.score > tr.replay.success_threshold]
-        for tid, record, score in [x for part in dist.gather(mine) for x in part]:
-            tr.replay.add(tid, record, score)
-    return batch, injections, stats
-
-
-def advantages(batch: list[Episode], a: Args) -> list[float]:
-    """ALGO: one advantage per trajectory, against its group. --format-penalty-on reward (ARPO): the
-    group normalises the rewards, score - penalty on a broken one. --format-penalty-on advantage:
-    the group normalises the scores, and a broken trajectory alone loses the penalty afterwards.
-    Why the second exists: in a group that failed the task alike, ARPO's way turns one broken
-    answer into a positive advantage for every other member (scores [0, 0, 0, 0], one broken:
-    rewards [0, 0, 0, -0.5] -> [+0.5, +0.5, +0.5, -1.5]), which reinforces whatever the failed
-    members did; here that group gives [0, 0, 0, -0.5]: the format is still taught, and nothing a
-    failure did is rewarded (bench/learning.py --method arpo-multi, where such groups dominate)."""
-    groups = [e.group for e in batch]
-    if a.format_penalty_on == "reward":
-        return group_advantages([e.reward for e in batch], groups, a.scale_rewards).tolist()  # (N,)
-    adv = group_advantages([e.score for e in batch], groups, a.scale_rewards)  # (N,)
-    broken = torch.tensor([float(e.broken) for e in batch])  # (N,)
-    return (adv - a.format_penalty * broken).tolist()  # (N,)
-
-
-def update(tr: Trainer, batch: list[Episode], it: int, times: dict) -> tuple:
-    """ALGO: advantages per group of trajectories, broadcast to every assistant token, then the GRPO
-    update in ARPO's schedule (two shuffled mini-batches by default, dual clip, log-probs at the
-    sampling temperature). -> (advantage per trajectory, its training sequences, update metrics)."""
+def update(tr, samples: list[grpo.Sample], it: int, on_micro_batch=None) -> dict:
+    """ALGO: the GRPO update in ARPO's schedule: the batch, shuffled (seeded, the same on a resume),
+    in --optimizer-steps steps, dual clip, log-probs at the sampling temperature (grpo.update_policy).
+    -> its metrics ({} when no rank had a sample)."""
     a = tr.args
-    adv = advantages(batch, a)  # (N,)
-    pieces = [episode_samples(tr.policy, e, a, adv_e) for e, adv_e in zip(batch, adv)]  # each trajectory's sequences
-    samples = [p for ps in pieces for p in ps]
-    upd = rundir.update_policy(tr.policy, tr.optimizer, samples, times, micro_batch_size=a.micro_batch,
-                               eps_low=a.eps_low, eps_high=a.eps_high, beta=a.beta, ref_fn=tr.ref_fn,
-                               max_grad_norm=a.max_grad_norm,
-                               agg=a.loss_agg, epochs=a.epochs, temperature=a.temperature,
-                               dual_clip=a.dual_clip or None,
-                               mini_batch_size=a.mini_batch or None, optimizer_steps=2,  # ARPO: two steps a batch
-                               shuffle=random.Random(f"{a.seed}-update-{it}"))  # the same on a resume
-    return adv, pieces, upd
-
-
-def run_iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
-    """One ARPO iteration; pick(n) -> n task ids. Returns (metrics, this rank's episodes)."""
-    times, t0 = {}, time.perf_counter()
-    lr = rundir.set_lr(tr.optimizer, lr_at(it, tr.args))
-    # -- one task per group; every group member is a job (dead remote VMs re-checked meanwhile)
-    with rundir.timed(times, "vm_wait"):
-        task_ids, jobs, job_group, first_job = assign_tasks(tr, pick)
-    # -- the rollout: each desktop resets, sets up, plays and scores its episode on its own
-    with dist.unsharded(tr.policy.model):  # FSDP2: each rank decodes alone, with whole weights
-        eps, out = play_all(tr.pool, jobs, tr.policy_fn, tr.args, job_group, it, desc="rollout", first_job=first_job)
-    for k, v in out.times.items():
-        times[k] = times.get(k, 0.0) + v
-    fresh = [e for e in eps if e.end != "dropped"]
-    # -- ALGO: replay into all-failed groups, store this iteration's successes, GRPO
-    batch, injections, group_stats = replay_and_store(tr, fresh, task_ids)
-    adv, pieces, upd = update(tr, batch, it, times)
-    times["time/iteration"] = time.perf_counter() - t0
-    m = arpo_log.gather_metrics(tr, it, task_ids, fresh, out, batch, adv, pieces, upd, group_stats, injections, times)
-    return {**m, "actor/lr": lr}, eps
+    return grpo.update_policy(tr.policy, tr.optimizer, samples, micro_batch_size=a.micro_batch, eps_low=a.eps_low,
+                              eps_high=a.eps_high, beta=a.beta, ref_fn=tr.ref_fn, max_grad_norm=a.max_grad_norm,
+                              agg=a.loss_agg, epochs=a.epochs, temperature=a.temperature, dual_clip=a.dual_clip,
+                              mini_batch_size=a.mini_batch, optimizer_steps=a.optimizer_steps,
+                              on_micro_batch=on_micro_batch, shuffle=random.Random(f"{a.seed}-update-{it}"))
 
 
 # ------------------------------------------------------------------------------------------------
-# Setup: tasks, policy, checkpoints; then the loop
+# Task selection and evaluation: episodes of a fixed policy, counted
+
+
+def play_shared(pool: VMPool, tasks: list[Task], policy_fn, args, save=None) -> tuple[list[Episode], int]:
+    """Play `tasks` (repeats allowed), each lost to the environment played once more on another
+    desktop; under torchrun every rank plays a contiguous share of them. save(episode), if given,
+    runs where it was played. -> (every rank's finished episodes, as dicts in job order; how many
+    were lost, on all ranks)."""
+    mine = dist.shard_range(len(tasks))
+    eps, _ = play_tasks(pool, tasks[mine.start:mine.stop], policy_fn, args, retries=1, first_job=mine.start)
+    done = [e for e in eps if e.end != "dropped"]
+    for e in done if save is not None else []:
+        save(e)
+    rows = [{"task": e.task.id, "vm": e.vm, "job": e.job, "end": e.end, "steps": len(e.actions),
+             "score_standard": e.score_standard, "score_hard": e.score, "actions": e.actions,
+             "format_ok": e.format_ok, "texts": e.texts} for e in done]
+    return sorted(dist.every(rows), key=lambda r: r["job"]), int(dist.all_sum([len(eps) - len(done)])[0])
+
+
+def select_tasks(pool: VMPool, tasks: list[Task], k: int, policy_fn, args) -> tuple[list[Task], dict]:
+    """ALGO: ARPO's task selection: k rollouts per task with the starting policy; keep the tasks
+    solved (score > success threshold) at least once. -> (kept tasks, {task id: successes})."""
+    eps, _ = play_shared(pool, [t for t in tasks for _ in range(k)], policy_fn, args)
+    counts = {t.id: 0 for t in tasks}
+    for e in eps:
+        counts[e["task"]] += e["score_hard"] > args.success_threshold  # ALGO: "solved at least once"
+    return [t for t in tasks if counts[t.id] > 0], counts
+
+
+def evaluate(pool: VMPool, tasks: list[Task], policy_fn, args, save_to: str | None = None) -> dict:
+    """Success rate (the mean score, as OSWorld reports it) per task and overall under both
+    protocols, and per episode what it did. save_to: a folder that gets the episodes as a run's
+    trajectories (view.py shows them), one "iteration" per task, one "vm" per episode of it."""
+    t0 = time.perf_counter()
+    n = args.eval_episodes
+    save = None if not save_to else (lambda e: logs.save_episodes(save_to, e.job // n, [replace(e, job=e.job % n)],
+                                                                  clear=False))
+    eps, lost = play_shared(pool, [t for t in tasks for _ in range(n)], policy_fn, args, save)
+    out = {"episodes": len(eps), "lost": lost, "episodes_per_task": n, "temperature": args.eval_temperature,
+           "seconds": time.perf_counter() - t0}
+    for proto, key in (("standard", "score_standard"), ("hard", "score_hard")):
+        per_task = {t.id: [e[key] for e in eps if e["task"] == t.id] for t in tasks}
+        per_task = {tid: sum(s) / len(s) if s else None for tid, s in per_task.items()}
+        all_s = [e[key] for e in eps]
+        out[proto] = {"overall": sum(all_s) / len(all_s) if all_s else None, "per_task": per_task}
+    out["details"] = eps
+    steps = [ok for e in eps for ok in e["format_ok"]]
+    out["format_rate"] = sum(steps) / len(steps) if steps else None  # share of answers that parsed
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# One iteration, and the loop
+
+
+@dataclass
+class Trainer:
+    """What an iteration needs; replay is None with --no-replay."""
+    args: Args
+    pool: VMPool
+    policy: object
+    optimizer: torch.optim.Optimizer
+    replay: grpo.ReplayBuffer | None
+    policy_fn: object
+    run: str | None = None
+    tasks: list = field(default_factory=list)  # the training task list (after --select-tasks)
+    picker: dict = field(default_factory=lambda: {"epoch": 0, "pos": 0})  # pick_tasks' place in the order
+    ref_fn: object = None  # --beta with full fine-tuning: the frozen starting policy's log-probs
+
+
+def iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
+    """One ARPO iteration, top to bottom; pick(n) -> the next n task ids. -> (metrics, this rank's episodes)."""
+    a, times, t0 = tr.args, {}, time.perf_counter()
+    lr = grpo.set_lr(tr.optimizer, lr_at(it, a))
+    # -- one task per group, every group member a job (dead remote VMs are re-checked meanwhile)
+    with rundir.timed(times, "vm_wait"):
+        desktops = len(rollout.in_service(tr.pool))
+    if not desktops:
+        raise SystemExit("No VM answered; check that the desktops run (see --vms).")
+    mine, n_all = dist.share(n_groups(desktops, a.group_size, a.groups))  # torchrun: this rank's groups of all ranks'
+    task_ids = pick(n_all)  # every rank draws the same ids: the order is a function of the seed
+    by_id = {t.id: t for t in tr.tasks}
+    jobs, groups = [by_id[task_ids[g]] for g in mine for _ in range(a.group_size)], [g for g in mine for _ in range(a.group_size)]
+    # -- the rollout: each desktop resets, sets up, plays and scores its episode on its own
+    with dist.unsharded(tr.policy.model):  # FSDP2: each rank decodes alone, with whole weights
+        eps, out = play_tasks(tr.pool, jobs, tr.policy_fn, a, groups, it, first_job=mine.start * a.group_size,
+                              desc="rollout")
+    for k, v in out.times.items():
+        times[k] = times.get(k, 0.0) + v
+    fresh = [e for e in eps if e.end != "dropped"]
+    # -- ALGO: replay into the groups that failed alike, THEN store this iteration's successes (every
+    # rank keeps the same buffer: it sees every rank's scores and successes, in rank order)
+    batch, injections = replay(tr.replay, fresh, task_ids, dist.every([(e.group, e.score) for e in fresh]))
+    if tr.replay is not None:
+        won = [(e.task.id, to_dict(e), e.score) for e in fresh if e.score > tr.replay.success_threshold]
+        for task_id, d, score in dist.every(won):  # ALGO: success = score > 0.1
+            tr.replay.add(task_id, d, score)
+    # -- ALGO: one advantage per trajectory, broadcast to every assistant token; the GRPO update
+    adv = advantages(batch, a)  # (N,)
+    pieces = [episode_samples(tr.policy, e, a, x) for e, x in zip(batch, adv)]  # each trajectory's sequences
+    samples = [p for ps in pieces for p in ps]
+    with rundir.timed(times, "update"), progress.bar(len(samples) * a.epochs, "update") as bar:
+        upd = update(tr, samples, it, bar.update)
+    if upd:
+        with rundir.timed(times, "sync"):
+            sync_weights(tr.policy)  # the generator samples the next rollout from the new weights
+    times["time/iteration"] = time.perf_counter() - t0
+    m = logs.arpo_metrics(it, task_ids, fresh, out, tr.pool.first, batch, adv, pieces, upd, injections,
+                          len(tr.replay or []), a.success_threshold, times)
+    return {**m, "actor/lr": lr}, eps
+
+
+def train(tr: Trainer, start: int) -> None:
+    """The loop: one iteration, then trajectories, checkpoint, metrics line, console line."""
+    args, run, ids = tr.args, tr.run, [t.id for t in tr.tasks]
+    trackers = rundir.open_trackers(run, args)
+    for it in progress.track(range(start, args.iterations), "iterations"):
+        m, eps = iteration(tr, it, lambda n: pick_tasks(ids, tr.picker, n, args.seed))
+        with rundir.timed(m, "save"):
+            if args.save_trajectories:
+                logs.save_episodes(run, it, eps)
+            if (it + 1) % args.ckpt_every == 0 or it + 1 == args.iterations:
+                checkpoint(tr, it + 1, m)
+        rundir.end_iteration(run, trackers, m, logs.arpo_line(m, args.beta))
+    progress.close(trackers)
+
+
+# ------------------------------------------------------------------------------------------------
+# Setup: tasks, policy, the trainer's state fresh or from a checkpoint
 
 
 def load_task_list(args: Args, ids: list[str] | None = None) -> list[Task]:
@@ -440,13 +674,13 @@ def load_task_list(args: Args, ids: list[str] | None = None) -> list[Task]:
     return tasks
 
 
-def make_policy(args: Args, ckpt: tuple[dict, str] | None):
-    """The starting policy, or the one a checkpoint holds (rundir.restore_policy)."""
+def make_policy(args: Args, state: tuple[dict, str] | None):
+    """The starting policy, or the one a checkpoint holds (ckpt.restore_policy)."""
     def load(name):
         return load_policy(name, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed,
                            gradient_checkpointing=args.gradient_checkpointing, min_pixels=args.min_pixels,
                            max_pixels=args.max_pixels)
-    policy = load(args.model) if ckpt is None else rundir.restore_policy(*ckpt, load)
+    policy = load(args.model) if state is None else ckpt.restore_policy(*state, load)
     dist.spread(policy.model, shard=args.lora_rank == 0)  # torchrun: rank 0's weights; full FT: FSDP2
     if args.engine == "vllm":  # GPU only: prompts of --max-images screenshots and every answer of an episode
         import vllm_engine
@@ -454,73 +688,81 @@ def make_policy(args: Args, ckpt: tuple[dict, str] | None):
     return policy
 
 
-def setup(args: Args, pool: VMPool, policy, run: str, ckpt, tasks: list, vm_offset: int = 0) -> tuple[Trainer, int]:
+def selected_tasks(pool: VMPool, tasks: list[Task], policy_fn, args: Args, run: str) -> list[Task]:
+    """--select-tasks K: ARPO's selection with the starting policy, recorded in selected_tasks.json
+    (and read back from it when a run was killed after selecting, before its first checkpoint)."""
+    path = os.path.join(run, "selected_tasks.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            keep = json.load(f)["selected"]
+        kept = [t for t in tasks if t.id in keep]
+    else:
+        print(f"task selection: {args.select_tasks} rollouts of each of {len(tasks)} tasks ...", flush=True)
+        kept, counts = select_tasks(pool, tasks, args.select_tasks, policy_fn, args)
+        if dist.is_main():
+            with open(path, "w") as f:
+                json.dump({"k": args.select_tasks, "success_threshold": args.success_threshold,
+                           "successes": counts, "selected": [t.id for t in kept]}, f, indent=2)
+        print(f"task selection kept {len(kept)}/{len(tasks)} tasks: {[t.id for t in kept]} (written to {path})")
+    if not kept:
+        raise SystemExit(f"no task was solved even once in {args.select_tasks} tries; raise --select-tasks, "
+                         "use an easier task set, or train without --select-tasks.")
+    return kept
+
+
+def setup(args: Args, pool: VMPool, policy, run: str, state, tasks: list) -> tuple[Trainer, int]:
     """The optimizer, the replay buffer and the task order, fresh (after --select-tasks) or from the
     checkpoint. -> (Trainer, the first iteration to run)."""
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)  # ARPO: AdamW, wd 0.01
-    replay = ReplayBuffer(args.replay_capacity, args.success_threshold, seed=args.seed) if args.replay else None
+    buffer = grpo.ReplayBuffer(args.replay_capacity, args.success_threshold, seed=args.seed) if args.replay else None
     picker, start = {"epoch": 0, "pos": 0}, 0
-    if ckpt is not None:
-        if replay is not None and ckpt[0]["replay"] is not None:
-            replay.load_state_dict(ckpt[0]["replay"])  # ARPO's own code starts it empty again
-        picker = dict(ckpt[0]["picker"])
-        start = rundir.resume(run, ckpt, policy, optimizer)  # optimizer, metrics.jsonl and RNG states
-        print(f"resumed {run} at iteration {start} ({len(replay or [])} stored successes)")
-    dist.seed_ranks((args.seed if args.sample_seed < 0 else args.sample_seed) + start)  # torchrun: own samples
+    if state is not None:
+        if buffer is not None and state[0]["replay"] is not None:
+            buffer.load_state_dict(state[0]["replay"])  # ARPO's own code starts it empty again
+        picker = dict(state[0]["picker"])
+        start = ckpt.resume(run, state, policy, optimizer)  # optimizer, metrics.jsonl and RNG states
+        print(f"resumed {run} at iteration {start} ({len(buffer or [])} stored successes)")
+    dist.seed_ranks((args.seed if args.sample_seed is None else args.sample_seed) + start)  # torchrun: own samples
     policy_fn = model_policy(policy, args, args.temperature)
-    if ckpt is None and args.select_tasks > 0:
+    if state is None and args.select_tasks > 0:
         with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
-            tasks = arpo_eval.select_and_record(pool, tasks, policy_fn, args, run, vm_offset)
-    ref_fn = rundir.reference_fn(args.beta, args.lora_rank, lambda: load_policy(  # the run's start, also on a resume
+            tasks = selected_tasks(pool, tasks, policy_fn, args, run)
+    ref_fn = grpo.reference_fn(args.beta, args.lora_rank, lambda: load_policy(  # the run's start, also on a resume
         args.model, seed=args.seed, min_pixels=args.min_pixels, max_pixels=args.max_pixels))
-    return Trainer(args, pool, policy, optimizer, replay, policy_fn, run, tasks, picker, vm_offset, ref_fn), start
+    return Trainer(args, pool, policy, optimizer, buffer, policy_fn, run, tasks, picker, ref_fn), start
 
 
 def checkpoint(tr: Trainer, next_it: int, metrics: dict | None = None) -> None:
-    """rundir.save plus ARPO's own state: the replay buffer, the task order, the task list."""
-    rundir.save(tr.run, tr.policy, tr.optimizer, next_it, tr.args, metrics, picker=dict(tr.picker),
-                tasks=[t.id for t in tr.tasks], replay=tr.replay.state_dict() if tr.replay is not None else None)
-
-
-def train(tr: Trainer, start: int) -> None:
-    """The loop: one iteration, then trajectories, checkpoint, metrics line, console line."""
-    args, run, ids = tr.args, tr.run, [t.id for t in tr.tasks]
-    trackers = rundir.open_trackers(run, args)
-    for it in progress.track(range(start, args.iterations), "iterations"):
-        m, eps = run_iteration(tr, it, lambda n: pick_tasks(ids, tr.picker, n, args.seed))
-        with rundir.timed(m, "save"):
-            if args.save_trajectories:
-                save_episodes(run, it, eps, tr.vm_offset)
-            if (it + 1) % args.ckpt_every == 0 or it + 1 == args.iterations:
-                checkpoint(tr, it + 1, m)
-        rundir.end_iteration(run, trackers, m, arpo_log.summary_line(m, args.beta))
-    progress.close(trackers)
+    """ckpt.save plus ARPO's own state: the replay buffer, the task order, the task list."""
+    ckpt.save(tr.run, tr.policy, tr.optimizer, next_it, tr.args, metrics, picker=dict(tr.picker),
+              tasks=[t.id for t in tr.tasks], replay=tr.replay.state_dict() if tr.replay is not None else None)
 
 
 def main(argv=None) -> None:
     dist.init()  # torchrun: join the other ranks (one process: nothing)
     dist.mute_others()
-    args, ckpt, given = resolve_args(argv)
+    args, state, given = resolve_args(argv)
     hf_logging.disable_progress_bar()  # one summary line per iteration; load/save bars are noise here
     rundir.seed_all(args.seed, args.sample_seed)
     # A resumed run trains on the task list it trained on (after --select-tasks), unless told otherwise.
     # The tasks before the run folder: a bad --tasks or --task-ids leaves nothing behind.
-    resumed_ids = ckpt[0]["tasks"] if ckpt is not None and not args.eval_only and "task_ids" not in given else None
+    resumed_ids = state[0]["tasks"] if state is not None and not args.eval_only and "task_ids" not in given else None
     tasks = load_task_list(args, resumed_ids)
     run = args.resume or rundir.run_path(args.runs_dir, args.run_name)
     with rundir.new_run(run):  # a bad --model or --vms: one sentence, and no half-made run folder
         if not (args.eval_only and args.resume):  # evaluating a run: its args.json stays the training args
             rundir.make_run_dir(run, args, resume=bool(args.resume))
-        policy = make_policy(args, ckpt)
-        pool, _, _, vm_offset = rundir.open_desktops(args.vms, args.token, args.vm_timeout, screen_size(args))
+        policy = make_policy(args, state)
+        pool, _, _ = rundir.open_desktops(args.vms, args.token, args.vm_timeout, screen_size(args))
     try:
         if args.eval_only:  # standard + hard success rates of the policy, into eval_it<N>.json
             with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
-                arpo_eval.run_eval(pool, tasks, model_policy(policy, args, args.eval_temperature), args, run,
-                                   rundir.next_iteration(ckpt[0]) if ckpt else 0, vm_offset)
+                logs.arpo_eval(lambda folder: evaluate(pool, tasks, model_policy(policy, args, args.eval_temperature),
+                                                       args, save_to=folder), args, run,
+                               ckpt.next_iteration(state[0]) if state else 0)
             return
-        train(*setup(args, pool, policy, run, ckpt, tasks, vm_offset))
+        train(*setup(args, pool, policy, run, state, tasks))
     finally:
         pool.close()
 

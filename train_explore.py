@@ -1,80 +1,60 @@
-"""ScreenExplorer: teach a vision-language model to explore real desktops, with no task at all.
+"""ScreenExplorer: teach a vision-language model to explore real desktops, with no task at all (arXiv 2505.19095).
 
     python train_explore.py --vms 8                                  # 8 local Xvfb desktops, Qwen2.5-VL-3B
     python train_explore.py --vms http://10.0.0.5:8000,http://10.0.0.6:8000 --token T
-    python train_explore.py --vms 2 --model tiny-explore --iterations 2 --steps 2   # CPU smoke run (*)
+    python train_explore.py --vms 2 --model tiny-explore --iterations 3 --steps 3 --update-actor-delay 0   # CPU
     python train_explore.py --vms 8 --generations 3 --iterations-per-generation 100   # E1, E2, E3
     python train_explore.py --resume runs/<name>                     # continue a run
     python train_explore.py --eval-only --model runs/<name>/models/E1 --episodes 20   # vs random actions
-(*) tiny-explore is the tiny model taught the answer format (plumbing/warm_start.py: built on first use, cached),
-so its answers parse and the rewards are real; `--model tiny` (random weights) tests the plumbing only.
+(tiny-explore is the tiny model taught the answer format (models/), so its answers parse and the
+rewards are real; `--model tiny` (random weights) tests the plumbing only.)
 
-A run folder: args.json; metrics.jsonl (one line per iteration: every reward component, world-model
-loss, KL, clip fractions, format rate, per-phase seconds); trajectories/it<i>/vm<k>.jsonl + the PNG
-the model saw at each step; ckpt/ (the latest checkpoint); models/E<g> (each generation's model,
-E<g>_sft its SFT starting point); distill/gen<g>.jsonl + gen<g>/*.png (its distilled steps).
+One iteration, top to bottom (`iteration`):
+    --steps steps on every live desktop, each on its own (`episode`, stepped by rollout.play):
+    screenshot -> the exploration prompt -> the policy's answer (generation batches the waiting
+    prompts) -> parse {"intent", "action"} -> the action, and the screen once it settled ->
+    the format-valid steps' screen features (+ OCR text) -> the world model's guesses (curiosity),
+    then it learns the buffer -> rewards (rewards.TERMS: every term that is on) -> advantages over
+    the whole buffer (one group) -> GRPO update (after --update-actor-delay iterations) -> the
+    iteration's best steps kept for distillation -> trajectories, checkpoint, log.
+Experience-stream distillation (--generations G): each iteration keeps its best format-valid steps
+(the top --distill-top by reward) in runs/<name>/distill/gen<g>.jsonl; the next generation starts
+again from the BASE model, fine-tuned on every distilled step so far, then does RL. A run folder:
+args.json, metrics.jsonl, trajectories/it<i>/vm<k>.jsonl + the PNG the model saw at each step,
+ckpt/, models/E<g> (each generation's model; E<g>_sft its SFT starting point), distill/.
 
-Paper: ScreenExplorer (arXiv 2505.19095). One iteration, top to bottom (`train`, then `learn`):
-    --steps steps on every live desktop, each on its own (rollout.py; explore_episode.explore, in
-        the desktop's thread): screenshot -> exploration prompt -> the policy's answer (generation
-        batches the desktops' waiting prompts) -> parse {"intent", "action"} -> the action, and the
-        screen once it settled (--settle)
-    -> screen features (+ OCR text) -> the world model's guesses (curiosity) -> world model trained
-    --wm-epochs on this buffer -> rewards (rewards.TERMS: every term that is on) -> advantages over
-    the whole buffer (one group) -> GRPO update (after --update-actor-delay iterations) -> sync
-    weights to the generator -> trajectories, checkpoint, log.
-The episode is explore_episode.py, the exploration eval (--eval-only) explore_eval.py, the reward
-terms rewards.py, the distillation data explore_distill.py, the metrics and console lines
-explore_log.py; this file is the training: rewards -> advantages -> update, the generations, the loop.
-Experience-stream distillation (--generations G): at the end of a generation its best format-valid
-steps (the top --distill-top of each iteration's, by reward) become a dataset in
-runs/<name>/distill/; the next generation starts again from the BASE model, fine-tuned on all
-distilled data so far, then does RL.
-
-Where this departs from the paper and its release (niuzaisheng/ScreenExplorer), and what it leaves out:
-1. Rewards and features are rewards.py's, the world model rewards.py's (a fixed patch-grid screen
-   feature instead of Cosmos latents, tesseract + MiniLM instead of PaddleOCR + BGE-M3, an MLP world
-   model); see their docstrings. The release's two bugs are not here: the world model's image branch
-   is trained, and `--rewards all,no_world_model` still trains the actor (the release skipped the
-   update).
-   Curiosity is scored before the world model learns the buffer (the release: after, so a new
-   transition seen on several desktops had its surprise trained away; --wm-train-first restores
-   the release's order). Both optimizers are the release's AdamW, betas (0.9, 0.95).
-2. No guided (JSON-schema) decoding: the release constrained vLLM's sampler to the answer schema;
-   we sample freely and a malformed answer is a format failure (reward 0, nothing executed), which
-   is itself a learning signal. The release's repetition penalty (1.05) is off: it would make the
-   sampling distribution differ from the policy whose log-probs the loss uses.
+Where this departs from the paper and its release (niuzaisheng/ScreenExplorer):
+1. Rewards, features and the world model are rewards.py's (a fixed patch-grid screen feature
+   instead of Cosmos latents, tesseract + MiniLM instead of PaddleOCR + BGE-M3, an MLP world
+   model; its docstring says why). The release's two bugs are not here: the world model's image
+   branch is trained, and `--rewards all,no_world_model` still trains the actor. Curiosity is
+   scored before the world model learns the buffer (--wm-train-first: the release's order).
+2. No guided (JSON-schema) decoding: a malformed answer is a format failure (reward 0, nothing
+   executed), itself a learning signal. The release's repetition penalty (1.05) is off: it would
+   make the sampling distribution differ from the policy whose log-probs the loss uses.
 3. The actor starts updating at iteration --update-actor-delay (0-based; the release: after it).
-   --no-scale-rewards gives Dr. GRPO's advantages (reward - mean, no division by the std).
    One optimizer step per --mini-batch samples (the release: gradient accumulation 16 of batch 1).
-   An lr warm-up and a linear or cosine decay per generation (--lr-warmup, --lr-schedule; off by
-   default, the paper's constant lr) are for small models trained from scratch (actor_lr says why).
+   --no-scale-rewards gives Dr. GRPO's advantages; --lr-warmup and --lr-schedule (off by default)
+   are for small models trained from scratch (lr_at says why).
 4. A desktop that fails (no answer, a 5xx, garbage; only a refused action, 4xx, is the model's)
    drops out of the iteration without the step it failed in (`env_failures`) and a reset restarts
-   it; the release threw the whole iteration away. No lockstep (the release's): generation batches
-   the prompts that are waiting, so sampled tokens are not reproducible across runs. The screen
-   settles by the server's watch (--settle watch, the default: answered once the desktop has
-   settled, ~0.15-0.3 s a step) instead of the release's fixed 1 s sleep (--settle 1 restores it).
-   The watched screen is the fixed sleep's screen for this method's random pointer actions too
-   (bench/settle.py --explore: 0 of 128 differ; the one that did, openbox's workspace popup, is off
-   on the local desktops: desktop.openbox_config).
+   it; the release threw the whole iteration away. No lockstep (rollout.py): sampled tokens are
+   not reproducible across runs. The screen settles by the server's watch (--settle watch) instead
+   of the release's fixed 1 s sleep (--settle 1).
 5. Distillation: the paper does not publish its SFT recipe; ours is --distill-epochs passes of
-   token-mean NLL on the sampled answers, at --distill-lr, with LoRA merged into the weights after
-   SFT, so the next generation's adapter (and its KL reference) start from the fine-tuned model.
-   The best steps are ranked within each iteration, not over the generation: the reward's scale
-   drifts as the world model learns (explore_distill.top_steps says why).
-6. Exploration eval (explore_eval.py; the paper's own numbers are its reward terms, these are ours):
-   distinct screens by a 64-bit perceptual hash, pairwise diversity, windows opened, vs random
-   actions; every episode saved as a trajectory (--eval-save) that `python view.py` shows.
-7. Logging: metrics.jsonl always; Weights & Biases (--wandb) and TensorBoard (--tensorboard) when
-   asked for and installed (plumbing/progress.py). Left out: mixed-precision autocast (bf16 weights on GPU
-   instead).
-8. More than one GPU (the release: two): `torchrun --nproc_per_node N train_explore.py ...`, each rank
-   with its slice of the desktops; the one group and the world model span every rank (plumbing/dist.py,
-   README "More than one GPU").
+   token-mean NLL on the sampled answers at --distill-lr, LoRA merged after SFT (so the next
+   generation's adapter and KL reference start from the fine-tuned model). The best steps are
+   ranked within each iteration, not over the generation (top_steps says why).
+6. Exploration eval (--eval-only; the paper's numbers are its reward terms, these are ours, which
+   the reward never sees): distinct screens by a perceptual hash, pairwise diversity, windows
+   opened, next to random actions (rewards.py's exploration measures).
+7. More than one GPU: `torchrun --nproc_per_node N train_explore.py ...`, each rank with its slice
+   of the desktops; the one group and the world model span every rank (docs/gpu.md).
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import random
 import shutil
@@ -82,32 +62,26 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 import transformers
+from PIL import Image
 
-from plumbing import dist
-import explore_log
 import grpo
-from plumbing import progress
 import rewards as R
 import rollout
-from plumbing import rundir
-
-from actions import MAX_PIXELS, MIN_PIXELS
-from env import VMPool
-from explore_episode import Step, play, policy_chooser, random_chooser
-from explore_distill import distill_samples, write_distill_dataset
-from explore_eval import run_eval
-from model import load_policy, sync_weights
-from env import SETTLE_HELP, parse_settle
+from actions import MAX_PIXELS, MIN_PIXELS, Action, Parsed, cursor_after, parse_action
+from env import SETTLE_HELP, VMError, VMPool, parse_settle
+from model import encode_chat, explore_messages, generate, load_policy, sync_weights
+from plumbing import ckpt, dist, logs, progress, rundir
 from plumbing.rundir import arg
 
 PROG = "train_explore.py"
 
 # -----------------------------------------------------------------------------------------------
-# Args
+# Flags
 
 
 @dataclass
@@ -123,11 +97,12 @@ class Args:
     gradient_checkpointing: bool = arg(False, "trade compute for memory in the policy update")
     max_pixels: int = arg(MAX_PIXELS, "screenshot size cap for the model, in pixels of the resized image")
     min_pixels: int = arg(MIN_PIXELS, "screenshot size floor for the model, in pixels of the resized image")
-    threads: int = arg(0, "torch CPU threads; 0 = half the cores (the desktops and OCR need the rest)")
+    threads: int | None = arg(None, "torch CPU threads (default: half the cores, since the desktops and OCR "
+                                    "need the rest)")
     # rollout
     steps: int = arg(10, "steps per episode (one episode per desktop per iteration)")
-    iterations: int = arg(100, "training iterations (per generation when --generations > 1 and "
-                               "--iterations-per-generation is 0)")
+    iterations: int = arg(100, "training iterations (per generation with --generations > 1, unless "
+                               "--iterations-per-generation is given)")
     reset_every: int = arg(1, "iterations between desktop resets (0 = only at start); a reset restarts dead "
                               "local desktops")
     settle: str = arg("watch", "after each action: 'watch' (the server answers once the screen has settled) or "
@@ -165,12 +140,12 @@ class Args:
                                       "surprise)")
     # experience-stream distillation
     generations: int = arg(1, "generations E1..EG; each after the first starts from the base model + SFT")
-    iterations_per_generation: int = arg(0, "iterations per generation; 0 = --iterations")
+    iterations_per_generation: int | None = arg(None, "iterations per generation (default: --iterations)")
     distill_top: float = arg(0.3, "fraction of each iteration's format-valid steps (best rewards) kept for SFT")
     distill_epochs: int = arg(2, "SFT passes over all distilled data at the start of a generation")
     distill_lr: float = arg(1e-4, "SFT learning rate")
     distill_batch: int = arg(16, "samples per SFT optimizer step")
-    # eval (explore_eval.py)
+    # eval
     eval_only: bool = arg(False, "run the policy without training and report exploration diversity: --model's, "
                                  "or with --resume the run's checkpoint")
     eval_episodes: int = arg(20, "episodes for --eval-only, in all (spread over the desktops)", aliases=("--episodes",))
@@ -190,13 +165,19 @@ class Args:
     seed: int = arg(0, "random seed")
 
 
+# Flag values of run folders written before these flags said what they mean (args.json, checkpoints).
+OLD_VALUES = {"threads": {0: None}, "iterations_per_generation": {0: None}}
+
+
 def check_args(a: Args) -> None:
     """Refuse, in one sentence, anything that would only fail later."""
     import vllm_engine  # plain Python until an engine is built (vLLM itself is imported there)
     rundir.check([
         (a.steps < 1, "--steps must be at least 1"),
         (a.iterations < 1 or a.generations < 1, "--iterations and --generations must be at least 1"),
-        (a.iterations_per_generation < 0, "--iterations-per-generation must be 0 (= --iterations) or more"),
+        (a.iterations_per_generation is not None and a.iterations_per_generation < 1,
+         "--iterations-per-generation must be at least 1"),
+        (a.threads is not None and a.threads < 1, "--threads must be at least 1"),
         (a.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
         (a.temperature < 0 or a.max_new_tokens < 1, "--temperature must be >= 0 and --max-new-tokens >= 1"),
         (not 0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
@@ -224,147 +205,183 @@ def resolve_args(argv=None) -> tuple:
     """The command line; on --resume, the run's saved args with the flags typed now on top.
     -> (args, (checkpoint state, folder) or None)."""
     args, given = rundir.parse_args(Args, argv, PROG)
-    args, ckpt = rundir.resume_args(Args, args, given, PROG, marker="wm_epochs")
+    args, state = ckpt.resume_args(Args, args, given, PROG, marker="wm_epochs", old_values=OLD_VALUES)
     check_args(args)
-    return args, ckpt
+    return args, state
 
 
 # -----------------------------------------------------------------------------------------------
-# The learner's state, and the rewards of one buffer (rewards.py does the math)
+# The episode: --steps steps on one desktop, a generator rollout.play steps in the desktop's thread
 
 
 @dataclass
-class Learner:
+class Step:
+    """One step of one desktop: what the model saw, said and did, and what came of it."""
+    vm: int  # the desktop (numbered among all ranks')
+    t: int
+    before: Image.Image  # the screenshot the model saw (screen pixels)
+    after: Image.Image  # the screen once it settled after the action (--settle)
+    text: str  # the model's answer (or the random baseline's action string)
+    parsed: Parsed | None  # the answer's intent and action; None: a format failure, nothing was executed
+    gen: object = None  # model.Generation (prompt + sampled ids), None for the random baseline
+    error: str | None = None  # the VM refused the action (4xx): a format failure too
+    windows_before: dict | None = None  # {X window id: title} open before the step (when asked for)
+    windows_after: dict | None = None  # ... and after it
+
+    @property
+    def format_ok(self) -> bool:
+        """The answer parsed into an action the VM took: the format reward."""
+        return self.parsed is not None
+
+
+@dataclass
+class Observation:
+    """What a policy gets of one desktop at one step: the screen, and where the mouse is (DragTo
+    drags from there)."""
+    vm: int
+    t: int
+    image: Image.Image
+    cursor: tuple
+
+
+def episode(desk: rollout.Desktop, steps: int, settle, reset: bool, windows: bool = False, reset_ahead: bool = False):
+    """One desktop's episode, top to bottom: the screen -> the policy's answer (`yield`: (text,
+    Parsed or None, Generation)) -> the action, the settled screen back -> a Step, `steps` times.
+    -> its Steps. A malformed answer executes nothing (the screen is looked at again); a refused
+    action (4xx) is a format failure too; any other VM failure ends the episode without the step
+    it happened in (EnvFailure with the steps so far): the environment failed, not the model.
+    `windows`: record the window list before and after every step (one GET /windows a step).
+    `reset_ahead`: the desktop's next episode begins with a reset; start it now, in the background."""
+    out: list[Step] = []
+    try:
+        if reset:
+            desk.reset()
+        before = desk.screenshot()
+        open_before = {w["id"]: w["title"] for w in desk.windows()} if windows else None
+        # The mouse, for DragTo: /reset leaves it at the centre (training resets every --reset-every
+        # iterations, the eval before each episode; between resets this is an approximation).
+        cursor = (before.width // 2, before.height // 2)
+        for t in range(steps):
+            text, parsed, gen = yield Observation(desk.id, t, before, cursor)
+            error = None
+            try:
+                after = desk.act(parsed.action, settle) if parsed else desk.screenshot()
+            except VMError as e:
+                if not e.refused:
+                    raise
+                error, after = str(e), desk.screenshot()  # the VM refused the action (bad key name, ...)
+            open_after = {w["id"]: w["title"] for w in desk.windows()} if windows else None
+            # The step is kept even when malformed: its reward is 0, and below the buffer's mean that
+            # is a negative advantage, which is how GRPO teaches the format.
+            out.append(Step(desk.id, t, before, after, text, None if error else parsed, gen, error, open_before,
+                            open_after))
+            if error is None:
+                cursor = cursor_after(parsed.action if parsed else None, cursor)
+            before, open_before = after, open_after  # the after-screen is the next step's before-screen
+        if reset_ahead:
+            desk.reset_ahead()
+    except VMError as err:
+        raise rollout.EnvFailure(str(err), partial=out) from None
+    return out
+
+
+def play_steps(pool: VMPool, vms: set, policy_fn, steps: int, settle, reset: bool, reset_ahead: bool = False,
+               windows: bool = False) -> tuple[list[Step], rollout.Rollout]:
+    """`steps` steps on each of the pool's desktops `vms`, every desktop on its own, its episode
+    pinned to it (it goes on from its own screen); reset first if `reset`. -> (the steps in time
+    order (t, then vm), the Rollout: times, batch sizes, the desktops that failed)."""
+    eps = [partial(episode, steps=steps, settle=parse_settle(settle), reset=reset, windows=windows,
+                   reset_ahead=reset_ahead) for _ in vms]
+    out = rollout.play(pool, eps, policy_fn, on=sorted(vms), desktops=sorted(vms), desc="rollout")
+    for f in out.failures:
+        print(f"vm {pool.first + f.vm} dropped out: {f.error}", flush=True)
+    buffer = [s for r in out.results for s in (r.partial or [] if isinstance(r, rollout.Lost) else r)]
+    return sorted(buffer, key=lambda s: (s.t, s.vm)), out
+
+
+def model_policy(policy, max_new_tokens: int, temperature: float, top_p: float):
+    """The policy_fn of the model: list[Observation] -> [(text, Parsed | None, Generation)], ONE
+    batched generate for all of them."""
+    def policy_fn(observations):
+        gens = generate(policy, [explore_messages(o.image) for o in observations], max_new_tokens, temperature, top_p)
+        # Coordinates are in the resized image the model saw; parse_action maps them to the screen.
+        return [(g.text, parse_action(g.text, "explore", o.image.size, g.prompt.image_sizes[0], cursor=o.cursor), g)
+                for g, o in zip(gens, observations)]
+    return policy_fn
+
+
+def random_policy(rng: random.Random):
+    """The eval's baseline: uniformly random pointer actions anywhere on the screen."""
+    kinds = ("click", "double_click", "right_click", "move", "scroll")
+
+    def policy_fn(observations):
+        out = []
+        for o in observations:
+            kind = rng.choice(kinds)
+            act = Action(kind, x=rng.randrange(o.image.width), y=rng.randrange(o.image.height),
+                         direction=rng.choice(("up", "down")) if kind == "scroll" else None)
+            out.append((json.dumps(act.to_dict()), Parsed(act, ""), None))
+        return out
+    return policy_fn
+
+
+# -----------------------------------------------------------------------------------------------
+# The algorithm: features -> curiosity -> rewards -> advantages -> update; distillation data
+
+
+@dataclass
+class Trainer:
     """What the iterations update: the generation's policy, its optimizer and KL reference, the
     world model, and the reward terms that are on."""
     policy: object
     optimizer: torch.optim.Optimizer
     start_model: str  # the generation's starting model: LoRA's base and the KL reference
-    ref_fn: object  # full fine-tuning's frozen reference (reference_fn), or None
+    ref_fn: object  # full fine-tuning's frozen reference (grpo.reference_fn), or None
     generation: int
     wm: R.WorldModel
     wm_opt: torch.optim.Optimizer
     flags: dict  # the --rewards switches, usable ones only (rewards.effective_flags)
     tools: object  # OCR + embedder, or None
-    vm_offset: int = 0  # under torchrun: the index of this rank's first VM among all ranks' VMs
+    distill_since: int = 0  # the first iteration whose distillation data this run kept as it went
 
 
-def score(buffer: list[Step], L: Learner, a: Args, times: dict, it: int = 0):
-    """-> (rewards.Rewards over the buffer, each (N,), and the world model's metrics).
+def step_features(tr: Trainer, steps: list[Step]) -> R.Features | None:
+    """The screen features (and with a text term on, OCR text and embeddings) of format-valid
+    steps: a malformed answer executed nothing, so every term of it is 0 anyway, and skipping it
+    saves its OCR (the costliest part of the rewards)."""
+    if not steps:
+        return None
+    return R.step_features([s.before for s in steps], [s.after for s in steps], [s.parsed.thought for s in steps],
+                           [s.parsed.action for s in steps], tr.tools if "text" in R.reads(tr.flags) else None)
 
-    Only format-valid steps are featurised, learned from and scored: a malformed answer executed
-    nothing, so every one of its terms is 0 anyway, and skipping it saves its OCR (the costliest
-    part of the rewards, ~0.5-1 s per screen per core). Under torchrun the world model learns
-    every rank's valid steps (gather_steps), the same on every rank. What is computed is what the
-    terms that are on read (rewards.reads): OCR text, the world model's guesses, window lists."""
-    rows = [k for k, s in enumerate(buffer) if s.parsed is not None]
-    steps, reads = [buffer[k] for k in rows], R.reads(L.flags)
-    actions = [s.parsed.action for s in steps]
-    wm_metrics = {"wm/loss": None, "wm/loss_first_epoch": None}
-    if not rows and dist.size() == 1:
-        return R.zeros(len(buffer)), wm_metrics
-    f = None
-    if rows:
-        with rundir.timed(times, "features"):
-            f = R.step_features([s.before for s in steps], [s.after for s in steps], [s.parsed.thought for s in steps],
-                                actions, L.tools if "text" in reads else None)
-    pred_s = pred_t = None
-    if "world_model" in reads:
-        with rundir.timed(times, "world_model"), dist.same_rng(a.seed + it):
-            f_all, actions_all, mine = gather_steps(f, actions)
-            # ALGO: curiosity is the surprise of the world model as it stood before this buffer;
-            # then it learns the buffer (--wm-train-first: the release's order, the other way round).
-            if actions_all:
-                pred_s, pred_t, wm_metrics = R.update_and_predict(L.wm, L.wm_opt, f_all, actions_all,
-                                                                  [1] * len(actions_all), a.wm_epochs, a.wm_batch_size,
-                                                                  a.wm_train_first)  # (V_all, D), (V_all, E)
-                pred_s, pred_t = pred_s[mine], None if pred_t is None else pred_t[mine]  # (V, D), (V, E)
+
+def curiosity(tr: Trainer, f: R.Features | None, actions: list, a: Args) -> tuple:
+    """ALGO: the world model's guesses of every step's after-screen as it stood before this buffer
+    (the curiosity terms), then it learns the buffer (--wm-train-first: the release's order, the
+    other way round). f, actions: every rank's format-valid steps. -> (screen guesses (V, D) or
+    None, text guesses (V, E) or None, the world model's metrics)."""
+    if "world_model" not in R.reads(tr.flags) or not actions:
+        return None, None, {"wm/loss": None, "wm/loss_first_epoch": None}
+    return R.update_and_predict(tr.wm, tr.wm_opt, f, actions, [1] * len(actions), a.wm_epochs, a.wm_batch_size,
+                                a.wm_train_first)  # (V, D), (V, E)
+
+
+def score(tr: Trainer, buffer: list[Step], f: R.Features | None, pred_s=None, pred_t=None) -> R.Rewards:
+    """ALGO: every term that is on, summed, times the format reward, for each of the N steps; a
+    malformed step earns exactly 0 (only format-valid steps were featurised). -> (N,) each."""
+    rows = [k for k, s in enumerate(buffer) if s.format_ok]
     if not rows:
-        return R.zeros(len(buffer)), wm_metrics
-    windows = "windows" in reads  # the window lists the rollout recorded for the windows term
-    with rundir.timed(times, "rewards"):
-        record = R.record(f, [s.vm for s in steps], [1] * len(steps), screen_pred=pred_s, text_pred=pred_t,
-                          actions=actions, windows_before=[s.windows_before for s in steps] if windows else None,
-                          windows_after=[s.windows_after for s in steps] if windows else None)
-        r = R.reward(record, L.flags)  # ALGO: every term that is on, summed, times the format reward
-    return R.scatter(r, rows, len(buffer)), wm_metrics  # (V,) into (N,); malformed steps stay 0
+        return R.zeros(len(buffer))
+    steps, windows = [buffer[k] for k in rows], "windows" in R.reads(tr.flags)
+    b = R.make_buffer(f, [s.vm for s in steps], [1] * len(steps), screen_pred=pred_s, text_pred=pred_t,
+                      actions=[s.parsed.action for s in steps],
+                      windows_before=[s.windows_before for s in steps] if windows else None,
+                      windows_after=[s.windows_after for s in steps] if windows else None)
+    return R.scatter(R.reward(b, tr.flags), rows, len(buffer))  # (V,) into (N,)
 
 
-def gather_steps(f, actions: list) -> tuple:
-    """Every rank's valid steps (features, actions) in rank order, and this rank's rows of them.
-    One process: its own, as they are."""
-    if dist.size() == 1:
-        return f, actions, slice(0, len(actions))
-    parts = dist.gather((f, actions))
-    start = sum(len(acts) for _, acts in parts[:dist.rank()])
-    have = [p for p, acts in parts if acts]
-    if not have:
-        return None, [], slice(0, 0)
-
-    def cat(name):
-        xs = [getattr(p, name) for p in have]
-        return None if any(x is None for x in xs) else torch.cat(xs)  # (V_all, ...)
-    tensors = ("screen_before", "screen_after", "text_before", "text_after", "intent", "click_text", "click_hit")
-    f_all = R.StepFeatures(**{name: cat(name) for name in tensors})
-    return f_all, [x for _, acts in parts for x in acts], slice(start, start + len(actions))
-
-
-# -----------------------------------------------------------------------------------------------
-# One iteration's learning: rewards -> advantages -> GRPO update
-
-
-def learn(L: Learner, buffer: list[Step], it: int, args: Args, times: dict) -> tuple:
-    """ALGO: rewards, advantages and the GRPO update of one iteration's buffer. -> (rewards.Rewards
-    (N,) each, advantages (N,), the world model's metrics, the update's metrics or None before
-    --update-actor-delay)."""
-    r, wm_metrics = score(buffer, L, args, times, it)  # every term, (N,) each; the world model learns
-    # ALGO: GRPO with the whole buffer as ONE group: each step's reward against every step's, on
-    # every rank (torchrun: the ranks' buffers together, in rank order; each trains its own steps)
-    total_all, mine = dist.cat(r.total)  # (N_all,), this rank's rows
-    adv = grpo.group_advantages(total_all, scale=args.scale_rewards)[mine]  # (N,)
-    # The delay lets the world model warm up before its curiosity steers the actor. It is the
-    # ONLY condition: the release also skipped the update whenever the world model was off, so
-    # its no-world-model ablation never trained at all.
-    if it < args.update_actor_delay:
-        return r, adv, wm_metrics, None
-    # (The sampler's log-probs ride along only so the update can log actor/logp_gap, how far they
-    # are from the trainer's own: the update recomputes its old log-probs.)
-    samples = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), old_logps=s.gen.logprobs)
-               for k, s in enumerate(buffer)]
-    for sample, a in zip(samples, adv.tolist()):
-        sample.advantage = a
-    lr = rundir.set_lr(L.optimizer, actor_lr(it, args))
-    upd = rundir.update_policy(L.policy, L.optimizer, samples, times, micro_batch_size=args.micro_batch,
-                               eps_low=args.eps_low, eps_high=args.eps_high, beta=args.beta, ref_fn=L.ref_fn,
-                               max_grad_norm=args.max_grad_norm, mini_batch_size=args.mini_batch,
-                               temperature=args.temperature, shuffle=random.Random(f"{args.seed}-update-{it}"))
-    return r, adv, wm_metrics, {**upd, "lr": lr}
-
-
-# -----------------------------------------------------------------------------------------------
-# The policy of a generation: load, distill (SFT), checkpoint round trip
-
-
-def load(name: str, a: Args, lora: bool = True):
-    return load_policy(name, lora_rank=a.lora_rank if lora else 0, lora_alpha=a.lora_alpha,
-                         gradient_checkpointing=a.gradient_checkpointing, device=a.device or None,
-                         min_pixels=a.min_pixels, max_pixels=a.max_pixels, seed=a.seed)
-
-
-def trainable(policy):
-    return [p for p in policy.model.parameters() if p.requires_grad]
-
-
-def adamw(params, lr: float) -> torch.optim.AdamW:
-    """The release's AdamW, for the actor and the world model alike: betas (0.9, 0.95), eps 1e-8,
-    weight decay 0.01. beta2 = 0.95 averages squared gradients over ~20 steps instead of ~1000, so
-    the step size follows the gradient scale as the rewards and the policy drift under online RL.
-    The distillation SFT (no release recipe) uses the same optimizer."""
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-
-
-def actor_lr(it: int, a: Args) -> float:
-    """The actor's learning rate at iteration `it` (0-based, over the whole run): rundir.scheduled_lr
+def lr_at(it: int, a: Args) -> float:
+    """The actor's learning rate at iteration `it` (0-based, over the whole run): grpo.scheduled_lr
     within each generation (each has its own optimizer) over the generation's actor updates (the
     first generation's first one is at --update-actor-delay), towards 0 at its last iteration.
     The paper trains at a constant lr (the default); a small model trained from scratch at a high
@@ -375,15 +392,83 @@ def actor_lr(it: int, a: Args) -> float:
     first_update = max(start, a.update_actor_delay)  # its first actor update
     if it < first_update:  # no update this iteration: nothing to schedule
         return a.lr
-    return rundir.scheduled_lr(a.lr, it - first_update, start + ipg - first_update, a.lr_warmup, a.lr_schedule)
+    return grpo.scheduled_lr(a.lr, it - first_update, start + ipg - first_update, a.lr_warmup, a.lr_schedule)
+
+
+def samples(buffer: list[Step], r: R.Rewards, adv: torch.Tensor) -> list[grpo.Sample]:
+    """One training sequence per step: its prompt and the sampled answer ids, with its advantage.
+    (The sampler's log-probs ride along only so the update can log actor/logp_gap.)"""
+    out = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), old_logps=s.gen.logprobs)
+           for k, s in enumerate(buffer)]
+    for sample, x in zip(out, adv.tolist()):
+        sample.advantage = x
+    return out
+
+
+def top_steps(valid: list[dict], top: float) -> list[dict]:
+    """ALGO: per iteration, the ceil(top * n) of its n steps with the highest total reward; iterations
+    in order, best first within each, ties in the order given. Each step's dict has its "iteration".
+
+    Ranked within an iteration, not over the whole generation: the reward's scale drifts within a
+    generation (curiosity decays as the world model learns, the format rate climbs), so a pooled
+    ranking would keep mostly the early iterations' steps for their inflated curiosity, not for
+    being the best of what the policy did then. Within one iteration every step was scored by the
+    same world model, as GRPO's one group compares them. ceil keeps at least one step of every
+    iteration that had a format-valid one."""
+    by_it = {}
+    for step in valid:
+        by_it.setdefault(step["iteration"], []).append(step)
+    keep = []
+    for it in sorted(by_it):
+        ranked = sorted(by_it[it], key=lambda step: -step["reward"])  # stable: ties keep their order
+        keep += ranked[:math.ceil(top * len(ranked))]
+    return keep
+
+
+def distill_rows(buffer: list[Step], r: R.Rewards, it: int, top: float, everyone: list[dict]) -> list[int]:
+    """ALGO: the rows of this rank's buffer that the iteration keeps for distillation: its share of
+    the top `top` of every rank's format-valid steps (`everyone`: their {"reward", "vm", "t"}, tied
+    in desktop then time order, as their trajectory files list them)."""
+    ranked = sorted(everyone, key=lambda s: (s["vm"], s["t"]))
+    kept = {(s["vm"], s["t"]) for s in top_steps([{**s, "iteration": it} for s in ranked], top)}
+    return [k for k, s in enumerate(buffer) if s.format_ok and s.gen is not None and (s.vm, s.t) in kept]
+
+
+def distill_samples(policy, run: str, upto: int) -> list[grpo.Sample]:
+    """grpo.Samples of every distilled step of generations 1..upto: the saved screenshot as the
+    prompt, the answer's sampled token ids verbatim as the target."""
+    out = []
+    for d in logs.distilled(run, upto):
+        with Image.open(os.path.join(run, "distill", d["image"])) as im:
+            enc = encode_chat(policy, explore_messages(im.convert("RGB")))
+        out.append(grpo.step_sample(enc, d["completion_ids"]))
+    return out
+
+
+def adamw(params, lr: float) -> torch.optim.AdamW:
+    """The release's AdamW, for the actor and the world model alike: betas (0.9, 0.95), eps 1e-8,
+    weight decay 0.01. beta2 = 0.95 averages squared gradients over ~20 steps instead of ~1000, so
+    the step size follows the gradient scale as the rewards and the policy drift under online RL.
+    The distillation SFT (no release recipe) uses the same optimizer."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+
+def trainable(policy):
+    return [p for p in policy.model.parameters() if p.requires_grad]
+
+
+def load(name: str, a: Args, lora: bool = True):
+    return load_policy(name, lora_rank=a.lora_rank if lora else 0, lora_alpha=a.lora_alpha,
+                       gradient_checkpointing=a.gradient_checkpointing, device=a.device or None,
+                       min_pixels=a.min_pixels, max_pixels=a.max_pixels, seed=a.seed)
 
 
 def start_generation(g: int, run: str, a: Args) -> tuple:
-    """Generation g's policy: the BASE model, fine-tuned on all distilled data of generations < g.
-    -> (policy, start_model path (= the KL reference), SFT metrics)."""
+    """ALGO: generation g's policy: the BASE model, fine-tuned on all distilled data of generations
+    < g (experience-stream distillation). -> (policy, start_model path (= the KL reference), SFT metrics)."""
     policy = load(a.model, a)
-    samples = distill_samples(policy, run, g - 1) if g > 1 else []
-    if not samples:
+    data = distill_samples(policy, run, g - 1) if g > 1 else []
+    if not data:
         if g > 1:
             print(f"E{g}: no distilled steps yet (no format-valid answers), starting from the base model.", flush=True)
         return policy, a.model, {}
@@ -391,202 +476,277 @@ def start_generation(g: int, run: str, a: Args) -> tuple:
     rng = random.Random(a.seed + g)
     nll = []
     for _ in range(a.distill_epochs):
-        rng.shuffle(samples)
-        for chunk in grpo.micro_batches(samples, a.distill_batch):
+        rng.shuffle(data)
+        for chunk in grpo.micro_batches(data, a.distill_batch):
             nll.append(grpo.distill_step(policy, opt, chunk, a.micro_batch, a.max_grad_norm)["nll"])  # ALGO: SFT
     # Saved merged: with LoRA the next adapter is fresh on top of the fine-tuned weights, so the
     # KL term pulls generation g towards its own starting point, not towards the raw base.
     path = os.path.join(run, "models", f"E{g}_sft")
-    rundir.save_model(policy, path)
+    ckpt.save_model(policy, path)
     if a.lora_rank > 0:
         policy = load(path, a)
     per_epoch = max(1, len(nll) // max(1, a.distill_epochs))
     # --distill-epochs 0 is allowed (the next generation is the base model again, an ablation).
-    metrics = {"distill/samples": len(samples), "distill/steps": len(nll), "distill/nll_first": nll[0] if nll else None,
+    metrics = {"distill/samples": len(data), "distill/steps": len(nll), "distill/nll_first": nll[0] if nll else None,
                "distill/nll_last_epoch": float(np.mean(nll[-per_epoch:])) if nll else None}
-    print(f"E{g}: SFT on {len(samples)} distilled steps ({len(nll)} optimizer steps), nll "
+    print(f"E{g}: SFT on {len(data)} distilled steps ({len(nll)} optimizer steps), nll "
           f"{metrics['distill/nll_first'] or 0:.3f} -> {metrics['distill/nll_last_epoch'] or 0:.3f}", flush=True)
     return policy, path, metrics
 
 
-def next_generation(L: Learner, run: str, it: int, ipg: int, args: Args) -> dict:
+# -----------------------------------------------------------------------------------------------
+# One iteration, and the loop
+
+
+def iteration(tr: Trainer, pool: VMPool, live: set, it: int, a: Args, reset: bool, times: dict) -> tuple:
+    """One ScreenExplorer iteration on the desktops `live`, top to bottom. -> (buffer, rewards (N,)
+    each, advantages (N,), metrics of the world model and the update, the Rollout); an empty buffer
+    (no desktop answered) returns (buffer, None, None, {}, out)."""
+    # -- the rollout: --steps steps on every live desktop, each on its own, generation batched;
+    # when the next iteration resets, its resets run during this one's update (reset_ahead)
+    ahead = bool(a.reset_every) and (it + 1) % a.reset_every == 0 and it + 1 < a.generations * (
+        a.iterations_per_generation or a.iterations)
+    policy_fn = model_policy(tr.policy, a.max_new_tokens, a.temperature, a.top_p)
+    with dist.unsharded(tr.policy.model):  # FSDP2: each rank decodes alone, with whole weights
+        buffer, out = play_steps(pool, live, policy_fn, a.steps, a.settle, reset=reset, reset_ahead=ahead,
+                                 windows="windows" in R.reads(tr.flags))  # a term reads the window lists
+    for k, v in out.times.items():
+        times[k] = times.get(k, 0.0) + v
+    if not buffer and dist.size() == 1:
+        return buffer, None, None, {}, out
+    # -- ALGO: the rewards: features -> the world model's guesses (then it learns) -> every term
+    valid = [s for s in buffer if s.format_ok]
+    with rundir.timed(times, "features"):
+        f = step_features(tr, valid)
+    with rundir.timed(times, "world_model"), dist.same_rng(a.seed + it):  # torchrun: one world model on every rank
+        f_all, actions_all, mine = dist.every_rows(f, [s.parsed.action for s in valid], R.Features)
+        pred_s, pred_t, wm_metrics = curiosity(tr, f_all, actions_all, a)  # on every rank's valid steps
+    with rundir.timed(times, "rewards"):
+        r = score(tr, buffer, f, *(None if p is None else p[mine] for p in (pred_s, pred_t)))  # (N,) each
+    # -- ALGO: GRPO with the whole buffer as ONE group: each step's reward against every step's (on
+    # every rank: torchrun's buffers together, in rank order; each rank trains its own steps)
+    total_all, mine = dist.cat(r.total)  # (N_all,), this rank's rows
+    adv = grpo.group_advantages(total_all, scale=a.scale_rewards)[mine]  # (N,)
+    upd = None
+    # The delay lets the world model warm up before its curiosity steers the actor. It is the ONLY
+    # condition: the release also skipped the update whenever the world model was off, so its
+    # no-world-model ablation never trained at all.
+    if it >= a.update_actor_delay:
+        lr = grpo.set_lr(tr.optimizer, lr_at(it, a))
+        batch = samples(buffer, r, adv)
+        with rundir.timed(times, "update"), progress.bar(len(batch), "update") as bar:
+            upd = grpo.update_policy(tr.policy, tr.optimizer, batch, micro_batch_size=a.micro_batch,
+                                     eps_low=a.eps_low, eps_high=a.eps_high, beta=a.beta, ref_fn=tr.ref_fn,
+                                     max_grad_norm=a.max_grad_norm, mini_batch_size=a.mini_batch,
+                                     temperature=a.temperature, on_micro_batch=bar.update,
+                                     shuffle=random.Random(f"{a.seed}-update-{it}"))  # the same on a resume
+        if upd:
+            with rundir.timed(times, "sync"):
+                sync_weights(tr.policy)  # the generator samples the next rollout from the new weights
+        upd = {**upd, "lr": lr}
+    return buffer, r, adv, {"wm": wm_metrics, "update": upd}, out
+
+
+def next_generation(tr: Trainer, run: str, it: int, ipg: int, a: Args) -> dict:
     """ALGO: experience-stream distillation at a generation boundary: the finished generation's
-    model and best steps are saved, and the next one starts from the BASE model fine-tuned on every
-    distilled step so far, with a fresh optimizer. -> the SFT metrics."""
-    finish_generation(run, L.generation, (L.generation - 1) * ipg, it - 1, L.policy, args)
-    engine = L.policy.engine
-    L.generation = it // ipg + 1
-    L.policy, L.start_model, metrics = start_generation(L.generation, run, args)
-    dist.spread(L.policy.model, shard=args.lora_rank == 0)
-    L.policy.engine = engine
-    sync_weights(L.policy)
-    L.optimizer = adamw(trainable(L.policy), args.lr)
-    L.ref_fn = rundir.reference_fn(args.beta, args.lora_rank, lambda: load(L.start_model, args, lora=False))
+    model is saved, and the next one starts from the BASE model fine-tuned on every distilled step
+    so far, with a fresh optimizer. -> the SFT metrics."""
+    finish_generation(run, tr, (tr.generation - 1) * ipg, it - 1, a)
+    engine = tr.policy.engine
+    tr.generation = it // ipg + 1
+    tr.policy, tr.start_model, metrics = start_generation(tr.generation, run, a)
+    dist.spread(tr.policy.model, shard=a.lora_rank == 0)
+    tr.policy.engine = engine
+    sync_weights(tr.policy)
+    tr.optimizer = adamw(trainable(tr.policy), a.lr)
+    tr.ref_fn = grpo.reference_fn(a.beta, a.lora_rank, lambda: load(tr.start_model, a, lora=False))
     return metrics
 
 
-# -----------------------------------------------------------------------------------------------
-# A generation's end: its model, and its best steps -> runs/<name>/distill/gen<g>.jsonl (explore_distill.py)
-
-
-def finish_generation(run: str, g: int, first_iteration: int, last_iteration: int, policy, a: Args) -> None:
-    """End of generation g: its model as models/E<g>, its best steps as distill/gen<g>.jsonl."""
-    path = os.path.join(run, "models", f"E{g}")
+def finish_generation(run: str, tr: Trainer, first: int, last: int, a: Args) -> None:
+    """End of generation g: its model as models/E<g>; and, for a run whose earlier iterations of it
+    were written before distillation data was kept per iteration, their best steps from the
+    trajectory files (logs.distill_from_trajectories)."""
+    path = os.path.join(run, "models", f"E{tr.generation}")
     stamp = os.path.join(path, "LAST_ITERATION")
-    if not (os.path.exists(stamp) and open(stamp).read().strip() == str(last_iteration)):
-        rundir.save_model(policy, path, extra={"LAST_ITERATION": str(last_iteration)})
-    if dist.is_main():
-        write_distill_dataset(run, g, range(first_iteration, last_iteration + 1), a.distill_top)
+    if not (os.path.exists(stamp) and open(stamp).read().strip() == str(last)):
+        ckpt.save_model(tr.policy, path, extra={"LAST_ITERATION": str(last)})
+    if dist.is_main() and tr.distill_since > first:
+        logs.distill_from_trajectories(run, tr.generation, range(first, min(tr.distill_since, last + 1)),
+                                       lambda steps: top_steps(steps, a.distill_top))
     dist.barrier()  # every rank reads the dataset for the next generation's SFT
 
 
-# -----------------------------------------------------------------------------------------------
-# Setup (plumbing): the learner's state, from scratch or from a checkpoint; the eval's
-
-
-def setup(args: Args, run: str, ckpt, screen, vm_offset: int) -> tuple:
-    """-> (Learner, the first iteration to run, SFT metrics of a generation's start, logged once)."""
-    # Text tools (OCR + embedder) only when a term that is on reads text; without them those terms
-    # are off (said once) and the world model has no text branch.
-    want = R.parse_reward_flags(args.rewards)
-    tools = R.load_text_tools() if "text" in R.reads(want) else None
-    flags = R.effective_flags(want, tools)
-    print("reward terms on: " + ", ".join(R.terms_on(flags)), flush=True)
-    wm = R.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags.get("text")) else 0, args.wm_hidden, screen)
-    wm_opt = adamw(wm.parameters(), args.wm_lr)
-    if ckpt is None:
-        policy, start_model, distill_metrics = start_generation(1, run, args)
-        dist.spread(policy.model, shard=args.lora_rank == 0)  # torchrun: rank 0's weights; full FT: FSDP2
-        generation, start, optimizer = 1, 0, adamw(trainable(policy), args.lr)
-    else:
-        state, folder = ckpt
-        policy = rundir.restore_policy(state, folder, lambda name: load(name, args))
-        dist.spread(policy.model, shard=args.lora_rank == 0)
-        optimizer = adamw(trainable(policy), args.lr)
-        try:
-            wm.load_state_dict(state["wm"])
-        except RuntimeError:
-            sys.exit("The checkpoint's world model does not fit these reward flags / text tools; resume with the "
-                     "run's own --rewards and the same OCR + embedder installed.")
-        wm_opt.load_state_dict(state["wm_opt"])
-        start = rundir.resume(run, ckpt, policy, optimizer)  # optimizer, metrics.jsonl and RNG states
-        generation, start_model, distill_metrics = state["generation"], state["start_model"], {}
-        print(f"resumed {run} at iteration {start} (generation E{generation})", flush=True)
-    if args.engine == "vllm":  # GPU only: one screenshot and one answer per prompt
-        import vllm_engine
-        vllm_engine.attach(policy, 1, args.max_new_tokens)
-    ref_fn = rundir.reference_fn(args.beta, args.lora_rank, lambda: load(start_model, args, lora=False))
-    learner = Learner(policy, optimizer, start_model, ref_fn, generation, wm, wm_opt,
-                      flags, tools, vm_offset)
-    dist.seed_ranks(args.seed + start)  # under torchrun: each rank samples its own answers
-    return learner, start, distill_metrics
-
-
-def evaluate(pool: VMPool, args: Args, ckpt, vm_offset: int = 0) -> dict:
-    """--eval-only: the policy (--model, or with --resume the run's checkpoint) next to random
-    actions (explore_eval.run_eval). Writes a run folder of its own (eval-<time>), or with --resume
-    runs/<name>/eval_it<N>/ (N = the checkpoint's next iteration; a second eval of the same
-    checkpoint replaces the first)."""
-    if ckpt is not None:
-        run = os.path.join(args.resume, f"eval_it{rundir.next_iteration(ckpt[0]):06d}")
-        if dist.is_main():
-            shutil.rmtree(run, ignore_errors=True)
-    else:
-        run = rundir.run_path(args.runs_dir, args.run_name, prefix="eval-")
-    with rundir.new_run(run):  # a failed setup leaves no folder behind
-        rundir.make_run_dir(run, args)
-        print(f"run folder: {run}", flush=True)
-        rundir.seed_all(args.seed)
-        policy = (rundir.restore_policy(*ckpt, lambda name: load(name, args)) if ckpt is not None
-                  else load(args.model, args, lora=False))
-        dist.seed_ranks(args.seed)
-        if args.engine == "vllm":  # GPU only: one screenshot and one answer per prompt
-            import vllm_engine
-            vllm_engine.attach(policy, 1, args.max_new_tokens)
-    choosers = {"policy": policy_chooser(policy, args.max_new_tokens, args.temperature, args.top_p)}
-    if args.eval_random:
-        choosers["random"] = random_chooser(random.Random(args.seed))
-    return run_eval(pool, choosers, run, args.steps, args.settle, args.eval_episodes, args.eval_same_hash,
-                    args.eval_same_screen, args.eval_save, vm_offset, rundir.public_args(args))
-
-
-# -----------------------------------------------------------------------------------------------
-# The loop, top to bottom
-
-
-def train(pool: VMPool, live: set, L: Learner, args: Args, run: str, start: int, distill_metrics: dict) -> None:
-    ipg = args.iterations_per_generation or args.iterations  # iterations per generation
-    total = args.generations * ipg
-    trackers = rundir.open_trackers(run, args)
+def train(pool: VMPool, live: set, tr: Trainer, a: Args, run: str, start: int, distill_metrics: dict) -> None:
+    ipg = a.iterations_per_generation or a.iterations  # iterations per generation
+    total = a.generations * ipg
+    trackers = rundir.open_trackers(run, a)
     reset_next = False
-    windows = "windows" in R.reads(L.flags)  # a term reads the window lists: the rollout records them
     for it in progress.track(range(start, total), "iterations"):
         t0, times = time.perf_counter(), {}
-        if it // ipg + 1 != L.generation:  # a generation boundary (also right after resuming at one)
+        if it // ipg + 1 != tr.generation:  # a generation boundary (also right after resuming at one)
             with rundir.timed(times, "distill"):
-                distill_metrics = next_generation(L, run, it, ipg, args)
+                distill_metrics = next_generation(tr, run, it, ipg, a)
         # A reset iteration plays on every desktop in service (a dead one restarts in its thread),
         # the others on those that did not fail since (their screens go on from the last iteration).
-        fresh = it == start or reset_next or (args.reset_every and it % args.reset_every == 0)
-        if fresh:
+        reset = it == start or reset_next or bool(a.reset_every and it % a.reset_every == 0)
+        if reset:
             with rundir.timed(times, "vm_wait"):  # re-checks down remote VMs
                 live = set(rollout.in_service(pool))
         rundir.clear_trajectories(run, it)
-        # rollout: --steps steps on every live desktop, each on its own, generation batched (rollout.py);
-        # when the next iteration resets, its resets run during this one's update (reset_ahead)
-        ahead = bool(args.reset_every) and (it + 1) % args.reset_every == 0 and it + 1 < total
-        with dist.unsharded(L.policy.model):  # FSDP2: each rank decodes alone, with whole weights
-            buffer, out = play(pool, live, policy_chooser(L.policy, args.max_new_tokens, args.temperature, args.top_p),
-                               args.steps, args.settle, reset=bool(fresh), reset_after=ahead, windows=windows)
-        for k, v in out.times.items():
-            times[k] = times.get(k, 0.0) + v
+        buffer, r, adv, learned, out = iteration(tr, pool, live, it, a, reset, times)
         live -= {f.vm for f in out.failures}  # out until the next reset
         reset_next = not buffer
-        if not buffer and dist.size() == 1:
+        if r is None:
             print(f"it {it}: no desktop answered; resetting them and going on.", flush=True)
             continue
-        r, adv, wm_metrics, upd = learn(L, buffer, it, args, times)  # ALGO: rewards -> advantages -> update
-        metrics = {"iteration": it, "generation": L.generation,
-                   **explore_log.iteration_metrics(buffer, r, adv, wm_metrics, upd, out), **distill_metrics}
+        metrics = {"iteration": it, "generation": tr.generation,
+                   **logs.explore_metrics(buffer, r, adv, learned["wm"], learned["update"], out), **distill_metrics}
         distill_metrics = {}
-        with rundir.timed(times, "save"):  # trajectories, checkpoint, then the metrics line: see plumbing/rundir.py
-            explore_log.save_trajectories(run, it, buffer, r, adv, L.vm_offset)
-            # Always at a generation's last iteration: the boundary (dataset, SFT) is redone from it.
-            if (it + 1) % args.ckpt_every == 0 or (it + 1) % ipg == 0 or it + 1 == total:
+        with rundir.timed(times, "save"):  # trajectories, distillation data, checkpoint, then the metrics line
+            logs.save_steps(run, it, buffer, r, adv)
+            everyone = dist.every([{"reward": float(r.total[k]), "vm": s.vm, "t": s.t}
+                                   for k, s in enumerate(buffer) if s.format_ok and s.gen is not None])
+            logs.save_distilled(run, tr.generation, it, buffer, r, distill_rows(buffer, r, it, a.distill_top, everyone))
+            # Always at a generation's last iteration: the boundary (SFT) is redone from it.
+            if (it + 1) % a.ckpt_every == 0 or (it + 1) % ipg == 0 or it + 1 == total:
                 line = {**metrics, **rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0})}
-                rundir.save(run, L.policy, L.optimizer, it + 1, args, line, start_model=L.start_model,
-                            generation=L.generation, wm=L.wm.state_dict(), wm_opt=L.wm_opt.state_dict(),
-                            wm_config=L.wm.config)
+                ckpt.save(run, tr.policy, tr.optimizer, it + 1, a, line, start_model=tr.start_model,
+                          generation=tr.generation, wm=tr.wm.state_dict(), wm_opt=tr.wm_opt.state_dict(),
+                          wm_config=tr.wm.config, distill_since=tr.distill_since)
         metrics.update(rundir.gather_times({**times, "time/iteration": time.perf_counter() - t0}))
-        rundir.end_iteration(run, trackers, metrics, explore_log.console_line(metrics, L.flags, args.beta))
-    finish_generation(run, L.generation, (L.generation - 1) * ipg, total - 1, L.policy, args)
+        rundir.end_iteration(run, trackers, metrics, logs.explore_line(metrics, tr.flags, a.beta))
+    finish_generation(run, tr, (tr.generation - 1) * ipg, total - 1, a)
     progress.close(trackers)
     print(f"done: {run}", flush=True)
+
+
+# -----------------------------------------------------------------------------------------------
+# The exploration eval (--eval-only): how much of the desktop a policy explores, next to random actions
+
+
+def evaluate(pool: VMPool, policy_fns: dict, run: str, a: Args, config: dict) -> dict:
+    """--eval-episodes episodes of --steps steps, each on a freshly reset desktop (a desktop that
+    finishes one starts the next; one the environment failed is played once more elsewhere), for
+    each policy_fn ({name: policy_fn}: the policy, the random baseline); per episode rewards.py's
+    exploration measures (episode_measures). Under torchrun each rank plays its share. With
+    --eval-save each episode is also a trajectory view.py shows. -> the report (logs.explore_eval)."""
+    want = len(dist.shard_range(a.eval_episodes))
+    report = {"args": config, "same_screen_hash_bits": a.eval_same_hash, "same_screen_cosine": a.eval_same_screen}
+    for name, policy_fn in policy_fns.items():
+        eps = [partial(episode, steps=a.steps, settle=parse_settle(a.settle), reset=True, windows=True,
+                       reset_ahead=True)] * want
+        out = rollout.play(pool, eps, policy_fn, retries=1, desktops=rollout.in_service(pool), desc=f"eval {name}")
+        played = []
+        for k, steps in enumerate(out.results):
+            if isinstance(steps, rollout.Lost):
+                continue
+            e = R.episode_measures([s.before for s in steps], [s.after for s in steps], [s.format_ok for s in steps],
+                                   [s.windows_before for s in steps], [s.windows_after for s in steps],
+                                   a.eval_same_hash, a.eval_same_screen)
+            e.update(vm=steps[0].vm, actions=[logs.step_line(s) for s in steps])
+            e["round"], slot = divmod(k, pool.size)
+            if a.eval_save:
+                rundir.save_trajectory(run if name == "policy" else os.path.join(run, name), e["round"],
+                                       pool.first + slot, e["actions"], [s.before for s in steps])
+            played.append(e)
+        report[name] = logs.eval_summary(dist.every(played), int(dist.all_sum([want - len(played)])[0]),
+                                         a.eval_same_hash)
+    return logs.explore_eval(report, run, list(policy_fns), a.eval_same_hash)
+
+
+def eval_only(pool: VMPool, a: Args, state) -> dict:
+    """--eval-only: the policy (--model, or with --resume the run's checkpoint) next to random
+    actions. Writes a run folder of its own (eval-<time>), or with --resume runs/<name>/eval_it<N>/
+    (N = the checkpoint's next iteration; a second eval of the same checkpoint replaces the first)."""
+    if state is not None:
+        run = os.path.join(a.resume, f"eval_it{ckpt.next_iteration(state[0]):06d}")
+        if dist.is_main():
+            shutil.rmtree(run, ignore_errors=True)
+    else:
+        run = rundir.run_path(a.runs_dir, a.run_name, prefix="eval-")
+    with rundir.new_run(run):  # a failed setup leaves no folder behind
+        rundir.make_run_dir(run, a)
+        print(f"run folder: {run}", flush=True)
+        rundir.seed_all(a.seed)
+        policy = (ckpt.restore_policy(*state, lambda name: load(name, a)) if state is not None
+                  else load(a.model, a, lora=False))
+        dist.seed_ranks(a.seed)
+        if a.engine == "vllm":  # GPU only: one screenshot and one answer per prompt
+            import vllm_engine
+            vllm_engine.attach(policy, 1, a.max_new_tokens)
+    policy_fns = {"policy": model_policy(policy, a.max_new_tokens, a.temperature, a.top_p)}
+    if a.eval_random:
+        policy_fns["random"] = random_policy(random.Random(a.seed))
+    return evaluate(pool, policy_fns, run, a, rundir.public_args(a))
+
+
+# -----------------------------------------------------------------------------------------------
+# Setup: the trainer's state, from scratch or from a checkpoint
+
+
+def setup(a: Args, run: str, state, screen) -> tuple:
+    """-> (Trainer, the first iteration to run, SFT metrics of a generation's start, logged once)."""
+    # Text tools (OCR + embedder) only when a term that is on reads text; without them those terms
+    # are off (said once) and the world model has no text branch.
+    want = R.parse_reward_flags(a.rewards)
+    tools = R.load_text_tools() if "text" in R.reads(want) else None
+    flags = R.effective_flags(want, tools)
+    print("reward terms on: " + ", ".join(R.terms_on(flags)), flush=True)
+    wm = R.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags.get("text")) else 0, a.wm_hidden, screen)
+    wm_opt = adamw(wm.parameters(), a.wm_lr)
+    if state is None:
+        policy, start_model, distill_metrics = start_generation(1, run, a)
+        dist.spread(policy.model, shard=a.lora_rank == 0)  # torchrun: rank 0's weights; full FT: FSDP2
+        generation, start, optimizer, since = 1, 0, adamw(trainable(policy), a.lr), 0
+    else:
+        saved, folder = state
+        policy = ckpt.restore_policy(saved, folder, lambda name: load(name, a))
+        dist.spread(policy.model, shard=a.lora_rank == 0)
+        optimizer = adamw(trainable(policy), a.lr)
+        try:
+            wm.load_state_dict(saved["wm"])
+        except RuntimeError:
+            sys.exit("The checkpoint's world model does not fit these reward flags / text tools; resume with the "
+                     "run's own --rewards and the same OCR + embedder installed.")
+        wm_opt.load_state_dict(saved["wm_opt"])
+        start = ckpt.resume(run, state, policy, optimizer)  # optimizer, metrics.jsonl, trajectories, RNG states
+        generation, start_model, distill_metrics = saved["generation"], saved["start_model"], {}
+        since = saved.get("distill_since", start)  # a run from before: its data so far is in its trajectories
+        print(f"resumed {run} at iteration {start} (generation E{generation})", flush=True)
+    if a.engine == "vllm":  # GPU only: one screenshot and one answer per prompt
+        import vllm_engine
+        vllm_engine.attach(policy, 1, a.max_new_tokens)
+    ref_fn = grpo.reference_fn(a.beta, a.lora_rank, lambda: load(start_model, a, lora=False))
+    tr = Trainer(policy, optimizer, start_model, ref_fn, generation, wm, wm_opt, flags, tools, since)
+    dist.seed_ranks(a.seed + start)  # under torchrun: each rank samples its own answers
+    return tr, start, distill_metrics
 
 
 def main(argv=None) -> None:
     dist.init()  # torchrun: join the other ranks (one process: nothing)
     dist.mute_others()
-    args, ckpt = resolve_args(argv)
+    args, state = resolve_args(argv)
     transformers.utils.logging.disable_progress_bar()  # one console line per iteration, not bars
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    if args.threads > 0 or not (args.device.startswith("cuda") or (not args.device and torch.cuda.is_available())):
+    if args.threads or not (args.device.startswith("cuda") or (not args.device and torch.cuda.is_available())):
         # OpenMP threads spin while they wait; next to Xvfb desktops and tesseract on the same cores
         # the default (every core) ran our tiny-model steps 10x slower than one thread did.
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
     # The desktops first: an unreachable VM should leave no run folder behind.
-    pool, live, screen, vm_offset = rundir.open_desktops(args.vms, args.token, args.vm_timeout)
+    print(f"starting {args.vms} desktop(s) ..." if args.vms.isdigit() else f"connecting to {args.vms} ...", flush=True)
+    pool, live, screen = rundir.open_desktops(args.vms, args.token, args.vm_timeout)
     try:
         if args.eval_only:
-            evaluate(pool, args, ckpt, vm_offset)
+            eval_only(pool, args, state)
             return
         run = args.resume or rundir.run_path(args.runs_dir, args.run_name)
         with rundir.new_run(run):  # a failed setup (bad --model, ...) leaves no folder behind
             rundir.make_run_dir(run, args, resume=bool(args.resume))
             print(f"run folder: {run}", flush=True)
             rundir.seed_all(args.seed)
-            learner, start, distill_metrics = setup(args, run, ckpt, screen, vm_offset)
-        train(pool, live, learner, args, run, start, distill_metrics)
+            tr, start, distill_metrics = setup(args, run, state, screen)
+        train(pool, live, tr, args, run, start, distill_metrics)
     finally:
         pool.close()
 

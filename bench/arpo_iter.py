@@ -44,9 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import arpo_log  # noqa: E402
+from plumbing import logs  # noqa: E402
 import train_arpo as T  # noqa: E402
-from arpo_replay import ReplayBuffer  # noqa: E402
+from grpo import ReplayBuffer  # noqa: E402
 from env import VMPool  # noqa: E402
 from model import load_policy  # noqa: E402
 from env import SETTLE_HELP, parse_settle  # noqa: E402
@@ -104,10 +104,10 @@ def main() -> None:
         plan = [(settles[0], True)] + [(s, False) for _ in range(a.iterations) for s in settles]
         for it, (s, warm_up) in enumerate(plan):
             tr.args = replace(args, settle=s)
-            m, _ = T.run_iteration(tr, it, lambda n: T.pick_tasks(ids, picker, n, a.seed))
+            m, _ = T.iteration(tr, it, lambda n: T.pick_tasks(ids, picker, n, a.seed))
             if not warm_up:
                 runs[s].append(m)
-            print(f"[settle {s}{' warm-up' if warm_up else ''}] {arpo_log.summary_line(m)}", flush=True)
+            print(f"[settle {s}{' warm-up' if warm_up else ''}] {logs.arpo_line(m)}", flush=True)
     finally:
         pool.close()
 

@@ -6,7 +6,7 @@
 ARPO's prompt carries each desktop's last 15 screenshots, so every step re-encodes them all, and
 the update encodes them once more. chat._process_images keeps the processed pixels of every live
 screenshot (Policy.pixels), so a step only processes the screenshot that is new. Timed here with
-chat.encode_chats on the tiny model's processor (the processor does not depend on the model):
+model.encode_chats on the tiny model's processor (the processor does not depend on the model):
   - "every image processed": the first step of 8 histories, nothing cached (what every step cost
     before the cache);
   - "1 new image each": the next step, the histories one screenshot longer.
@@ -27,7 +27,7 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
-from chat import encode_chats, uitars_messages  # noqa: E402
+from model import encode_chats, uitars_messages  # noqa: E402
 
 
 def main():

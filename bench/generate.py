@@ -20,7 +20,7 @@ times the steps; the decode column shows that. The prefill is per-image arithmet
 batch away: the tiny tower's full-attention block over 4,784 patches and the image processor cost
 the same in both ways. So the end-to-end speedup shrinks as images grow, and the script prints its
 ceiling (sequential time / batched prefill time). Two things keep the batched prefill small: the
-screenshots are processed in parallel threads (chat.encode_chats) and the vision tower attends
+screenshots are processed in parallel threads (model.encode_chats) and the vision tower attends
 all windows of one length in one call (qwen_vl.py).
 Measured on this 2-core machine (8 prompts, 128 tokens): at the default size 2.19x end to end
 (0.93 s vs 2.04 s), decode alone 4.52x, ceiling 3.11x; at 256*28*28, 4.42x end to end. So 4x
@@ -41,7 +41,7 @@ from PIL import Image
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
 from actions import MAX_PIXELS  # noqa: E402
-from chat import encode_chat, explore_messages  # noqa: E402
+from model import encode_chat, explore_messages  # noqa: E402
 
 
 def measure(args, max_pixels: int, shots: list) -> dict:

@@ -48,7 +48,7 @@ from PIL import Image
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
 import model as M  # noqa: E402
-from chat import encode_chat, explore_messages  # noqa: E402
+from model import encode_chat, explore_messages  # noqa: E402
 from qwen_vl import SPECIAL_TOKENS  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100 / H200 SXM dense bf16

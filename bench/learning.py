@@ -257,7 +257,7 @@ def run_seed(a, seed: int) -> dict:
           f"training {iterations} iterations", flush=True)
     flags = ["--model", warm, "--task-ids", task_ids, *common_flags(a), "--iterations", str(iterations),
              "--lr", str(a.lr), "--lr-warmup", str(max(1, iterations // 10)), "--lr-schedule", "linear",
-             "--epochs", str(a.epochs), "--beta", str(a.beta), "--groups", str(a.groups),
+             "--epochs", str(a.epochs), "--beta", str(a.beta), *(["--groups", str(a.groups)] if a.groups else []),
              "--format-penalty", str(a.format_penalty), "--format-penalty-on", a.format_penalty_on,
              "--seed", str(seed), "--runs-dir", out, "--run-name", "train",
              "--ckpt-every", str(max(1, iterations // 4))]
@@ -417,8 +417,8 @@ def parse_args(argv=None):
                         "(default: 1.0)")
     p.add_argument("--format-penalty-on", choices=["reward", "advantage"], default=None,
                    help="train_arpo.py --format-penalty-on (default: reward, as ARPO, for arpo; advantage for arpo-multi)")
-    p.add_argument("--groups", type=int, default=0,
-                   help="train_arpo.py --groups: tasks per iteration, in turns (0: one per --group-size desktops)")
+    p.add_argument("--groups", type=int, default=None,
+                   help="train_arpo.py --groups: tasks per iteration, in turns (default: one per --group-size desktops)")
     p.add_argument("--select-tasks", type=int, default=None,
                    help="ARPO's task selection: K rollouts a task; 0 = off (default: 16 for arpo, 0 for arpo-multi)")
     p.add_argument("--eval-episodes", type=int, default=24, help="episodes per task in each eval (T=1)")

@@ -75,7 +75,7 @@ import transformers  # noqa: E402
 
 import grpo  # noqa: E402
 import model as M  # noqa: E402
-from chat import encode_chat, explore_messages  # noqa: E402
+from model import encode_chat, explore_messages  # noqa: E402
 from env import VMPool  # noqa: E402
 from plumbing.warm_start import EXPLORE_CALLS  # noqa: E402
 

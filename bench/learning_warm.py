@@ -38,7 +38,7 @@ def warm_start(out: str, seed: int, task_ids: list[str], epochs: int, lr: float,
     import transformers
 
     from actions import smart_resize
-    from chat import encode_chat, uitars_messages
+    from model import encode_chat, uitars_messages
     from env import VMPool
     from grpo import distill_step, trajectory_sample
     from model import load_policy, save_policy
@@ -156,7 +156,7 @@ def warm_start_multi(out: str, seed: int, task_ids: list[str], epochs: int, lr: 
     import transformers
 
     from actions import smart_resize
-    from chat import encode_chat, uitars_messages
+    from model import encode_chat, uitars_messages
     from vm.desktop import desktop_icons
     from env import load_tasks
     from grpo import distill_step, trajectory_sample

@@ -72,7 +72,7 @@ def child(variant: str, mode: str) -> dict:
     """Runs in its own process: build, warm up, measure one call."""
     import grpo
     import model as M
-    from chat import encode_chat, uitars_messages
+    from model import encode_chat, uitars_messages
     from PIL import Image
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))

@@ -78,7 +78,7 @@ def main() -> None:
                 after = vm.act(action, settle="watch", screenshot=True).image
                 opened = len({w["id"] for w in vm.windows()} - wins)
                 f = R.step_features([before], [after], ["Try something new"], [action], tools)
-                s = R.record(f, [0], [1.0])
+                s = R.make_buffer(f, [0], [1.0])
                 ours = float(R.image_immediate(s)[0])
                 old = float(1 - R.cosine(*self_centred([before, after]).split(1)))
                 text = float(R.text_immediate(s)[0]) if tools is not None else None

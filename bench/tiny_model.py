@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 import model as M  # noqa: E402
-from chat import encode_chat, explore_messages  # noqa: E402
+from model import encode_chat, explore_messages  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,7 @@ numbers; the exit code is 1 if any check failed, 2 if there is no CUDA GPU or no
   1. start-up: the trainer's CUDA device, python / numpy / torch CPU / CUDA RNG states, torch
      thread count and gc freeze count are as before the engine; the model folder is unchanged and
      the engine's folder is another one.
-  2. prompt ids: vLLM's RequestOutput.prompt_token_ids equal chat.encode_chat's ids, for prompts
+  2. prompt ids: vLLM's RequestOutput.prompt_token_ids equal model.encode_chat's ids, for prompts
      of one and two screenshots.
   3. log-probs: vLLM's (processed) log-probs of the tokens it sampled against grpo.per_token_logps
      at T = 1 and T = 0.7 (scored at the wrong T for scale); sampling: the same torch seed gives
@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
 import model as M  # noqa: E402
 import vllm_engine as V  # noqa: E402
-from chat import explore_messages, uitars_messages  # noqa: E402
+from model import explore_messages, uitars_messages  # noqa: E402
 from qwen_vl import SPECIAL_TOKENS  # noqa: E402
 
 MEAN_TOL, MAX_TOL = 0.05, 1.0  # nats

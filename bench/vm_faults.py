@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import torch  # noqa: E402
 
 import train_arpo as T  # noqa: E402
-from arpo_replay import ReplayBuffer  # noqa: E402
+from grpo import ReplayBuffer  # noqa: E402
 from conftest import proc_alive as alive, proc_children as children, proc_group as group_pids  # noqa: E402
 from env import VMPool  # noqa: E402
 from model import load_policy  # noqa: E402
@@ -57,9 +57,9 @@ def arpo_faults(timeout: float, tasks_dir: str) -> dict:
         model_fn = T.model_policy(policy, args, 1.0)
         tr = T.Trainer(args, pool, policy, opt, ReplayBuffer(), model_fn, None, load_tasks(tasks_dir))
         pick = lambda n: ["notes-there"] * n  # noqa: E731
-        T.run_iteration(tr, 0, pick)  # the first one warms up (model, desktops): not the yardstick
+        T.iteration(tr, 0, pick)  # the first one warms up (model, desktops): not the yardstick
         t = time.perf_counter()
-        T.run_iteration(tr, 1, pick)
+        T.iteration(tr, 1, pick)
         clean = time.perf_counter() - t
         killed, frozen, fired = pool.local[1].proc.pid, pool.local[2].proc.pid, []
 
@@ -71,11 +71,11 @@ def arpo_faults(timeout: float, tasks_dir: str) -> dict:
             return model_fn(obs)
         tr.policy_fn = faulty
         t = time.perf_counter()
-        m1, _ = T.run_iteration(tr, 2, pick)
+        m1, _ = T.iteration(tr, 2, pick)
         faulty_s = time.perf_counter() - t
         tr.policy_fn = model_fn
         t = time.perf_counter()
-        m2, _ = T.run_iteration(tr, 3, pick)
+        m2, _ = T.iteration(tr, 3, pick)
         restarted = time.perf_counter() - t
         time.sleep(2)
         left = [p for p in fired if alive(p)]

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 import model as M  # noqa: E402
 from actions import MAX_PIXELS, parse_action  # noqa: E402
-from chat import explore_messages, uitars_messages  # noqa: E402
+from model import explore_messages, uitars_messages  # noqa: E402
 from env import VMPool  # noqa: E402
 
 STYLE = {"tiny-uitars": "uitars", "tiny-explore": "explore"}

@@ -124,7 +124,7 @@ def main():
     if not args.no_policy:
         import grpo
         import model as M
-        from chat import encode_chat, explore_messages
+        from model import encode_chat, explore_messages
         policy = M.load_policy("tiny")
         samples = []
         for i in range(n):

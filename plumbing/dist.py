@@ -88,6 +88,38 @@ def gather(obj) -> list:
     return out
 
 
+def every(items: list) -> list:
+    """Every rank's list, concatenated in rank order, on every rank (one process: the list itself)."""
+    return list(items) if size() == 1 else [x for part in gather(list(items)) for x in part]
+
+
+def share(n: int) -> tuple[range, int]:
+    """This rank owns n things (groups) of a numbering over all ranks, in rank order. -> (the range
+    of this rank's numbers, the count over all ranks); one process: (range(n), n)."""
+    counts = gather(int(n)) if size() > 1 else [int(n)]
+    first = sum(counts[:rank()])
+    return range(first, first + counts[rank()]), sum(counts)
+
+
+def every_rows(rows, items: list, make) -> tuple:
+    """Every rank's rows of a record of tensors (`rows`: a dataclass whose tensor fields share their
+    first dimension, or None for no rows) and their items, in rank order, and this rank's slice of
+    them: -> (make(**joined fields) or None, items, slice). One process: its own, as they are."""
+    if size() == 1:
+        return rows, list(items), slice(0, len(items))
+    parts = gather((rows, list(items)))
+    start = sum(len(its) for _, its in parts[:rank()])
+    have = [p for p, its in parts if its]
+    if not have:
+        return None, [], slice(0, 0)
+    names = [f for f in vars(have[0]) if isinstance(getattr(have[0], f), torch.Tensor) or getattr(have[0], f) is None]
+
+    def join(name):
+        xs = [getattr(p, name) for p in have]
+        return None if any(x is None for x in xs) else torch.cat(xs)
+    return make(**{n: join(n) for n in names}), [x for _, its in parts for x in its], slice(start, start + len(items))
+
+
 def cat(t: torch.Tensor) -> tuple[torch.Tensor, slice]:
     """Every rank's `t` (N_r, ...) concatenated in rank order, on every rank, and the slice of it
     that is this rank's own (one process: `t` itself, and all of it)."""
@@ -129,6 +161,13 @@ def is_sharded(model: torch.nn.Module) -> bool:
         return False
     from torch.distributed.fsdp import FSDPModule
     return isinstance(model, FSDPModule)
+
+
+def grad_scale(model: torch.nn.Module) -> int:
+    """What a loss normalised over all ranks' samples is multiplied by before its backward: FSDP2
+    averages the ranks' gradients (times the world size, that is their sum); data parallel sums
+    them itself (sync_grads), so 1."""
+    return size() if is_sharded(model) else 1
 
 
 def fsdp(model: torch.nn.Module) -> torch.nn.Module:

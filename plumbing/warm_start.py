@@ -1,19 +1,19 @@
-"""plumbing/warm_start.py: `--model tiny-uitars` and `--model tiny-explore`, the tiny Qwen2.5-VL taught an
-answer FORMAT on its first use, then cached on disk.
+"""plumbing/warm_start.py: how `--model tiny-uitars` and `--model tiny-explore` were made: the tiny
+Qwen2.5-VL taught an answer FORMAT, shipped as checkpoint folders in models/.
 
-    python -c "import model; model.load_policy('tiny-explore')"   # builds it once, then loads the cache
-    python train_explore.py --vms 2 --model tiny-explore --iterations 3 --steps 3 --update-actor-delay 0
-    python -m pytest -q tests/test_warm_start.py    # build, cache, format rate on a real desktop
-    python bench/warm_start.py                      # build time, format rate and click spread, both
+    python -m plumbing.warm_start                       # rebuild both into models/ (a few minutes on 2 cores)
+    python -m plumbing.warm_start tiny-explore --seed 1 --out /tmp/te   # another build; --model /tmp/te
+    python -m pytest -q tests/test_warm_start.py        # the shipped ones load and answer in format
+    python bench/warm_start.py                          # their format rate and click spread on a desktop
 
 Why: the random tiny model (`--model tiny`) never writes a parseable answer, so a CPU run's format
 rate is 0.00 and ScreenExplorer scores no step: rewards, advantages and updates are all zero, and a
-forker's 30-second run shows nothing of the algorithm. These two are the tiny Qwen2.5-VL of `seed`
-after a short supervised warm start (the token-mean NLL of grpo.distill_step) on answers that
-teach the format and nothing else:
-  - tiny-explore: the ScreenExplorer prompt (chat.explore_messages) answered
+forker's 30-second run shows nothing of the algorithm. These two are the tiny Qwen2.5-VL of a seed
+after a short supervised warm start (the token-mean NLL of grpo.distill_step) on answers that teach
+the format and nothing else:
+  - tiny-explore: the ScreenExplorer prompt (model.explore_messages) answered
     {"intent": <one of 5 neutral intents>, "action": "<Kind>(x, y)"} with its six pointer actions;
-  - tiny-uitars: the UI-TARS-1.5 prompt (chat.uitars_messages) with a made-up instruction and one
+  - tiny-uitars: the UI-TARS-1.5 prompt (model.uitars_messages) with a made-up instruction and one
     to three screenshots of history, each answered "Thought: <a sentence naming the action>\nAction:
     <call>" with UI-TARS's action space (click, left_double, right_single, scroll, hotkey, type,
     wait, finished, call_user; the pointer ones most often).
@@ -21,48 +21,40 @@ Every coordinate is drawn uniformly over the image the model sees: a flat prior 
 no task knowledge. The screenshots are synthetic desktops drawn here with PIL (a wallpaper, icons
 with labels, windows, a panel), encoded at three pixel caps (140x84, 588x336 and full size: 15,
 ~250 and ~1,200 image tokens), so building needs no desktop and the format holds at the resolution a
-run uses. How well, sampled at temperature 1 on a real desktop's screenshots, and how the clicks
-spread: bench/warm_start.py (numbers in the README, *The policy*).
+run uses.
 
-What it cost to get there, on a 2-layer model of width 64 (each measured at temperature 1):
-  - a build takes two to five minutes on 2 cores, not seconds: the format broke on 5-25% of the
-    answers after 100-250 steps, mostly the argument count of a call (`Click(12)`, `Click(3, 7,
-    199)`, `(8370)` for `(83, 70)`: the digits are one token each, and a 2-layer model loses count
-    of where a number ends). Four times the steps (tiny-uitars 1000, tiny-explore 400) is what
-    brought it near 1 (0.94-0.99 per size and seed; 0.75-0.94 after 250 steps); a higher lr did not
-    (2e-2 for 500 steps: 0.81 / 0.91);
+Why they are shipped rather than built on first use: a build takes minutes on a CPU (the steps are
+what makes the format hold at temperature 1), which a newcomer's first command should not wait
+for, and two builds of the same recipe are not bit-identical, so the models a test measures are
+the models everyone runs. The folders are a few MB (the model has ~0.3M parameters).
+
+What it cost to get there, on a 2-layer model of width 64 (docs/log.md has the measurements):
+  - the format broke mostly in the argument count of a call (`Click(12)`, `Click(3, 7, 199)`,
+    `(8370)` for `(83, 70)`: the digits are one token each, and a 2-layer model loses count of
+    where a number ends); more steps of the same recipe fixed it (tiny-uitars 1000, tiny-explore
+    400), a higher lr did not;
   - full-size screenshots must be in the mix, or the numbers keep the size of the small images
     (every click in the left half of the screen); they cost 10x a small one, so the vision tower
     is frozen and its output remembered per screenshot (_frozen_vision), and a long sample is
     never padded together with short ones (_sft_step);
   - no typed text or keys in the explore answers and no copied instruction in the UI-TARS thought:
-    a model that must also spell free text mixes it into the coordinates (format 0.67 instead of
-    0.96 at the same budget); no UI-TARS drag, the one call with four numbers;
+    a model that must also spell free text mixes it into the coordinates; no UI-TARS drag, the one
+    call with four numbers;
   - the saved weights average the last ~10 steps (EMA 0.9) with the learning rate decayed to 1%:
-    with the last step's weights the format rate varied by +-0.1 between builds.
-
-The cache: one folder per model under $WARM_START_CACHE (default ~/.cache/gui-agent-rl/warm_start),
-named after a hash of the recipe, the seed, the library versions (torch, transformers, tokenizers,
-Pillow, numpy) and the source of the files the model, its prompts and its training step come from
-(this file, qwen_vl.py, chat.py, model.py, grpo.py): editing any of them builds a new one. A
-build is written into a temporary folder and renamed into place, which is atomic on one file
-system, so no reader ever sees half a folder; a lock file makes a second process that wants the same model at the same time
-(torchrun ranks, two tests) wait for the first build instead of doing its own. The folder is an
-ordinary checkpoint folder (save_policy), loaded like any other.
+    with the last step's weights the format rate varied from one build to the next.
 
 Where this departs from the papers: neither trains a warm start like this; it exists only so the
 tiny CPU model produces parseable answers. A real run starts from a real checkpoint.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
 import os
 import random
 import shutil
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 
@@ -71,9 +63,8 @@ from PIL import Image, ImageDraw
 
 import grpo
 import qwen_vl
-from chat import encode_chat, explore_messages, uitars_messages
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+from model import WARM_STARTED, encode_chat, explore_messages, load_policy, save_policy, uitars_messages
+from plumbing import progress
 
 
 @dataclass(frozen=True)
@@ -305,8 +296,9 @@ def _sft_step(policy, opt, samples: list, short: int = 800) -> float:
     return nll
 
 
-def train(policy, recipe: Recipe, seed: int) -> dict:
-    """The warm start itself, in place on `policy` (fp32, CPU). -> {"nll_first", "nll_last", "seconds"}."""
+def train(policy, recipe: Recipe, seed: int, desc: str = "warm start") -> dict:
+    """The warm start itself, in place on `policy` (fp32, CPU), with a progress bar (step, loss, time
+    left). -> {"nll_first", "nll_last", "seconds"}."""
     t0 = time.perf_counter()
     rng = random.Random(seed)
     prompts = _prompts(policy, recipe, rng)
@@ -320,6 +312,7 @@ def train(policy, recipe: Recipe, seed: int) -> dict:
         # how often a tiny model's samples break the format at T=1 varied by +-0.1 from one build
         # to the next with the last step's weights.
         average = [q.detach().clone() for q in params]
+        bar = progress.bar(recipe.steps, desc)  # on a terminal: step, NLL, time left
         for step in range(recipe.steps):
             for g in opt.param_groups:  # linear decay to 1%: the last steps settle the format
                 g["lr"] = recipe.lr * (1 - 0.99 * step / max(1, recipe.steps - 1))
@@ -328,9 +321,12 @@ def train(policy, recipe: Recipe, seed: int) -> dict:
             batch = [_sample(rng.choice(prompts[recipe.caps[j % len(recipe.caps)]]), recipe, rng)
                      for j in range(recipe.batch)]
             nll.append(_sft_step(policy, opt, batch))
+            bar.update(1)
+            bar.set_postfix_str(f"NLL per token {nll[-1]:.2f}")
             with torch.no_grad():
                 for a, q in zip(average, params):
                     a.mul_(0.9).add_(q, alpha=0.1)
+        bar.close()
         with torch.no_grad():
             for a, q in zip(average, params):
                 q.copy_(a)
@@ -338,66 +334,41 @@ def train(policy, recipe: Recipe, seed: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# The cache: built once per recipe, seed, library versions and source, written atomically
-
-SOURCES = ("plumbing/warm_start.py", "qwen_vl.py", "chat.py", "model.py", "grpo.py")  # the model, its prompts, its SFT step
+# A build: the tiny model of `seed`, trained, saved atomically
 
 
-def cache_dir() -> str:
-    """$WARM_START_CACHE, else ~/.cache/gui-agent-rl/warm_start (or under $XDG_CACHE_HOME)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("WARM_START_CACHE") or os.path.join(base, "gui-agent-rl", "warm_start")
+def build(name: str, out: str, seed: int = 0) -> dict:
+    """Warm-start the tiny Qwen2.5-VL of `seed` with RECIPES[name] and save it to `out` (a checkpoint
+    folder, written into a temporary one and renamed: complete or absent). -> its warm_start.json."""
+    policy = load_policy("tiny", seed=seed, device="cpu")
+    stats = train(policy, RECIPES[name], seed, desc=name)
+    tmp = out.rstrip("/") + f".tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_policy(policy, tmp)
+    record = {"name": name, "seed": seed, "recipe": RECIPES[name].__dict__, **stats}
+    with open(os.path.join(tmp, "warm_start.json"), "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
+    return record
 
 
-def key(name: str, seed: int) -> str:
-    """A hash of everything the built model depends on (see the module docstring)."""
-    import numpy
-    import PIL
-    import tokenizers
-    import transformers
-    h = hashlib.sha256(json.dumps({
-        "name": name, "seed": seed, "recipe": RECIPES[name].__dict__,
-        "versions": [torch.__version__, transformers.__version__, tokenizers.__version__, PIL.__version__,
-                     numpy.__version__]}, sort_keys=True, default=str).encode())
-    for f in SOURCES:
-        with open(os.path.join(ROOT, f), "rb") as fh:
-            h.update(fh.read())
-    return h.hexdigest()[:16]
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m plumbing.warm_start", description=__doc__.split("\n")[0])
+    p.add_argument("names", nargs="*", default=list(RECIPES), help=f"which to build (default: {' and '.join(RECIPES)})")
+    p.add_argument("--seed", type=int, default=0, help="the tiny model's seed (the shipped ones: 0)")
+    p.add_argument("--out", default="", help="the folder to write (one name only; default: models/<name>, the shipped one)")
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps instead of the recipe's (a quick check of the builder)")
+    a = p.parse_args(argv)
+    if a.steps:
+        RECIPES.update({n: replace(r, steps=a.steps) for n, r in RECIPES.items()})
+    if a.out and len(a.names) != 1 or set(a.names) - set(RECIPES):
+        p.error(f"name one of {list(RECIPES)} with --out, or any of them without it")
+    for name in a.names:
+        out = a.out or WARM_STARTED[name]
+        r = build(name, out, a.seed)
+        print(f"warm_start: {name} in {r['seconds']:.0f} s, NLL per token {r['nll_first']:.2f} -> {r['nll_last']:.2f}: {out}")
 
 
-def folder(name: str, seed: int, make, save) -> str:
-    """The checkpoint folder of warm-started model `name` from the tiny model of `seed`, built now if
-    the cache has none: make() -> a fresh random tiny Policy (fp32, CPU), save(policy, path) writes
-    it (model.save_policy; passed in, so this file stays below model.py)."""
-    import fcntl
-    root = cache_dir()
-    path = os.path.join(root, f"{name}-seed{seed}-{key(name, seed)}")
-    done = os.path.join(path, "warm_start.json")
-    if os.path.exists(done):
-        return path
-    os.makedirs(root, exist_ok=True)
-    # One builder at a time per model: the others wait here, then find it built. The rename below
-    # is what makes it safe (a reader that takes no lock never sees half a folder); the lock only
-    # saves a second process the work.
-    with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(done):
-            return path
-        print(f"warm_start: building {name} (seed {seed}) into {path}, once", file=sys.stderr, flush=True)
-        tmp = tempfile.mkdtemp(prefix=f".{name}-build-", dir=root)
-        try:
-            policy = make()
-            stats = train(policy, RECIPES[name], seed)
-            save(policy, tmp)
-            with open(os.path.join(tmp, "warm_start.json"), "w") as f:  # written last: the folder is complete
-                json.dump({"name": name, "seed": seed, "recipe": RECIPES[name].__dict__, **stats}, f, default=str)
-            try:
-                os.rename(tmp, path)  # atomic; fails if another process (without the lock) got there first
-            except OSError:
-                if not os.path.exists(done):
-                    raise
-            print(f"warm_start: built {name} in {stats['seconds']:.0f} s (NLL per token {stats['nll_first']:.2f} "
-                  f"-> {stats['nll_last']:.2f})", file=sys.stderr, flush=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename, or a failed build's leftovers
-    return path
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,7 @@ For each task, on one desktop over real HTTP, the way a trainer drives it: POST 
      after a `wait`, must score 0 too);
   2. its solution, each action sent with `?settle=watch` (the server answers once the screen has
      settled, so a solution needs no `wait` for an app to come up), must score 1.
-The score is the trainers' rule (arpo_episode.outcome_scores; tests/test_tasks.py checks that every episode played
+The score is the trainers' rule (train_arpo.outcome_scores; tests/test_tasks.py checks that every episode played
 here agrees with it): the evaluator's, except that an infeasible task scores 1 iff the episode's
 last action is `fail` (UI-TARS call_user(); no /evaluate call), and a `fail` scores 0 on a feasible
 one. Before a desktop is touched the solution is checked on paper (`solution_problems`): it exists,
@@ -130,7 +130,7 @@ class Proof:
 
 def score(vm: VMClient, task: Task, actions: list[dict], proof: Proof) -> tuple[float, list]:
     """(score, evaluator details) of an episode that played `actions` and ended there, by
-    arpo_episode.outcome_scores' rule for such an episode (no step limit reached)."""
+    train_arpo.outcome_scores' rule for such an episode (no step limit reached)."""
     last = actions[-1]["type"] if actions else None
     if task.infeasible:
         s, checks, details = float(last == "fail"), None, []

@@ -20,7 +20,7 @@ from PIL import Image
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from plumbing import dist  # noqa: E402
 import grpo  # noqa: E402
-from chat import encode_chat, explore_messages  # noqa: E402
+from model import encode_chat, explore_messages  # noqa: E402
 from model import load_policy  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import io
 
 import torch
 
-from arpo_replay import ReplayBuffer
+from grpo import ReplayBuffer
 
 
 def test_replay_threshold_is_strict_and_capacity_drops_oldest():

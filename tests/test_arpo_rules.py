@@ -18,9 +18,7 @@ from PIL import Image
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import arpo_episode as E  # noqa: E402
-import arpo_log  # noqa: E402
-from plumbing import rundir  # noqa: E402
+from plumbing import logs, rundir  # noqa: E402
 import train_arpo as T  # noqa: E402
 from model import load_policy  # noqa: E402
 from env import load_tasks  # noqa: E402
@@ -41,14 +39,14 @@ def test_rewards_and_protocols_by_hand():
     task = TASKS["infeasible-email"]
 
     def ep(end, actions, ok):
-        return E.Episode(task, 0, end=end, actions=actions, format_ok=ok)
+        return T.Episode(task, 0, end=end, actions=actions, format_ok=ok)
     timed_out = ep("max_steps", [{"type": "wait"}, None], [True, False])
     gave_up = ep("fail", [{"type": "wait"}, {"type": "fail"}], [True, True])
     bad_fail = ep("fail", [None, {"type": "fail"}], [False, True])
     formatted = ep("format", [None], [False])
     eps = [timed_out, gave_up, bad_fail, formatted]
     for e in eps:
-        E.score_episode(e, None, args)  # infeasible: scored client side, no evaluator score
+        T.score_episode(e, None, args)  # infeasible: scored client side, no evaluator score
     # timed out: hard 0 (last action wait), standard 1 (FAIL substituted); reward 0 - 0.5 = -0.5
     assert (timed_out.score, timed_out.score_standard, timed_out.reward) == (0.0, 1.0, -0.5)
     # call_user at the end, all answers parsed: 1 under both; reward 1 - 0 = 1
@@ -78,7 +76,7 @@ def test_rewards_and_protocols_by_hand():
 def test_outcome_scores_by_hand(infeasible, actions, end, checks, hard, standard):
     # The pure rule score_episode (and tests/test_tasks.py) use: (hard, standard).
     acts = [None if a is None else {"type": a} for a in actions]
-    assert E.outcome_scores(infeasible, acts, end, checks) == (hard, standard)
+    assert T.outcome_scores(infeasible, acts, end, checks) == (hard, standard)
 
 
 def test_flat_groups_are_the_ones_the_update_learns_nothing_from():
@@ -88,7 +86,7 @@ def test_flat_groups_are_the_ones_the_update_learns_nothing_from():
     groups, rewards = [0, 0, 1, 1, 2], [1.0, 0.99, 0.5, 0.5, 1.0]
     adv = group_advantages(rewards, groups).tolist()
     assert adv[:2] == pytest.approx([0.707, -0.707], abs=1e-3) and adv[2:] == [0.0, 0.0, 0.0]
-    assert arpo_log.flat_groups(groups, adv) == 2
+    assert logs.flat_groups(groups, adv) == 2
 
 
 def test_dr_grpo_advantages_in_a_real_update(tmp_path):
@@ -99,14 +97,16 @@ def test_dr_grpo_advantages_in_a_real_update(tmp_path):
     eps = []
     for g, (r0, r1) in enumerate([(1.0, -0.5), (0.5, 0.5)]):
         for vm, r in enumerate((r0, r1)):  # one-step episodes of the blank screen, answered "finished()"
-            e = E.Episode(task, vm, g, screenshots=[Image.new("RGB", (1280, 720))], assistant=["Thought: done.\nAction: finished()"],
+            e = T.Episode(task, vm, g, screenshots=[Image.new("RGB", (1280, 720))], assistant=["Thought: done.\nAction: finished()"],
                           logprobs=[None], reward=r)
             eps.append(e)
     for scale, want in ((False, [0.75, -0.75, 0.0, 0.0]), (True, [0.70711, -0.70711, 0.0, 0.0])):
         args = small_args(scale_rewards=scale, lr=0.0)
         opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=0.0)
         tr = T.Trainer(args, None, policy, opt, None, None, str(tmp_path), [task])
-        adv, pieces, upd = T.update(tr, eps, 0, {})
+        adv = T.advantages(eps, args)
+        pieces = [T.episode_samples(policy, e, args, x) for e, x in zip(eps, adv)]
+        upd = T.update(tr, [p for ps in pieces for p in ps], 0)
         assert adv == pytest.approx(want, abs=1e-4) and [p[0].advantage for p in pieces] == adv
         assert upd["steps"] == 2 and upd["adv_mean"] == pytest.approx(0.0, abs=1e-6)  # ARPO: 2 optimizer steps
     assert rundir.parse_args(T.Args, ["--no-scale-rewards"], T.PROG)[0].scale_rewards is False
@@ -129,7 +129,7 @@ def test_sample_seed_drives_sampling_and_leaves_the_task_order():
     a = torch.rand(3)
     rundir.seed_all(5, 7)  # another --seed, the same --sample-seed
     assert torch.equal(a, torch.rand(3))
-    rundir.seed_all(0, -1)  # -1: sampling follows --seed
+    rundir.seed_all(0, None)  # None: sampling follows --seed
     b = torch.rand(3)
     torch.manual_seed(0)
     assert torch.equal(b, torch.rand(3)) and not torch.equal(a, b)
@@ -171,7 +171,7 @@ def test_the_format_penalty_on_the_reward_or_on_the_advantage():
       std sqrt(0.1875 / 3) = 0.25 -> [0.5, 0.5, 0.5, -1.5]: the three failures are rewarded.
     advantage: group 0 scores normalised, mean 0.25, std 0.5 -> [1.5, -0.5, -0.5, -0.5], the
       broken one -0.5 more -> -1.0; group 1 scores all equal -> 0, the broken one -0.5."""
-    batch = [E.Episode(task=None, vm=k, group=g, score=s, format_ok=[True, ok], reward=s - 0.5 * (not ok))
+    batch = [T.Episode(task=None, vm=k, group=g, score=s, format_ok=[True, ok], reward=s - 0.5 * (not ok))
              for g, scores in enumerate([[1, 0, 0, 0], [0, 0, 0, 0]])
              for k, (s, ok) in enumerate(zip(scores, [True, True, True, False]))]
     got = T.advantages(batch, small_args(format_penalty=0.5))
@@ -190,6 +190,6 @@ def test_the_console_says_kl_n_a_when_no_kl_is_computed():
          "groups": [0], "actor/kl": 0.0123, "actor/clip_low": 0.0, "actor/clip_high": 0.0, "actor/clip_dual": 0.0,
          "actor/steps": 2, "time/iteration": 1.0, "time/generation": 0.2, "rollout/batches": 3, "time/update": 0.1,
          "vm_wait_share": 0.3, "time/reset": 0.3, "time/env": 0.4, "time/evaluate": 0.0, "env_failures": 0}
-    assert "| kl n/a clip" in arpo_log.summary_line(m, beta=0.0)
-    assert "| kl 0.0123 clip" in arpo_log.summary_line(m, beta=0.04)
-    assert "env failures" not in arpo_log.summary_line(m) and "env failures 2" in arpo_log.summary_line({**m, "env_failures": 2})
+    assert "| kl n/a clip" in logs.arpo_line(m, beta=0.0)
+    assert "| kl 0.0123 clip" in logs.arpo_line(m, beta=0.04)
+    assert "env failures" not in logs.arpo_line(m) and "env failures 2" in logs.arpo_line({**m, "env_failures": 2})

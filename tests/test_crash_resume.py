@@ -2,7 +2,7 @@
 
 Run: python -m pytest -q tests/test_crash_resume.py        (~2.5 min on 2 cores)
 
-1. rundir.save_checkpoint killed (a real SIGKILL, in a forked child) before each of its file system
+1. ckpt.save_checkpoint killed (a real SIGKILL, in a forked child) before each of its file system
    operations in turn (every rename, rmtree, unlink, rmdir, fsync, open, torch.save), from a normal
    run folder and from one an earlier kill left with only `ckpt.old` and a half-written
    `ckpt.tmp-*`: a complete checkpoint (old or new) is always found, never a folder without
@@ -33,7 +33,7 @@ import time
 import pytest
 import torch
 
-from plumbing import rundir
+from plumbing import ckpt, rundir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -66,7 +66,7 @@ def save_killed_at(run: str, state: dict, kill_at: int | None, metrics=None) -> 
         for mod, name in _OPS:
             setattr(mod, name, wrap(getattr(mod, name)))
         try:
-            rundir.save_checkpoint(run, state, **({} if metrics is None else {"metrics": metrics}))
+            ckpt.save_checkpoint(run, state, **({} if metrics is None else {"metrics": metrics}))
             os.write(w, str(count[0]).encode())
         finally:
             os._exit(0)
@@ -79,10 +79,10 @@ def save_killed_at(run: str, state: dict, kill_at: int | None, metrics=None) -> 
 
 def check_folder(run: str, allowed: set[int]) -> int:
     """The checkpoint a resume would load is complete and one of `allowed`; returns its iteration."""
-    path = rundir.latest_checkpoint(run)
+    path = ckpt.latest_checkpoint(run)
     assert path is not None, f"no complete checkpoint left: {sorted(os.listdir(run))}"
     assert os.path.exists(os.path.join(path, "COMPLETE"))
-    state, _ = rundir.load_checkpoint(run)
+    state, _ = ckpt.load_checkpoint(run)
     it = state["next_iteration"]
     assert it in allowed and open(os.path.join(path, "COMPLETE")).read() == str(it)
     assert state["blob"].shape == (64, 64) and float(state["blob"][0, 0]) == it
@@ -97,7 +97,7 @@ def prepare(run: str, start: str) -> str:
     """A run folder with checkpoint 1, as a normal run has it or as a kill between the two renames
     of a save leaves it (only ckpt.old, and the killed save's half-written ckpt.tmp-*)."""
     os.makedirs(run)
-    rundir.save_checkpoint(run, make_state(1))
+    ckpt.save_checkpoint(run, make_state(1))
     if start != "normal":
         os.rename(os.path.join(run, "ckpt"), os.path.join(run, "ckpt.old"))
         os.makedirs(os.path.join(run, "ckpt.tmp-99999"))
@@ -111,16 +111,16 @@ def test_rng_state_round_trip_and_old_checkpoints():
     import numpy as np
     if torch.cuda.is_available():
         torch.cuda.init()  # a GPU run has CUDA in use by the time it checkpoints
-    state = rundir.rng_state()
+    state = ckpt.rng_state()
     assert ("cuda" in state) and (state["cuda"] is None) == (not torch.cuda.is_initialized())
     draws = (random.random(), np.random.rand(), torch.rand(3).tolist(),
              torch.rand(3, device="cuda").tolist() if torch.cuda.is_available() else None)
     random.random(), np.random.rand(), torch.rand(3)  # the run moves on...
-    rundir.set_rng_state(state)                        # ...and is killed and resumed
+    ckpt.set_rng_state(state)                        # ...and is killed and resumed
     assert draws == (random.random(), np.random.rand(), torch.rand(3).tolist(),
                      torch.rand(3, device="cuda").tolist() if torch.cuda.is_available() else None)
     old = {k: v for k, v in state.items() if k != "cuda"}  # a checkpoint without CUDA's RNG state
-    rundir.set_rng_state(old)
+    ckpt.set_rng_state(old)
     assert random.random() == draws[0]
 
 
@@ -135,7 +135,7 @@ def test_save_checkpoint_killed_at_every_operation(tmp_path, start):
         assert killed == (k <= total)
         outcomes[k] = check_folder(run, {1, 2})
         # the resume: the next save in place, then exactly one complete checkpoint and no leftovers
-        rundir.save_checkpoint(run, make_state(3))
+        ckpt.save_checkpoint(run, make_state(3))
         assert check_folder(run, {3}) == 3
         assert sorted(n for n in os.listdir(run) if n.startswith("ckpt")) == ["ckpt"], os.listdir(run)
     assert outcomes[1] == 1 and outcomes[total + 1] == 2  # both ends reached: the windows were all visited
@@ -145,19 +145,19 @@ def test_save_checkpoint_killed_at_every_operation(tmp_path, start):
 def test_a_kill_between_checkpoint_and_metrics_line_loses_no_line(tmp_path):
     run = str(tmp_path)
     for it in range(4):
-        rundir.save_checkpoint(run, make_state(it), metrics={"iteration": it, "x": it})
+        ckpt.save_checkpoint(run, make_state(it), metrics={"iteration": it, "x": it})
         rundir.log_metrics(run, {"iteration": it, "x": it})
     with open(os.path.join(run, "metrics.jsonl"), "a") as f:
         f.write('{"iteration": 4, "x"')  # and a torn line from a kill in the middle of a write
     # iteration 4: its checkpoint lands, then the kill, before log_metrics
     killed, _ = save_killed_at(run, make_state(4), None, metrics={"iteration": 4, "x": 4})
     assert not killed
-    rundir.trim_metrics(run, 5)  # what the resume does
+    ckpt.trim_metrics(run, 5)  # what the resume does
     lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert [m["iteration"] for m in lines] == [0, 1, 2, 3, 4] and lines[4]["x"] == 4
-    rundir.trim_metrics(run, 5)  # twice is once
+    ckpt.trim_metrics(run, 5)  # twice is once
     assert [json.loads(x)["iteration"] for x in open(os.path.join(run, "metrics.jsonl"))] == [0, 1, 2, 3, 4]
-    rundir.trim_metrics(run, 3)  # an older checkpoint's resume drops what it does not cover
+    ckpt.trim_metrics(run, 3)  # an older checkpoint's resume drops what it does not cover
     assert [json.loads(x)["iteration"] for x in open(os.path.join(run, "metrics.jsonl"))] == [0, 1, 2]
 
 
@@ -167,9 +167,9 @@ def test_a_resume_removes_the_trajectories_of_iterations_it_will_not_keep(tmp_pa
     for it in (5, 6, 7, 12):
         os.makedirs(os.path.join(run, "trajectories", f"it{it:06d}"))
     os.makedirs(os.path.join(run, "trajectories", "notes"))  # not an iteration's: kept
-    rundir.trim_trajectories(run, 7)
+    ckpt.trim_trajectories(run, 7)
     assert sorted(os.listdir(os.path.join(run, "trajectories"))) == ["it000005", "it000006", "notes"]
-    rundir.trim_trajectories(str(tmp_path / "no-run"), 0)  # no trajectories folder: nothing to do
+    ckpt.trim_trajectories(str(tmp_path / "no-run"), 0)  # no trajectories folder: nothing to do
 
 
 # ------------------------------------------------------------------------------------------------
@@ -215,7 +215,7 @@ def snapshot(run: str, live: bool = False) -> dict | None:
     read sees the same checkpoint from start to end."""
     for _ in range(50 if live else 1):
         try:
-            path = rundir.latest_checkpoint(run)
+            path = ckpt.latest_checkpoint(run)
             if path is None:
                 assert live or not os.path.isdir(os.path.join(run, "ckpt"))
                 return None
@@ -256,7 +256,7 @@ def crash_and_resume(script: str, fresh: list[str], run: str, seed: int, kills: 
         p = start(script, argv)
         t0, kill_at, first_new, deadline = time.time(), None, None, time.time() + 300
         while p.poll() is None and time.time() < deadline:
-            done = rundir.latest_checkpoint(run)
+            done = ckpt.latest_checkpoint(run)
             stamp = open(os.path.join(done, "COMPLETE")).read() if done else None
             if stamp is not None and stamp != str(before and before["next_iteration"]) and first_new is None:
                 first_new = snapshot(run, live=True)
@@ -404,9 +404,9 @@ def test_the_vm_token_never_reaches_the_run_folder(tmp_path):
     --token that controls the VMs must not be in them. A resume takes it again from --token/VM_TOKEN."""
     from train_arpo import Args
     run = rundir.make_run_dir(str(tmp_path / "r"), Args(token="s3cret-token"))
-    rundir.save_checkpoint(run, {"next_iteration": 0, "args": {"token": "s3cret-token", "lr": 1.0}})
+    ckpt.save_checkpoint(run, {"next_iteration": 0, "args": {"token": "s3cret-token", "lr": 1.0}})
     for root, _, files in os.walk(run):
         for f in files:
             assert b"s3cret-token" not in open(os.path.join(root, f), "rb").read(), f
     assert json.load(open(os.path.join(run, "args.json")))["token"] == ""
-    assert rundir.load_checkpoint(run)[0]["args"] == {"token": "", "lr": 1.0}
+    assert ckpt.load_checkpoint(run)[0]["args"] == {"token": "", "lr": 1.0}

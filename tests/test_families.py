@@ -23,7 +23,7 @@ import grpo
 import model as M
 import qwen_vl
 from actions import smart_resize
-from chat import encode_chat, explore_messages, uitars_messages
+from model import encode_chat, explore_messages, uitars_messages
 
 FAMILIES = {"tiny-qwen2-vl": ("Qwen2VLForConditionalGeneration", 28),
             "tiny": ("Qwen2_5_VLForConditionalGeneration", 28),

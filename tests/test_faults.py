@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import train_arpo as T
-from arpo_replay import ReplayBuffer
+from grpo import ReplayBuffer
 from conftest import proc_alive, proc_group
 from env import VMPool
 from model import load_policy
@@ -63,9 +63,9 @@ def test_a_killed_and_a_frozen_vm_mid_iteration(trainer):
         return int(max(float(s["step"]) for s in opt.state_dict()["state"].values())) if opt.state_dict()["state"] else 0
 
     # 0. a warm-up iteration (the first generate and update are slow), then a clean one: the yardstick
-    T.run_iteration(tr, 0, pick)
+    T.iteration(tr, 0, pick)
     t = time.perf_counter()
-    m0, _ = T.run_iteration(tr, 1, pick)
+    m0, _ = T.iteration(tr, 1, pick)
     clean = time.perf_counter() - t
     assert (m0["episodes"], m0["dropped"]) == (4, 0) and steps(tr.optimizer) == 2
 
@@ -92,7 +92,7 @@ def test_a_killed_and_a_frozen_vm_mid_iteration(trainer):
         return res
     pool.call = logged_call
     t = time.perf_counter()
-    m1, eps = T.run_iteration(tr, 2, pick)
+    m1, eps = T.iteration(tr, 2, pick)
     faulty_s = time.perf_counter() - t
     tr.policy_fn = model_fn
     del pool.call
@@ -119,7 +119,7 @@ def test_a_killed_and_a_frozen_vm_mid_iteration(trainer):
 
     # 2. the next iteration restarts both desktops and plays on all 4
     t = time.perf_counter()
-    m2, eps = T.run_iteration(tr, 3, pick)
+    m2, eps = T.iteration(tr, 3, pick)
     restarted = time.perf_counter() - t
     assert (m2["episodes"], m2["dropped"]) == (4, 0) and all(pool.alive)
     assert pool.local[1].proc.pid != killed and pool.local[2].proc.pid != frozen

@@ -13,7 +13,13 @@ import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OURS = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
+# A module as FORKING.md names it: a top-level file (`grpo.x`), a plumbing/ file by its own name
+# (`rundir.x`, as the trainers import it), or the vm package (`vm.FILES`).
+PATHS = {f[:-3]: f for f in os.listdir(ROOT) if f.endswith(".py")}
+PATHS.update({f[:-3]: os.path.join("plumbing", f) for f in os.listdir(os.path.join(ROOT, "plumbing"))
+              if f.endswith(".py") and f != "__init__.py"})
+PATHS["vm"] = os.path.join("vm", "__init__.py")
+OURS = set(PATHS)
 NOT_OURS = {"args.json", "config.json"}  # files a run folder or a checkpoint holds, not the repository
 
 
@@ -23,7 +29,7 @@ def forking() -> str:
 
 
 def top_level_names(mod: str) -> set[str]:
-    with open(os.path.join(ROOT, mod + ".py"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, PATHS[mod]), encoding="utf-8") as f:
         tree = ast.parse(f.read())
     names = set()
     for node in tree.body:

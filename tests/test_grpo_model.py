@@ -18,7 +18,7 @@ from PIL import Image
 
 import grpo
 import model as M
-from chat import encode_chat, explore_messages, uitars_messages
+from model import encode_chat, explore_messages, uitars_messages
 from grpo import collate, grpo_loss, group_advantages
 
 

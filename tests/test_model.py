@@ -1,4 +1,4 @@
-"""Tests for model.py and chat.py, on the tiny random-weight Qwen2.5-VL (the real transformers
+"""Tests for model.py and model.py, on the tiny random-weight Qwen2.5-VL (the real transformers
 class, CPU).
 
 Run: python -m pytest -q tests/test_model.py        (about half a minute on 2 CPU cores)
@@ -20,7 +20,7 @@ from PIL import Image
 
 import model as M
 import qwen_vl
-from chat import encode_chat, encode_chats, explore_messages, image_parts, uitars_messages
+from model import encode_chat, encode_chats, explore_messages, image_parts, uitars_messages
 from qwen_vl import SPECIAL_TOKENS, VISION_TOKENS, expand_image_tokens
 from vllm_engine import collapse_image_pads
 

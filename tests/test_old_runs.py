@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from plumbing import rundir
+from plumbing import ckpt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD = os.path.join(ROOT, "tests", "fixtures", "old_runs")
@@ -54,7 +54,7 @@ def _check(run: str, out: str, old: dict, old_state: dict, lr: float):
     assert f"resumed {run} at iteration 1" in out
     lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
     assert [m["iteration"] for m in lines] == [0, 1]  # the old line kept, the new one appended once
-    state, _ = rundir.load_checkpoint(run)
+    state, _ = ckpt.load_checkpoint(run)
     assert state["next_iteration"] == 2 and "trainable" not in state
     steps = _steps(state["optimizer"]) - _steps(old_state["optimizer"])
     assert steps == lines[1]["actor/steps"] >= 1  # the optimizer went on from its saved step count

@@ -197,7 +197,7 @@ def test_windows_term_counts_the_windows_a_step_opened():
     before = [{1: "a", 2: "b"}, {1: "a", 2: "b"}, {7: "x"}, {}]
     after = [{1: "a", 2: "b", 3: "c", 4: "d"}, {2: "b", 5: "e"}, {7: "x"}, {9: "z"}]
     scr = t((1, 0), (1, 0), (1, 0), (1, 0))
-    steps = R.Steps([0, 0, 1, 1], [1, 1, 1, 0], scr, scr, windows_before=before, windows_after=after)
+    steps = R.Buffer([0, 0, 1, 1], [1, 1, 1, 0], scr, scr, windows_before=before, windows_after=after)
     r = R.reward(steps, parse_reward_flags("none,windows"))
     assert close(r.windows, [2, 1, 0, 0]) and close(r.total, [2, 1, 0, 0]) and close(r.format, [1, 1, 1, 0])
     # with the paper's reward it is logged as 0 (off), and the total is the paper's
@@ -211,14 +211,14 @@ def test_windows_term_counts_the_windows_a_step_opened():
     assert R.summarize_rewards(r)["reward/windows"] == 1.0  # mean over the 3 valid steps: (2 + 1 + 0) / 3
     # on without the window lists: one sentence that says how to switch it off
     with pytest.raises(ValueError, match="no_windows"):
-        R.reward(R.Steps([0], [1], t((1, 0)), t((1, 0))), parse_reward_flags("none,windows"))
+        R.reward(R.Buffer([0], [1], t((1, 0)), t((1, 0))), parse_reward_flags("none,windows"))
 
 
 def test_record_keeps_valid_as_a_tensor_and_trajectories_in_time_order():
-    s = R.Steps(["a", "b", "a", "a"], [1, 1, 0, 1], t((1, 0), (1, 0), (1, 0), (1, 0)), t((1, 0), (1, 0), (1, 0), (1, 0)))
-    assert s.valid.dtype == torch.float32 and s.valid.tolist() == [1, 1, 0, 1]
+    s = R.Buffer(["a", "b", "a", "a"], [1, 1, 0, 1], t((1, 0), (1, 0), (1, 0), (1, 0)), t((1, 0), (1, 0), (1, 0), (1, 0)))
+    assert s.format_ok.dtype == torch.float32 and s.format_ok.tolist() == [1, 1, 0, 1]
     assert s.trajectories() == [[0, 3], [1]]  # the malformed step 2 of "a" is left out
-    z = R.scatter(R.reward(R.Steps([0], [1], t((1, 0)), t((0, 1))), parse_reward_flags("none,image,immediate")), [2], 4)
+    z = R.scatter(R.reward(R.Buffer([0], [1], t((1, 0)), t((0, 1))), parse_reward_flags("none,image,immediate")), [2], 4)
     assert close(z.total, [0, 0, 1, 0]) and close(z.image_immediate, [0, 0, 1, 0]) and close(z.format, [0, 0, 1, 0])
     both = R.cat([z, R.zeros(2)])
     assert close(both.total, [0, 0, 1, 0, 0, 0]) and set(both.parts) == set(R.TERMS)
@@ -227,7 +227,7 @@ def test_record_keeps_valid_as_a_tensor_and_trajectories_in_time_order():
 def _random_inputs(n=6, d=5, e=4):
     g = torch.Generator().manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=g)
-    return dict(traj_ids=[0, 1, 0, 1, 0, 1][:n], valid=[1, 1, 1, 0, 1, 1][:n], screen_before=rnd(n, d),
+    return dict(traj_ids=[0, 1, 0, 1, 0, 1][:n], format_ok=[1, 1, 1, 0, 1, 1][:n], screen_before=rnd(n, d),
                 screen_after=rnd(n, d), screen_pred=rnd(n, d), text_before=rnd(n, e), text_after=rnd(n, e),
                 text_pred=rnd(n, e), intent=rnd(n, e), click_text=rnd(n, e),
                 click_hit=torch.tensor([True, False, True, True, False, True][:n]))
@@ -388,7 +388,7 @@ def test_missing_tesseract_turns_text_off_once(caplog):
     assert not flags["text"] and not flags["intent"] and not flags["intent_click"] and flags["image"]
     # and the rewards run without any text input
     x = _random_inputs()
-    r = exploration_rewards(flags, x["traj_ids"], x["valid"], x["screen_before"], x["screen_after"], x["screen_pred"])
+    r = exploration_rewards(flags, x["traj_ids"], x["format_ok"], x["screen_before"], x["screen_after"], x["screen_pred"])
     assert torch.count_nonzero(r.text_immediate) == 0 and torch.count_nonzero(r.image_immediate) > 0
 
 

@@ -38,7 +38,7 @@ from PIL import Image
 
 import rollout
 import train_arpo as A
-import explore_episode as X
+import train_explore as X
 import env
 from env import VMPool
 from model import load_policy
@@ -201,7 +201,7 @@ def test_a_held_desktop_holds_nobody(loopback):
     # The held desktop's first action waits until both others finished all their 3 steps.
     release = lambda d: set(d) >= {0, 1} and held.release.set()  # noqa: E731
     fn, batches = recorder()
-    out = rollout.run(pool, [moves(3, done, release)] * 3, fn)
+    out = rollout.play(pool, [moves(3, done, release)] * 3, fn)
     assert not held.waited_out, "the held desktop held the others (lockstep)"
     assert sorted(done[:2]) == [0, 1] and done[2] == 2 and out.results == [0, 1, 2]
     assert out.failures == [] and fast0.actions == fast1.actions == held.actions == 3
@@ -218,7 +218,7 @@ def test_more_jobs_than_desktops_reuse_freed_desktops(loopback):
     # Desktop 1's first action waits until desktop 0 finished four episodes: jobs 0, 2, 3, 4.
     release = lambda d: d.count(0) == 4 and held.release.set()  # noqa: E731
     fn, _ = recorder()
-    out = rollout.run(pool, [moves(2, done, release)] * 5, fn)
+    out = rollout.play(pool, [moves(2, done, release)] * 5, fn)
     assert not held.waited_out, "a freed desktop waited for the busy one (waves)"
     assert out.results == [0, 1, 0, 0, 0] and done == [0, 0, 0, 0, 1]
     assert fast.count("/reset") == 4 and held.count("/reset") == 1  # a reset per job, in its desktop's thread
@@ -233,7 +233,7 @@ def test_more_jobs_than_desktops_reuse_freed_desktops(loopback):
 def test_a_silent_desktops_job_is_retried_or_dropped_and_nobody_waits_for_it(loopback, retries):
     pool, (ok, silent) = loopback("ok", "silent", timeout=1.0)
     fn, _ = recorder()
-    out = rollout.run(pool, [moves(2)] * 2, fn, retries=retries)
+    out = rollout.play(pool, [moves(2)] * 2, fn, retries=retries)
     assert silent.busy.is_set() and not silent.stop.is_set()  # its /action still hangs: nobody waited for it
     assert [(f.vm, "did not answer within 1 s" in f.error) for f in out.failures] == [(1, True)]
     assert not pool.alive[1]  # marked down: the next job there revives it first
@@ -250,7 +250,7 @@ def test_a_call_past_its_deadline_is_given_up_on(loopback, monkeypatch):
     pool, (ok, slow) = loopback("ok", "trickle", timeout=1.0)
     fn, _ = recorder()
     t0 = time.monotonic()
-    out = rollout.run(pool, [moves(2)] * 2, fn, retries=1)
+    out = rollout.play(pool, [moves(2)] * 2, fn, retries=1)
     assert slow.busy.is_set() and not slow.stop.is_set()  # still trickling when the run was over
     assert out.results == [0, 0] and [f.vm for f in out.failures] == [1]
     assert "did not finish a call within 1 s" in out.failures[0].error and not pool.alive[1]
@@ -260,7 +260,7 @@ def test_a_call_past_its_deadline_is_given_up_on(loopback, monkeypatch):
 def test_a_desktop_that_cannot_be_revived_leaves_the_run(loopback):
     pool, (ok, dead) = loopback("ok", {"health": 503})
     fn, _ = recorder()
-    out = rollout.run(pool, [moves(1)] * 3, fn, retries=0)
+    out = rollout.play(pool, [moves(1)] * 3, fn, retries=0)
     assert out.results == [0, 0, 0] and out.failures == []  # its job went elsewhere, no try spent
     assert dead.count("/reset") == 0 and not pool.alive[1] and "503" in pool.why_down[1]
 
@@ -272,7 +272,7 @@ def test_a_bug_in_an_episode_is_raised_not_blamed_on_the_environment(loopback):
         yield 1
         raise KeyError("a bug")
     with pytest.raises(KeyError, match="a bug"):
-        rollout.run(pool, [broken], lambda obs: [None] * len(obs))
+        rollout.play(pool, [broken], lambda obs: [None] * len(obs))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -290,12 +290,12 @@ def test_a_reset_started_when_an_episode_ends_is_taken_by_the_next_one(loopback)
         desk.reset_ahead()
         return "first"
     fn, _ = recorder()
-    assert rollout.run(pool, [first], fn).results == ["first"]
+    assert rollout.play(pool, [first], fn).results == ["first"]
     # nobody asks for it, yet the desktop is reset: the run is over, the "update" could run now
     wait_for(lambda: vm.count("/reset") == 2, "the reset started ahead", timeout=10, every=0.01)
-    out = rollout.run(pool, [moves(1)], fn)
+    out = rollout.play(pool, [moves(1)], fn)
     assert out.results == [0] and vm.count("/reset") == 2  # taken, not done again
-    out = rollout.run(pool, [moves(1)], fn)  # nothing pending now: a reset of its own
+    out = rollout.play(pool, [moves(1)], fn)  # nothing pending now: a reset of its own
     assert vm.count("/reset") == 3
 
 
@@ -304,7 +304,7 @@ def test_generation_batches_every_waiting_observation_in_job_order(loopback):
     fn, batches = recorder()
     # A window of 10 s would be waited out at every step if the stepper did not see that every
     # busy desktop was already waiting for its answer.
-    out = rollout.run(pool, [moves(3)] * 4, fn, gather=10.0)
+    out = rollout.play(pool, [moves(3)] * 4, fn, gather=10.0)
     assert [len(b) for b in batches] == [4, 4, 4] and out.batches == [4, 4, 4]
     assert [b for b in batches] == [[(vm, t) for vm in range(4)] for t in range(3)]
     assert out.times["time/rollout"] < 10
@@ -326,7 +326,7 @@ def test_arpo_a_500_drops_the_episode_and_a_400_is_a_format_failure(loopback):
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=args.lr)
     click = lambda obs: ["Thought: Click it.\nAction: click(start_box='(5,5)')"] * len(obs)  # noqa: E731
     tr = A.Trainer(args, pool, policy, opt, None, click, None, [TASK])
-    m, eps = A.run_iteration(tr, 0, lambda n: [TASK.id] * n)
+    m, eps = A.iteration(tr, 0, lambda n: [TASK.id] * n)
     failed, refused = eps
     # VM 0 answered 500: the environment failed; the episode is dropped, nobody pays a penalty for it
     assert (failed.end, failed.vm) == ("dropped", 0) and "500" in failed.error and failed.format_ok == [True]
@@ -341,7 +341,7 @@ def test_arpo_a_500_drops_the_episode_and_a_400_is_a_format_failure(loopback):
 
 def test_explore_a_500_drops_the_step_and_a_400_is_a_format_failure(loopback):
     pool, (failing, refusing) = loopback("fail", "refuse")
-    buffer, out = X.play(pool, {0, 1}, X.random_chooser(random.Random(0)), 3, "0", reset=True)
+    buffer, out = X.play_steps(pool, {0, 1}, X.random_policy(random.Random(0)), 3, "0", reset=True)
     # desktop 0's first action failed: no step of it (not even as a format failure), one failure
     assert [(f.vm, "500" in f.error) for f in out.failures] == [(0, True)]
     assert [(s.vm, s.t) for s in buffer] == [(1, 0), (1, 1), (1, 2)]

@@ -7,7 +7,7 @@ For every task, on a real `vm_server.py --xvfb` desktop over real HTTP, tasks/pr
 (what `python tasks/prove.py tasks/<id>.json` runs): /reset, the task's /setup, then doing nothing
 must score 0.0 (infeasible tasks: ending with `done` too) and replaying the `solution` of its file,
 each action sent as a trainer sends it with `?settle=watch`, must score 1.0. Every episode prove
-scored is scored again here by arpo_episode.outcome_scores, the rule training uses, under both
+scored is scored again here by train_arpo.outcome_scores, the rule training uses, under both
 protocols (hard and standard): they must agree with prove's.
 
 Speed: the selected tasks are spread over up to DESKTOPS desktops (the session's shared one from
@@ -28,7 +28,8 @@ from collections import Counter
 
 import pytest
 
-from arpo_episode import outcome_scores
+from plumbing import logs
+from train_arpo import outcome_scores
 from conftest import start_vm_server
 from vm.desktop import desktop_icons
 from env import VMClient, VMPool
@@ -182,10 +183,9 @@ def test_prove_command(vm_desktop, tmp_path):
 
 
 def test_the_solution_reaches_no_prompt_and_no_trajectory(vm_desktop, tmp_path):
-    """A task whose solution holds a marker, played by ARPO's own episode loop (arpo_episode.py) on a real
+    """A task whose solution holds a marker, played by ARPO's own episode loop (train_arpo.episode) on a real
     desktop with a stand-in policy that records what a model would be shown: the marker is in no
     prompt (Observation.messages) and in no file of the trajectories the trainer writes."""
-    import arpo_episode as E
     import train_arpo as T
     marker = "SOLUTION-ONLY-7f3a9c"
     (tmp_path / "t.json").write_text(json.dumps({
@@ -203,18 +203,19 @@ def test_the_solution_reaches_no_prompt_and_no_trajectory(vm_desktop, tmp_path):
 
     args = T.Args(vms="1", group_size=1, model="tiny", max_steps=2, max_pixels=64 * 28 * 28, vm_timeout=30.0)
     with VMPool([vm_desktop.url], token=vm_desktop.secret, timeout=30) as pool:
-        eps, lost = E.run_jobs(pool, [task], policy, args)
+        eps, out = T.play_tasks(pool, [task], policy, args)
+        lost = len(out.failures)
         pool.reset()  # leave the shared desktop as we found it
     assert lost == 0 and len(seen) == 2 and eps[0].end == "done"
     assert all("Write a note." in m and marker not in m for m in seen)
     run = tmp_path / "run"
-    E.save_episodes(str(run), 0, eps)
+    logs.save_episodes(str(run), 0, eps)
     files = [p for p in run.rglob("*") if p.is_file()]
     assert any(p.suffix == ".jsonl" for p in files)
     assert [p for p in files if marker.encode() in p.read_bytes()] == []
     # nor in what the replay buffer (and so every checkpoint) keeps of a success
-    record = E.to_record(eps[0])
-    assert marker not in json.dumps(record, default=str) and E.from_record(record).task.id == "secret"
+    record = T.to_dict(eps[0])
+    assert marker not in json.dumps(record, default=str) and T.from_dict(record).task.id == "secret"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,12 +33,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import arpo_episode as E  # noqa: E402
-import arpo_eval  # noqa: E402
-import arpo_log  # noqa: E402
-from plumbing import rundir  # noqa: E402
+import grpo  # noqa: E402
+from plumbing import ckpt, logs, rundir  # noqa: E402
 import train_arpo as T  # noqa: E402
-from arpo_replay import ReplayBuffer  # noqa: E402
+from grpo import ReplayBuffer  # noqa: E402
 from conftest import free_port, kill_x_server  # noqa: E402
 from env import VMPool  # noqa: E402
 from model import load_policy  # noqa: E402
@@ -119,19 +117,19 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     task = TASKS["calc-open"]
     args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1)  # the solution, then finished()
     # A stored success of calc-open, from an "earlier iteration": the scripted solution on a desktop.
-    eps, _ = E.run_jobs(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args)
+    eps, _ = T.play_tasks(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args)
     assert eps[0].score == 1.0
-    stored = E.to_record(eps[0])
+    stored = T.to_dict(eps[0])
     buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
     assert buffer.add(task.id, stored, eps[0].score)
     # Its tokens as a training sample: what the update must see for the replayed member.
-    want_tokens = sum(sum(p.target_mask) for p in T.episode_samples(tiny, E.from_record(stored), args))
+    want_tokens = sum(sum(p.target_mask) for p in T.episode_samples(tiny, T.from_dict(stored), args))
 
     # No weight decay: any change of the weights below comes from the GRPO gradient.
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     tr = T.Trainer(args, pool, tiny, opt, buffer, T.model_policy(tiny, args, 1.0), str(tmp_path), [task])
     before = tiny.model.lm_head.weight.detach().clone()
-    m, fresh = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    m, fresh = T.iteration(tr, 1, lambda n: [task.id] * n)
     # The random tiny policy failed both rollouts -> the group is all-failed -> one member replaced.
     # groups[].scores are the fresh rollouts only; the replayed success is listed apart, labelled
     assert [(g["scores"], g["replayed_scores"]) for g in m["groups"]] == [([0.0], [1.0])]
@@ -153,15 +151,15 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     # The buffer survives a checkpoint (ARPO's own code loses it on resume).
     tr.picker = {"epoch": 0, "pos": 1}
     T.checkpoint(tr, 2)
-    state, _ = rundir.load_checkpoint(str(tmp_path))
+    state, _ = ckpt.load_checkpoint(str(tmp_path))
     back = ReplayBuffer()
     back.load_state_dict(state["replay"])
-    again = E.from_record(back.sample(task.id))
+    again = T.from_dict(back.sample(task.id))
     assert sum(sum(p.target_mask) for p in T.episode_samples(tiny, again, args)) == want_tokens
 
     # --no-replay: the same all-failed group trains as it is, with zero advantages.
     tr.replay = None
-    m, _ = T.run_iteration(tr, 2, lambda n: [task.id] * n)
+    m, _ = T.iteration(tr, 2, lambda n: [task.id] * n)
     assert m["n_injections"] == 0 and not any(b["replayed"] for b in m["batch"])
     assert [b["advantage"] for b in m["batch"]] == [0.0, 0.0] and m["actor/grad_norm"] == 0.0
     assert len(buffer) == 1
@@ -178,13 +176,13 @@ def test_epochs_and_the_lr_schedule_in_a_real_iteration(pool, tmp_path):
     fn = scripted(lambda tid, job: SOLUTIONS[tid] if job == 0 else [])
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=args.lr)
     tr = T.Trainer(args, pool, policy, opt, None, fn, str(tmp_path), [task])
-    m, _ = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    m, _ = T.iteration(tr, 1, lambda n: [task.id] * n)
     assert m["groups"][0]["scores"] == [1.0, 0.0]
     assert m["actor/steps"] == 6 and m["actor/lr"] == 5e-4 and opt.param_groups[0]["lr"] == 5e-4
 
 
 def test_beta_with_full_fine_tuning_pulls_towards_a_frozen_copy_of_the_start(pool, tmp_path):
-    """--beta 0.04 without LoRA: the reference is a frozen copy of --model (rundir.reference_fn). ARPO's two
+    """--beta 0.04 without LoRA: the reference is a frozen copy of --model (grpo.reference_fn). ARPO's two
     optimizer steps: the first starts at the reference (KL 0), the second after a step away from
     it, so the run's KL is above 0, and the copy's weights never move."""
     task = TASKS["calc-open"]
@@ -192,8 +190,8 @@ def test_beta_with_full_fine_tuning_pulls_towards_a_frozen_copy_of_the_start(poo
     policy = load_policy("tiny", seed=1, max_pixels=SMALL)  # the start = the reference's weights
     def load():
         return load_policy("tiny", seed=1, max_pixels=SMALL)
-    ref_fn = rundir.reference_fn(args.beta, args.lora_rank, load)  # what train_arpo.setup builds
-    assert rundir.reference_fn(0.0, 0, load) is None and rundir.reference_fn(0.04, 4, load) is None
+    ref_fn = grpo.reference_fn(args.beta, args.lora_rank, load)  # what train_arpo.setup builds
+    assert grpo.reference_fn(0.0, 0, load) is None and grpo.reference_fn(0.04, 4, load) is None
     ref_model = ref_fn.args[0]  # partial(per_token_logps, the copy)
     assert not any(p.requires_grad for p in ref_model.parameters())
     frozen = ref_model.lm_head.weight.detach().clone()
@@ -201,11 +199,11 @@ def test_beta_with_full_fine_tuning_pulls_towards_a_frozen_copy_of_the_start(poo
     fn = scripted(lambda tid, job: SOLUTIONS[tid] if job == 0 else [])  # rewards 1 and 0
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=args.lr)
     tr = T.Trainer(args, pool, policy, opt, None, fn, str(tmp_path), [task], ref_fn=ref_fn)
-    m, _ = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    m, _ = T.iteration(tr, 1, lambda n: [task.id] * n)
     assert m["groups"][0]["scores"] == [1.0, 0.0] and m["actor/steps"] == 2
     assert m["actor/kl"] > 0, m["actor/kl"]
     assert torch.equal(frozen, ref_model.lm_head.weight) and not torch.equal(frozen, policy.model.lm_head.weight)
-    assert "kl n/a" not in arpo_log.summary_line(m, args.beta)
+    assert "kl n/a" not in logs.arpo_line(m, args.beta)
 
 
 def test_every_answer_is_trained_in_the_context_and_at_the_temperature_it_was_sampled(pool, tmp_path):
@@ -219,7 +217,7 @@ def test_every_answer_is_trained_in_the_context_and_at_the_temperature_it_was_sa
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=0.0)
     tr = T.Trainer(args, pool, policy, opt, None, T.model_policy(policy, args, args.temperature), str(tmp_path), [task])
     torch.manual_seed(0)
-    m, eps = T.run_iteration(tr, 0, lambda n: [task.id] * n)
+    m, eps = T.iteration(tr, 0, lambda n: [task.id] * n)
     assert [b["steps"] for b in m["batch"]] == [3, 3]
     # The first K = 1 answers share a sequence, each later answer is its own: 3 sequences each.
     assert [b["sequences"] for b in m["batch"]] == [3, 3]
@@ -228,7 +226,7 @@ def test_every_answer_is_trained_in_the_context_and_at_the_temperature_it_was_sa
 
     # The trajectory re-encoded once with its last screenshot only trains answers 0 and 1 in a
     # context they never saw: nats away from what was sampled.
-    from chat import encode_chat, uitars_messages
+    from model import encode_chat, uitars_messages
     from grpo import collate, per_token_logps, trajectory_sample
     ep = eps[0]
     pieces = T.episode_samples(policy, ep, args)
@@ -257,13 +255,13 @@ def test_a_success_is_not_replayed_into_a_group_of_the_same_iteration(pool, tiny
     buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
     tr = T.Trainer(args, pool, tiny, opt, buffer, fn, str(tmp_path), [task])
-    m, _ = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    m, _ = T.iteration(tr, 1, lambda n: [task.id] * n)
     assert [(g["task"], g["scores"]) for g in m["groups"]] == [("calc-open", [1.0]), ("calc-open", [0.0])]
     assert m["n_injections"] == 0 and not any(b["replayed"] for b in m["batch"])
     assert len(buffer) == 1  # A's success is stored, after the injections
     # Iteration 2: both groups fail; each now gets the success of iteration 1.
     tr.policy_fn = scripted(lambda tid, job: [])
-    m, _ = T.run_iteration(tr, 2, lambda n: [task.id] * n)
+    m, _ = T.iteration(tr, 2, lambda n: [task.id] * n)
     assert m["n_injections"] == 2
     assert [(i["group"], i["from_iteration"], i["from_vm"]) for i in m["replay_injections"]] == [(0, 1, 0), (1, 1, 0)]
 
@@ -274,10 +272,10 @@ def test_replay_buffer_survives_a_real_resume(pool, tiny, tmp_path):
     all-failed group, and its own checkpoint holds the very same buffer."""
     task = TASKS["calc-open"]
     args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1, iterations=2)
-    eps, _ = E.run_jobs(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args)
+    eps, _ = T.play_tasks(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args)
     assert eps[0].score == 1.0
     buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
-    buffer.add(task.id, E.to_record(eps[0]), eps[0].score)
+    buffer.add(task.id, T.to_dict(eps[0]), eps[0].score)
     run = rundir.make_run_dir(str(tmp_path / "run"), args)
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
     T.checkpoint(T.Trainer(args, pool, tiny, opt, buffer, None, run, [task], {"epoch": 0, "pos": 1}), 1)
@@ -291,7 +289,7 @@ def test_replay_buffer_survives_a_real_resume(pool, tiny, tmp_path):
     assert m["iteration"] == 1 and m["tasks"] == ["calc-open"]
     # the random tiny policy failed both rollouts: the restored success was injected
     assert [(i["task"], i["from_iteration"], i["score"]) for i in m["replay_injections"]] == [("calc-open", 0, 1.0)]
-    state, _ = rundir.load_checkpoint(run)
+    state, _ = ckpt.load_checkpoint(run)
     assert state["next_iteration"] == 2 and state["replay"]["data"] == saved  # byte for byte, screenshots too
 
 
@@ -309,7 +307,7 @@ def test_select_tasks_keeps_exactly_the_solved_ones(pool, tmp_path):
             return []  # finished() at once: never solved
         return SOLUTIONS[tid]  # call_user(): the right answer to an infeasible task
     args = small_args(select_tasks=2)
-    kept = arpo_eval.select_and_record(pool, tasks, scripted(plans), args, str(tmp_path))
+    kept = T.selected_tasks(pool, tasks, scripted(plans), args, str(tmp_path))
     assert [t.id for t in kept] == ["calc-open", "infeasible-email"]
     with open(tmp_path / "selected_tasks.json") as f:
         sel = json.load(f)
@@ -325,7 +323,7 @@ def test_a_timeout_passes_an_infeasible_task_and_fails_a_feasible_one_under_stan
     plans = {"infeasible-browser": [{"type": "wait"}] * 5, "infeasible-email": [{"type": "fail"}],
              "calc-open": SOLUTIONS["calc-open"] + [{"type": "wait"}] * 5}
     steps = len(SOLUTIONS["calc-open"]) + 1
-    res = arpo_eval.evaluate_policy(pool, tasks, scripted(lambda tid, n: plans[tid]), small_args(max_steps=steps),
+    res = T.evaluate(pool, tasks, scripted(lambda tid, n: plans[tid]), small_args(max_steps=steps),
                             save_to=str(tmp_path / "eval"))
     assert res["standard"]["per_task"] == {"infeasible-browser": 1.0, "infeasible-email": 1.0, "calc-open": 0.0}
     assert res["hard"]["per_task"] == {"infeasible-browser": 0.0, "infeasible-email": 1.0, "calc-open": 1.0}
@@ -333,7 +331,7 @@ def test_a_timeout_passes_an_infeasible_task_and_fails_a_feasible_one_under_stan
     ends = {d["task"]: (d["end"], d["steps"]) for d in res["details"]}
     assert ends == {"infeasible-browser": ("max_steps", steps), "infeasible-email": ("fail", 1),
                     "calc-open": ("max_steps", steps)}
-    assert "overall" in arpo_eval.eval_table(res) and json.dumps(res)
+    assert "overall" in logs.eval_table(res) and json.dumps(res)
     # What each episode did: its actions, whether each answer parsed, the answers themselves
     acts = {d["task"]: [a["type"] for a in d["actions"]] for d in res["details"]}
     assert acts == {"infeasible-browser": ["wait"] * steps, "infeasible-email": ["fail"],
@@ -360,14 +358,14 @@ def test_a_lone_desktop_plays_its_group_in_turns_and_learns(tiny, tmp_path):
         opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
         tr = T.Trainer(args, lone, tiny, opt, None, scripted(lambda tid, job: SOLUTIONS[tid] if job == 0 else []),
                        str(tmp_path), [task])
-        m, eps = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+        m, eps = T.iteration(tr, 1, lambda n: [task.id] * n)
     finally:
         lone.close()
     assert [(e.vm, e.job, e.score) for e in eps] == [(0, 0, 1.0), (0, 1, 0.0)]
     assert m["groups"][0]["scores"] == [1.0, 0.0] and m["flat_groups"] == 0
     assert [b["advantage"] for b in m["batch"]] == pytest.approx([0.70711, -0.70711], abs=1e-4)
     assert m["actor/grad_norm"] > 0
-    E.save_episodes(str(tmp_path), 1, eps)
+    logs.save_episodes(str(tmp_path), 1, eps)
     finals = [json.loads(open(tmp_path / "trajectories" / "it000001" / f"vm{k:02d}.jsonl").read().splitlines()[-1])
               for k in (0, 1)]
     assert [(f["vm"], f["score"]) for f in finals] == [(0, 1.0), (0, 0.0)]
@@ -385,14 +383,14 @@ def test_a_dead_vm_drops_out_of_its_group_and_the_run_goes_on(pool, tiny):
     args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1)  # the solution, then finished()
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
     tr = T.Trainer(args, pool, tiny, opt, None, fn, None, [task])
-    m, eps = T.run_iteration(tr, 0, lambda n: [task.id] * n)
+    m, eps = T.iteration(tr, 0, lambda n: [task.id] * n)
     assert eps[1].end == "dropped" and eps[0].end == "done" and eps[0].score == 1.0
     assert (m["episodes"], m["dropped"]) == (1, 1)
     assert m["groups"] == [{"group": 0, "task": "calc-open", "n": 1, "scores": [1.0], "replayed_scores": [],
                             "rewards": [1.0], "members": ["fresh"], "mean": 1.0, "std": 0.0, "replayed": False}]
     assert [b["vm"] for b in m["batch"]] == [0]  # the lost trajectory is not trained on
     # The next iteration's reset restarts the dead desktop: both VMs play again.
-    m, eps = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    m, eps = T.iteration(tr, 1, lambda n: [task.id] * n)
     assert (m["episodes"], m["dropped"]) == (2, 0) and all(e.score == 1.0 for e in eps)
 
 
@@ -409,13 +407,13 @@ def test_a_desktop_whose_x_server_dies_is_the_environments_failure(pool, tiny):
     args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1)
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
     tr = T.Trainer(args, pool, tiny, opt, None, fn, None, [task])
-    m, eps = T.run_iteration(tr, 0, lambda n: [task.id] * n)
+    m, eps = T.iteration(tr, 0, lambda n: [task.id] * n)
     assert killed and eps[1].end == "dropped" and "503" in eps[1].error and eps[1].format_ok == [True]
     assert eps[0].end == "done" and eps[0].score == 1.0
     assert (m["episodes"], m["dropped"], m["env_failures"]) == (1, 1, 1) and "503" in m["env_errors"]["1"]
     assert m["format_rate"] == 1.0 and [b["vm"] for b in m["batch"]] == [0]
     # The next iteration restarts it (its health check fails) in its own thread: both play again.
-    m, eps = T.run_iteration(tr, 1, lambda n: [task.id] * n)
+    m, eps = T.iteration(tr, 1, lambda n: [task.id] * n)
     assert (m["episodes"], m["env_failures"]) == (2, 0) and all(e.score == 1.0 for e in eps)
 
 

@@ -25,13 +25,10 @@ from safetensors.torch import load_file
 import grpo
 import model as M
 import rewards as R
-import explore_episode as EE
-import explore_eval as EV
-import explore_log
-from plumbing import rundir
+from plumbing import logs, rundir
 import train_explore as T
-from explore_distill import top_steps
-from chat import encode_chat, explore_messages
+from train_explore import top_steps
+from model import encode_chat, explore_messages
 from env import VMPool
 from conftest import free_port, kill_x_server
 
@@ -67,6 +64,16 @@ def speaking_tiny(path: str, max_pixels: int = 12544, steps: int = 70, seed: int
 @pytest.fixture(scope="module")
 def speaker(tmp_path_factory):
     return speaking_tiny(str(tmp_path_factory.mktemp("speaker") / "model"))
+
+
+def scored(tr, buffer, a=None):
+    """The trainer's rewards of a buffer as its iteration computes them, in one process: the
+    format-valid steps' features -> the world model's guesses (then it learns) -> every term."""
+    a = a or T.Args()
+    valid = [s for s in buffer if s.format_ok]
+    f = T.step_features(tr, valid)
+    pred_s, pred_t, m = T.curiosity(tr, f, [s.parsed.action for s in valid], a)
+    return T.score(tr, buffer, f, pred_s, pred_t), m
 
 
 def run(*argv, timeout=300):
@@ -243,7 +250,7 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
     choosers = {"opener": chooser(Action("double_click", x=x, y=y)), "still": chooser(Action("move", x=600, y=300))}
     pool = VMPool([vm_desktop.url], token=vm_desktop.secret, timeout=30)
     try:
-        report = EV.run_eval(pool, choosers, str(tmp_path), steps=3, settle=1.0, episodes=1)
+        report = T.evaluate(pool, choosers, str(tmp_path), T.Args(steps=3, settle="1.0", eval_episodes=1), {})
     finally:
         pool.reset()
         pool.close()
@@ -282,8 +289,8 @@ def test_the_windows_term_reads_the_window_lists_the_rollout_recorded(vm_desktop
         return [(json.dumps(acts[o.t].to_dict()), Parsed(acts[o.t], "open the terminal"), None) for o in looks]
     pool = VMPool([vm_desktop.url], token=vm_desktop.secret, timeout=30)
     try:
-        plain, _ = EE.play(pool, {0}, choose, 1, "watch", reset=True)
-        buffer, _ = EE.play(pool, {0}, choose, 2, "watch", reset=True, windows=True)
+        plain, _ = T.play_steps(pool, {0}, choose, 1, "watch", reset=True)
+        buffer, _ = T.play_steps(pool, {0}, choose, 2, "watch", reset=True, windows=True)
     finally:
         pool.reset()
         pool.close()
@@ -291,8 +298,8 @@ def test_the_windows_term_reads_the_window_lists_the_rollout_recorded(vm_desktop
     assert buffer[1].windows_before == buffer[0].windows_after  # one step's after is the next one's before
     opened = [len(set(s.windows_after) - set(s.windows_before)) for s in buffer]
     assert sum(opened) >= 1, opened  # the terminal's window
-    learner = T.Learner(None, None, "", None, 1, None, None, R.parse_reward_flags("none,windows"), None)
-    r, m = T.score(buffer, learner, T.Args(), {})
+    learner = T.Trainer(None, None, "", None, 1, None, None, R.parse_reward_flags("none,windows"), None)
+    r, m = scored(learner, buffer)
     assert r.windows.tolist() == opened and r.total.tolist() == opened and m["wm/loss"] is None
     assert torch.count_nonzero(r.image_immediate) == 0  # off: logged as 0
 
@@ -302,20 +309,19 @@ def test_console_line_reads_the_table():
          "reward/image_immediate": 0.1, "reward/image_sequence": 0.2, "reward/image_world_model": 0.0,
          "reward/windows": 2.0, "wm/loss": None, "actor/kl": 0.0123, "actor/clip_low": 0.0, "actor/clip_high": 0.0,
          "time/iteration": 5.0}
-    line = explore_log.console_line(m, R.parse_reward_flags("none,image,immediate,sequence,windows"), beta=0.04)
+    line = logs.explore_line(m, R.parse_reward_flags("none,image,immediate,sequence,windows"), beta=0.04)
     # the terms on, grouped by their first word, "-" for the group's term that is off; no text/intent
-    assert "fmt 0.75 image 0.100/0.200/- windows 2.000 | wm - | kl 0.0123 clip 0.00/0.00" in line, line
+    assert "format 0.75 image 0.100/0.200/- windows 2.000 | wm - | kl 0.0123 clip 0.00/0.00" in line, line
     assert "text" not in line and "intent" not in line
-    paper = explore_log.console_line(m, R.parse_reward_flags("all"), beta=0.04)
+    paper = logs.explore_line(m, R.parse_reward_flags("all"), beta=0.04)
     assert "image 0.100/0.200/0.000 text -/-/- intent -/-/- |" in paper and "windows" not in paper  # "-": not logged
     # --beta 0 computes no KL: the console says so instead of printing a measured-looking 0.0000
-    assert "kl n/a clip" in explore_log.console_line({**m, "actor/kl": 0.0}, R.parse_reward_flags("all"), beta=0.0)
-    assert "kl n/a clip" in explore_log.console_line({**m, "actor/kl": None}, R.parse_reward_flags("all"), beta=0.04)
+    assert "kl n/a clip" in logs.explore_line({**m, "actor/kl": 0.0}, R.parse_reward_flags("all"), beta=0.0)
+    assert "kl n/a clip" in logs.explore_line({**m, "actor/kl": None}, R.parse_reward_flags("all"), beta=0.04)
 
 
 def test_advantages_over_the_buffer_grpo_and_dr_grpo():
-    """learn() before the actor's first update: the rewards, then the advantages over the whole
-    buffer (one group): GRPO's (r - mean) / std, or Dr. GRPO's r - mean with --no-scale-rewards
+    """The rewards of a buffer, then the advantages over the whole buffer (one group): GRPO's (r - mean) / std, or Dr. GRPO's r - mean with --no-scale-rewards
     (grpo.group_advantages' numbers by hand are in tests/test_grpo.py). Image immediate only; the
     4th step is malformed and earns 0."""
     from actions import Action, Parsed
@@ -323,15 +329,15 @@ def test_advantages_over_the_buffer_grpo_and_dr_grpo():
     dark, light = Image.new("RGB", (64, 36), (20, 20, 20)), Image.new("RGB", (64, 36), (20, 20, 20))
     light.paste((230, 230, 230), (0, 0, 32, 36))  # the left half lit: a changed screen
     befores, afters = [dark] * 4, [light, dark, light, light]
-    buffer = [EE.Step(vm, 0, b, c, "", Parsed(a, "") if vm < 3 else None) for vm, (b, c) in enumerate(zip(befores, afters))]
-    learner = T.Learner(None, None, "", None, 1, None, None, R.parse_reward_flags("none,image,immediate"), None)
-    r, _ = T.score(buffer, learner, T.Args(), {})
+    buffer = [T.Step(vm, 0, b, c, "", Parsed(a, "") if vm < 3 else None) for vm, (b, c) in enumerate(zip(befores, afters))]
+    learner = T.Trainer(None, None, "", None, 1, None, None, R.parse_reward_flags("none,image,immediate"), None)
+    r, _ = scored(learner, buffer)
     want_r = (1 - R.cosine(R.screen_features(befores), R.screen_features(afters))) * torch.tensor([1.0, 1, 1, 0])
     assert torch.allclose(r.total, want_r, atol=1e-6) and r.total[0] > 0.5 and r.total[1] == 0
     for scale in (True, False):
-        _, adv, _, upd = T.learn(learner, buffer, 0, T.Args(scale_rewards=scale, update_actor_delay=1), {})
+        adv = grpo.group_advantages(r.total, scale=scale)  # the one group iteration() forms
         centred = want_r - want_r.mean()  # (4,)
-        assert upd is None and torch.allclose(adv, centred / (want_r.std() + 1e-6) if scale else centred, atol=1e-5)
+        assert torch.allclose(adv, centred / (want_r.std() + 1e-6) if scale else centred, atol=1e-5)
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -357,14 +363,14 @@ def test_user_errors_end_in_one_sentence(argv, says, tmp_path):
 def test_a_desktop_whose_x_server_dies_drops_out_and_its_step_is_not_the_models():
     pool = VMPool(2, timeout=10)
     try:
-        base, seen, killed = EE.random_chooser(random.Random(0)), [], []
+        base, seen, killed = T.random_policy(random.Random(0)), [], []
 
         def choose(looks):
             seen.extend((o.vm, o.t) for o in looks)
             if not killed and any((o.vm, o.t) == (1, 1) for o in looks):  # before its action lands
                 killed.append(kill_x_server(pool.local[1].proc.pid))
             return base(looks)
-        buffer, out = EE.play(pool, {0, 1}, choose, 3, "0.1", reset=True)
+        buffer, out = T.play_steps(pool, {0, 1}, choose, 3, "0.1", reset=True)
         # Its server answered 503 ("X server died"): the step is dropped, not charged to the model as
         # a format failure (every random action is well formed, and none is marked refused).
         assert [(s.vm, s.t) for s in buffer] == [(0, 0), (1, 0), (0, 1), (0, 2)]
@@ -373,7 +379,7 @@ def test_a_desktop_whose_x_server_dies_drops_out_and_its_step_is_not_the_models(
         assert killed and (1, 2) not in seen and all(s.after.size == (1280, 720) for s in buffer)
         # The next reset iteration revives it (a health check fails: a restart) in its own thread.
         old = pool.local[1].proc.pid
-        buffer, out = EE.play(pool, {0, 1}, choose, 3, "0.1", reset=True)
+        buffer, out = T.play_steps(pool, {0, 1}, choose, 3, "0.1", reset=True)
         assert out.failures == [] and pool.local[1].proc.pid != old
         assert sorted((s.vm, s.t) for s in buffer) == [(vm, t) for vm in (0, 1) for t in range(3)]
     finally:
@@ -381,7 +387,7 @@ def test_a_desktop_whose_x_server_dies_drops_out_and_its_step_is_not_the_models(
 
 
 def test_score_rewards_curiosity_before_the_world_model_learns():
-    """score() on 8 desktops that made the same first move (one start screen after a reset): by
+    """The rewards of 8 desktops that made the same first move (one start screen after a reset): by
     default curiosity is the world model's guess from before this buffer, and only then does the
     model learn; --wm-train-first scores with the model after it learned (the release's order)."""
     import copy
@@ -391,7 +397,7 @@ def test_score_rewards_curiosity_before_the_world_model_learns():
     after = before.copy()
     after.paste((230, 230, 230), (300, 200, 900, 600))  # a window opened
     act = Action("double_click", x=100, y=100)
-    buffer = [EE.Step(vm, 0, before, after, "", Parsed(act, "open it")) for vm in range(8)]
+    buffer = [T.Step(vm, 0, before, after, "", Parsed(act, "open it")) for vm in range(8)]
     flags = R.parse_reward_flags("none,image,world_model")
     s, s2 = R.screen_features([before]), R.screen_features([after])  # (1, D) each
     for train_first in (False, True):
@@ -399,8 +405,8 @@ def test_score_rewards_curiosity_before_the_world_model_learns():
         wm = R.WorldModel(hidden=32)
         opt = T.adamw(wm.parameters(), 1e-2)
         untrained = copy.deepcopy(wm)
-        learner = T.Learner(None, None, "", None, 1, wm, opt, flags, None)
-        r, m = T.score(buffer, learner, T.Args(wm_train_first=train_first), {})
+        learner = T.Trainer(None, None, "", None, 1, wm, opt, flags, None)
+        r, m = scored(learner, buffer, T.Args(wm_train_first=train_first))
         assert m["wm/loss"] > 0 and any(not torch.equal(a, b) for a, b in zip(wm.parameters(), untrained.parameters()))
         scorer = wm if train_first else untrained  # the model whose guess curiosity must be
         want = 1 - R.cosine(s2, R.predict_next(scorer, s, [act])[0])  # (1,)
@@ -414,15 +420,15 @@ def test_actor_lr_schedule_by_hand():
     # u = 1 -> 2/2; then linear over n - warmup = 6: f = (u - 2) / 6 -> 1, 5/6, 4/6, 3/6, 2/6, 1/6.
     a = T.Args(iterations=10, lr=0.6, lr_warmup=2, lr_schedule="linear", update_actor_delay=2)
     want = [0.6, 0.6, 0.3, 0.6, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]  # iterations 0, 1: no update, lr as given
-    assert [round(T.actor_lr(i, a), 9) for i in range(10)] == want
+    assert [round(T.lr_at(i, a), 9) for i in range(10)] == want
     # cosine, no warm-up, 4 updates: f = 0, 1/4, 2/4, 3/4 -> (1 + cos(pi f)) / 2 = 1, 0.8536, 0.5, 0.1464
     a = T.Args(iterations=4, lr=1.0, lr_schedule="cosine", update_actor_delay=0)
-    assert [round(T.actor_lr(i, a), 4) for i in range(4)] == [1.0, 0.8536, 0.5, 0.1464]
+    assert [round(T.lr_at(i, a), 4) for i in range(4)] == [1.0, 0.8536, 0.5, 0.1464]
     # Two generations of 4, delay 1: generation 1 updates at 1, 2, 3 (warm-up 1, then f = 0, 1/2);
     # generation 2 (its own optimizer) updates at 4..7 from its start (warm-up 1, then f = 0, 1/3, 2/3).
     a = T.Args(iterations=4, generations=2, lr=1.0, lr_warmup=1, lr_schedule="linear", update_actor_delay=1)
-    assert [round(T.actor_lr(i, a), 4) for i in range(8)] == [1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 0.6667, 0.3333]
-    assert T.actor_lr(3, T.Args(iterations=4, lr=2e-5)) == 2e-5  # the default: the paper's constant lr
+    assert [round(T.lr_at(i, a), 4) for i in range(8)] == [1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 0.6667, 0.3333]
+    assert T.lr_at(3, T.Args(iterations=4, lr=2e-5)) == 2e-5  # the default: the paper's constant lr
 
 
 def test_optimizers_are_the_releases_adamw():
@@ -440,35 +446,35 @@ def test_distinct_screens_greedy_clustering():
     # cos(b, c) = 0.28], a again. Threshold 0.95: a leads, b joins a (0.96 >= 0.95), c is new,
     # a joins a -> 2 screens. Threshold 0.97: b is new too -> 3.
     f = torch.tensor([[1.0, 0.0], [0.96, 0.28], [0.0, 1.0], [1.0, 0.0]])  # (4, 2)
-    assert EV.distinct_screens(f, 0.95) == 2
-    assert EV.distinct_screens(f, 0.97) == 3
-    assert EV.distinct_screens(f[:1], 0.95) == 1
+    assert R.distinct_screens(f, 0.95) == 2
+    assert R.distinct_screens(f, 0.97) == 3
+    assert R.distinct_screens(f[:1], 0.95) == 1
 
 
 def test_dhash_and_hash_clustering():
     # A 9 x 8 image whose every row gets brighter to the right: all 64 bits are 1. Reverse the top
     # row: its 8 bits (the highest) become 0 -> 0x00ffffffffffffff.
     ramp = np.tile(np.arange(9, dtype=np.uint8) * 20, (8, 1))  # (8, 9)
-    assert EV.dhash(Image.fromarray(ramp)) == 2 ** 64 - 1
+    assert R.dhash(Image.fromarray(ramp)) == 2 ** 64 - 1
     flipped = ramp.copy()
     flipped[0] = flipped[0][::-1]
-    assert EV.dhash(Image.fromarray(flipped)) == 0x00FFFFFFFFFFFFFF
+    assert R.dhash(Image.fromarray(flipped)) == 0x00FFFFFFFFFFFFFF
     # A flat screen has no brighter neighbour anywhere: 0. Any size is box-averaged to 9 x 8 first.
-    assert EV.dhash(Image.new("RGB", (1280, 720), (40, 80, 120))) == 0
+    assert R.dhash(Image.new("RGB", (1280, 720), (40, 80, 120))) == 0
     # Hashes 0b0000, 0b0011 (2 bits from the first), 0b0111 (3 from the first), 0b1111 (4 from the
     # first, 1 from the third). max_bits 2: 0 leads, 0b0011 joins it, 0b0111 is new (3 > 2), 0b1111
     # joins 0b0111 (1 bit) -> leaders [0, 2]. max_bits 0: every hash is its own screen.
-    assert EV.hash_leaders([0b0000, 0b0011, 0b0111, 0b1111], 2) == [0, 2]
-    assert EV.hash_leaders([0b0000, 0b0011, 0b0111, 0b1111], 0) == [0, 1, 2, 3]
-    assert EV.hash_leaders([5, 5, 5], 0) == [0] and EV.hash_leaders([], 2) == []
+    assert R.hash_leaders([0b0000, 0b0011, 0b0111, 0b1111], 2) == [0, 2]
+    assert R.hash_leaders([0b0000, 0b0011, 0b0111, 0b1111], 0) == [0, 1, 2, 3]
+    assert R.hash_leaders([5, 5, 5], 0) == [0] and R.hash_leaders([], 2) == []
 
 
 def test_pairwise_diversity():
     # Rows (1, 0), (0, 1), (0.6, 0.8): cosines 0, 0.6, 0.8 -> 1 - cos = 1, 0.4, 0.2 -> mean 1.6 / 3
     f = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]])  # (3, 2)
-    assert abs(EV.pairwise_diversity(f) - 1.6 / 3) < 1e-6
-    assert EV.pairwise_diversity(f[:1]) == 0.0 and EV.pairwise_diversity(f[:0]) == 0.0  # no pair
-    assert abs(EV.pairwise_diversity(f[:2]) - 1.0) < 1e-6
+    assert abs(R.pairwise_diversity(f) - 1.6 / 3) < 1e-6
+    assert R.pairwise_diversity(f[:1]) == 0.0 and R.pairwise_diversity(f[:0]) == 0.0  # no pair
+    assert abs(R.pairwise_diversity(f[:2]) - 1.0) < 1e-6
 
 
 def test_episodes_flag_is_an_alias():

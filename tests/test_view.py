@@ -31,7 +31,7 @@ import grpo
 import model as M
 from plumbing import progress
 import view
-from chat import encode_chat, explore_messages
+from model import encode_chat, explore_messages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHROME = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")

@@ -28,7 +28,7 @@ from PIL import Image
 
 import model as M
 import vllm_engine as V
-from chat import encode_chat, explore_messages, special_id, uitars_messages
+from model import encode_chat, explore_messages, special_id, uitars_messages
 from qwen_vl import expand_image_tokens
 from conftest import free_port
 

@@ -1,19 +1,14 @@
-"""plumbing/warm_start.py: `--model tiny-uitars` / `tiny-explore` build, cache, and answer in format on a
-real desktop.
+"""--model tiny-uitars / tiny-explore: the shipped warm-started tiny models (models/) load, learned
+the answer format and nothing else, and answer in format on a real desktop; their builder
+(plumbing/warm_start.py) still builds a loadable checkpoint folder and shows its progress.
 
-    python -m pytest -q tests/test_warm_start.py   (seconds with the models cached; a first run on a
-                                                    machine builds both: a few minutes on 2 CPU cores)
+    python -m pytest -q tests/test_warm_start.py   (about a minute on 2 CPU cores)
 
-The two models come from the cache a user's run reads ($WARM_START_CACHE, else
-~/.cache/gui-agent-rl/warm_start): a first run builds them exactly as the quickstart's would, and
-every later run of the suite loads them. What the cache itself does is tested in temporary caches
-with a 2-step recipe (the cache, not the model, is what those tests are about): a build is an
-ordinary checkpoint folder recorded with its recipe and losses, changes the language model and not
-the vision tower; a second load does not build again (the trainer is replaced by one that fails);
-the key changes with the seed and the recipe; two processes building at once leave one complete
-folder and nothing half-written. And the point of it all: the format rate when sampling at
-temperature 1 on a real desktop's screenshots (the reset desktop and one with a window open), at
-full size and at the small size the CPU benchmarks use.
+The shipped folders are what every run with those names loads (model.WARM_STARTED), so the format
+rate measured here is the one users get: sampling at temperature 1 on a real desktop's screenshots
+(the reset desktop and one with a window open), at full size and at the small size the CPU
+benchmarks use. The builder is run for a few steps only: a full build takes minutes, and what is
+tested of it is that it trains, saves atomically and reports (the shipped models are its output).
 """
 import json
 import os
@@ -26,93 +21,64 @@ import torch
 
 import model as M
 import qwen_vl
-from plumbing import warm_start
 from actions import MAX_PIXELS, parse_action
-from chat import explore_messages, uitars_messages
 from conftest import vm_call
 from env import VMClient
+from model import explore_messages, uitars_messages
+from plumbing import warm_start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ("tiny-uitars", "tiny-explore")
-# A first run builds both models (a few minutes each on 2 busy cores), inside the first test's time.
-pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")
-def built():
-    """name -> the Policy, from the user's cache (built there if it has none)."""
+def shipped():
     return {name: M.load_policy(name) for name in NAMES}
 
 
-def test_the_built_models_learned_the_format_and_only_the_language_model_changed(built):
+def test_the_shipped_models_learned_the_format_and_only_the_language_model_changed(shipped):
     random_tiny = M.load_policy("tiny").model.state_dict()
     for name in NAMES:
-        path = warm_start.folder(name, 0, None, None)  # cached: neither make nor save is called
+        path = M.WARM_STARTED[name]
+        assert path == os.path.join(ROOT, "models", name) and os.path.exists(os.path.join(path, "config.json"))
         with open(os.path.join(path, "warm_start.json")) as f:
             record = json.load(f)
         assert record["name"] == name and record["seed"] == 0, record
+        assert record["recipe"]["steps"] == warm_start.RECIPES[name].steps  # built by today's recipe
         assert record["nll_last"] < record["nll_first"] / 4, record  # it learned the answers' tokens
-        weights = built[name].model.state_dict()
-        assert type(built[name].model).__name__ == "Qwen2_5_VLForConditionalGeneration"
-        # the tiny model of its seed, changed by the warm start: not the random one
+        weights = shipped[name].model.state_dict()
+        assert type(shipped[name].model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+        # the tiny model of seed 0, changed by the warm start: not the random one ...
         assert not torch.equal(weights["lm_head.weight"], random_tiny["lm_head.weight"])
-        vision = "model.visual.patch_embed.proj.weight"  # the warm start leaves the vision tower as it was
+        vision = "model.visual.patch_embed.proj.weight"  # ... with the vision tower as it was
         assert torch.equal(weights[vision], random_tiny[vision])
+    # the seed picks the random tiny models' weights, not the shipped ones
+    again = M.load_policy("tiny-explore", seed=3).model.state_dict()
+    assert all(torch.equal(v, again[k]) for k, v in shipped["tiny-explore"].model.state_dict().items())
 
 
-def test_a_build_is_a_cached_checkpoint_folder_loaded_without_rebuilding(tmp_path, monkeypatch):
-    monkeypatch.setenv("WARM_START_CACHE", str(tmp_path))
-    monkeypatch.setattr(warm_start, "RECIPES", {n: replace(r, steps=2) for n, r in warm_start.RECIPES.items()})
-    first = M.load_policy("tiny-explore")
-    entries = sorted(os.listdir(tmp_path))
-    folders = [e for e in entries if not e.endswith(".lock")]
-    assert len(folders) == 1 and not [e for e in entries if e.startswith(".")], entries  # no build leftovers
-    path = warm_start.folder("tiny-explore", 0, None, None)  # cached: neither make nor save is called
-    assert path == os.path.join(tmp_path, folders[0])
-    with open(os.path.join(path, "warm_start.json")) as f:
-        record = json.load(f)
-    assert record["name"] == "tiny-explore" and record["recipe"]["steps"] == 2
-    assert os.path.exists(os.path.join(path, "config.json"))  # an ordinary save_policy folder
-    monkeypatch.setattr(warm_start, "train", lambda *a: pytest.fail("the cached model was built again"))
-    again = M.load_policy("tiny-explore")
-    weights = first.model.state_dict()
-    assert all(torch.equal(v, weights[k]) for k, v in again.model.state_dict().items())
-    # Another seed is another model: not in the cache, so it would be built (and train() fails here).
-    with pytest.raises(pytest.fail.Exception, match="built again"):
-        M.load_policy("tiny-explore", seed=1)
+def test_a_build_is_a_checkpoint_folder_that_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm_start, "RECIPES", {n: replace(r, steps=6) for n, r in warm_start.RECIPES.items()})
+    out = str(tmp_path / "te")
+    record = warm_start.build("tiny-explore", out, seed=5)
+    assert sorted(os.listdir(tmp_path)) == ["te"]  # written into a temporary folder, then renamed
+    with open(os.path.join(out, "warm_start.json")) as f:
+        assert json.load(f) == json.loads(json.dumps(record, default=str))
+    assert record["recipe"]["steps"] == 6 and record["nll_last"] < record["nll_first"]  # it learns from step 1
+    built = M.load_policy(out)  # an ordinary save_policy folder
+    fresh = M.load_policy("tiny", seed=5).model.state_dict()
+    assert not torch.equal(built.model.state_dict()["lm_head.weight"], fresh["lm_head.weight"])
 
 
-def test_the_key_follows_the_seed_and_the_recipe(monkeypatch):
-    k = warm_start.key("tiny-explore", 0)
-    assert k == warm_start.key("tiny-explore", 0) and k != warm_start.key("tiny-explore", 1)
-    assert k != warm_start.key("tiny-uitars", 0)
-    recipes = dict(warm_start.RECIPES, **{"tiny-explore": replace(warm_start.RECIPES["tiny-explore"], steps=1)})
-    monkeypatch.setattr(warm_start, "RECIPES", recipes)
-    assert warm_start.key("tiny-explore", 0) != k
-
-
-BUILD = """
-import sys; sys.path.insert(0, {root!r})
-from dataclasses import replace
-import model, warm_start
-# a 2-step recipe: this test is about the cache, not the model
-warm_start.RECIPES["tiny-explore"] = replace(warm_start.RECIPES["tiny-explore"], steps=2)
-print("FOLDER", warm_start.folder("tiny-explore", 5, lambda: model.load_policy("tiny", seed=5), model.save_policy))
-"""
-
-
-def test_two_processes_building_at_once_leave_one_complete_folder(tmp_path):
-    env = dict(os.environ, WARM_START_CACHE=str(tmp_path))
-    procs = [subprocess.Popen([sys.executable, "-c", BUILD.format(root=ROOT)], cwd=ROOT, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
-    folders = {line.split(" ", 1)[1] for out, _ in outs for line in out.splitlines() if line.startswith("FOLDER ")}
-    assert len(folders) == 1
-    assert sum("warm_start: building" in err for _, err in outs) == 1  # the other waited, then loaded
-    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(f) for f in folders] +
-                                                  [os.path.basename(f) + ".lock" for f in folders])
-    assert M.load_policy(folders.pop()).family.model_type == "qwen2_5_vl"
+def test_the_builder_shows_its_progress(tmp_path):
+    # PROGRESS=1: the bar a terminal would show (step, NLL, time left), here into the pipe
+    p = subprocess.run([sys.executable, "-m", "plumbing.warm_start", "tiny-explore", "--steps", "3", "--seed", "2",
+                        "--out", str(tmp_path / "te")], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PROGRESS="1"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "tiny-explore" in p.stderr and "3/3" in p.stderr and "NLL per token" in p.stderr, p.stderr[-1000:]
+    assert "<" in p.stderr  # tqdm's "elapsed<remaining"
+    assert p.stdout.startswith("warm_start: tiny-explore in ") and str(tmp_path / "te") in p.stdout
 
 
 def _screens(vm_desktop) -> list:
@@ -144,20 +110,16 @@ def format_rate(policy, style: str, screens: list, n: int, max_pixels: int, seed
     return sum(ok) / len(ok)
 
 
-# The floor each must clear, on 64 answers: 52 of them. Builds of the same recipe are not
-# bit-identical (two of tiny-uitars differed by up to 1.3 in a weight; the cause is not traced):
-# two builds of tiny-uitars measured 0.94 and 0.84 at full size on 32 answers here, the second 0.97
-# on 64 (1.00 at 140x84; tiny-explore 0.97 / 0.97), and 0.96-0.98 with bench/warm_start.py's
-# sampling. A model at 0.9 misses 52/64 about one run in a hundred. After 250 steps instead of 1000,
-# tiny-uitars parsed 0.72-0.92 on 32 answers here.
+# The floor each must clear, on 64 answers: 52 of them. The models are fixed (shipped), so this
+# measures them, not a build; sampling is seeded (docs/log.md has what bench/warm_start.py measured).
 FLOOR = {"tiny-explore": 0.8, "tiny-uitars": 0.8}
 
 
 @pytest.mark.parametrize("name,style", [("tiny-uitars", "uitars"), ("tiny-explore", "explore")])
-def test_format_rate_at_temperature_1_on_a_real_desktop(built, vm_desktop, name, style):
+def test_format_rate_at_temperature_1_on_a_real_desktop(shipped, vm_desktop, name, style):
     screens = _screens(vm_desktop)
     for max_pixels in (MAX_PIXELS, 12544):  # 1288x728 (1,196 image tokens) and 140x84 (15)
-        rate = format_rate(built[name], style, screens, 64, max_pixels)
+        rate = format_rate(shipped[name], style, screens, 64, max_pixels)
         print(f"{name} at max_pixels {max_pixels}: format rate {rate:.2f}")
         assert rate >= FLOOR[name], (name, max_pixels, rate)
     # The random tiny model it starts from: no answer parses (why these models exist).

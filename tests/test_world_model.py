@@ -68,7 +68,7 @@ def test_world_model_every_parameter_gets_gradient():
 
 def test_update_and_predict_trains_on_valid_steps_only():
     s, e, actions, s2, e2 = _transitions(n=6)
-    f = R.StepFeatures(s, s2, text_before=e, text_after=e2)
+    f = R.Features(s, s2, text_before=e, text_after=e2)
     wm = R.WorldModel(text_dim=8, hidden=32)
     w0 = [p.detach().clone() for p in wm.parameters()]
     ps, pt, m = R.update_and_predict(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, actions, [0] * 6)
@@ -91,7 +91,7 @@ def _warm_world_model_and_novel_buffer(seed=0):
     g = torch.Generator().manual_seed(seed + 100)
     new = torch.nn.functional.normalize(torch.randn(1, R.SCREEN_DIM, generator=g), dim=1)  # (1, D)
     new2 = torch.nn.functional.normalize(new + 0.05 * torch.randn(1, R.SCREEN_DIM, generator=g), dim=1)  # (1, D)
-    f = R.StepFeatures(torch.cat([s, new.repeat(8, 1)]), torch.cat([s2, new2.repeat(8, 1)]))  # (48, D) each
+    f = R.Features(torch.cat([s, new.repeat(8, 1)]), torch.cat([s2, new2.repeat(8, 1)]))  # (48, D) each
     return wm, opt, f, actions + [{"type": "double_click", "x": 100, "y": 650}] * 8
 
 

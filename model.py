@@ -247,9 +247,8 @@ def image_parts(messages: list[dict]) -> list[dict]:
 def encode_chats(policy, batch_messages: list[list[dict]]) -> list[Encoded]:
     """encode_chat for N chats, with their screenshots processed in parallel threads.
 
-    The image processor (Pillow resize, numpy normalise/patchify) costs ~45 ms per 1280x720
-    screenshot and mostly runs outside the GIL, so threads overlap it: 8 screenshots took 0.26 s
-    on 2 threads against 0.7 s in one call on this 2-core machine. An image object that several
+    The image processor (Pillow resize, numpy normalise/patchify) is the costly part and mostly
+    runs outside the GIL, so threads overlap it (bench/encode_history.py). An image object that several
     chats share (one screenshot, a group of prompts) is processed once. The tokenizer part stays
     serial: a Rust tokenizer shared across threads can fail with "Already borrowed".
     """
@@ -331,7 +330,7 @@ def _tiny_corpus() -> list[str]:
 
 
 def build_tiny_tokenizer(model_type: str = "qwen2_5_vl"):
-    """The tiny models' tokenizer (qwen_vl.tiny_tokenizer on the corpus above), ~10 ms."""
+    """The tiny models' tokenizer (qwen_vl.tiny_tokenizer on the corpus above), built on the spot."""
     return qwen_vl.tiny_tokenizer(_tiny_corpus(), qwen_vl.FAMILIES[model_type])
 
 

@@ -20,7 +20,7 @@ is a Qwen2.5-VL). To try another family, this is the file to rewrite; what the o
   actions.py      nothing: smart_resize takes the factor as an argument (Policy.resize_factor:
                   28 for Qwen2/2.5-VL, 32 for Qwen3-VL; 28 is its default)
 
-This file imports nothing of ours (tests/test_layers.py): it sits below model.py and model.py.
+This file imports nothing of ours (tests/test_layers.py): it sits below model.py.
 
 What the three families share, and so what is written once here: the ChatML turns (`<|im_start|>`,
 `<|im_end|>`), one `<|vision_start|><|image_pad|><|vision_end|>` per image that the processor's
@@ -173,7 +173,7 @@ def image_processor(fam: Family, min_pixels: int, max_pixels: int):
 
 
 def tiny_tokenizer(corpus: list[str], fam: Family):
-    """A byte-level BPE with Qwen's pre-tokenizer split and special tokens, trained in ~10 ms on
+    """A byte-level BPE with Qwen's pre-tokenizer split and special tokens, trained on the spot on
     `corpus` (the prompts and answers it will see, so prompts are a few hundred tokens, not bytes)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -29,8 +29,8 @@ Where we depart from the paper / release, and why:
    vs light areas, centred on mid-grey so a change weighs by its area: screen_features says why)
    and the standard deviation (texture: how much text/detail a cell holds), plus one
    global-brightness number, then L2-normalised.
-   What it keeps: where things are and how busy each area is; it is deterministic, costs ~3 ms per
-   1280x720 screenshot, and a repeated screen gives bit-identical features. What it loses: the
+   What it keeps: where things are and how busy each area is; it is deterministic, cheap (one
+   box resize of the screenshot), and a repeated screen gives bit-identical features. What it loses: the
    content of text and icons below a cell's size (~40 px), colour, and anything semantic; two
    windows with the same silhouette look alike. The OCR text terms cover part of what it misses.
 2. Text features. The release ran PaddleOCR and BGE-M3. We call the tesseract CLI (Debian package
@@ -107,7 +107,7 @@ def screen_features(images: list[Image.Image]) -> torch.Tensor:
     gw, gh = SCREEN_GRID
     rows = [np.zeros(SCREEN_DIM)] if not images else []  # keeps np.stack happy; sliced off below
     for img in images:
-        # One BOX resize to 256 x 144 does the heavy lifting (~2 ms for 1280x720); any screen
+        # One BOX resize to 256 x 144 does the heavy lifting; any screen
         # size or aspect ratio maps onto the same grid, so D does not depend on the desktop.
         g = img.convert("L").resize((gw * _CELL, gh * _CELL), Image.BOX)
         a = np.asarray(g, dtype=np.float32) / 255.0  # (gh*8, gw*8)
@@ -120,9 +120,9 @@ def screen_features(images: list[Image.Image]) -> torch.Tensor:
         # background, which self-centring makes ~0, leaving the few icons to carry the norm and
         # any small thing drawn there a large share of it. On a black screen one 40 px cell
         # turning white is a change (1 - cos) of 0.55 self-centred and 0.0035 here; a quarter of
-        # the screen 0.98 and 0.50 (tests/test_rewards.py). Measured on the desktop: a right-click
-        # menu 0.28-0.43 self-centred (60% of an app's window, 0.26-0.71), here 0.07-0.16 against
-        # windows of 0.06 (xeyes) to 1.03 (the editor): the explore bench then learned menus.
+        # the screen 0.98 and 0.50 (tests/test_rewards.py). On the desktop, self-centring paid a
+        # right-click menu almost what it paid an app's window, and the explore bench then learned
+        # menus (bench/reward_steps.py prints what each kind of step is paid; docs/log.md).
         # The stds stay raw (0 on flat areas); the brightness number is the grey-centred average.
         v = np.concatenate([(mean - 0.5).ravel(), std.ravel(), [mean.mean() - 0.5]])  # (SCREEN_DIM,)
         rows.append(v / max(np.linalg.norm(v), 1e-8))
@@ -196,10 +196,10 @@ def ocr(tools: TextTools, image: Image.Image, scale=2, min_conf=40.0, timeout=60
     if scale != 1:
         g = g.resize((g.width * scale, g.height * scale), Image.BICUBIC)
     buf = io.BytesIO()
-    g.save(buf, format="PPM")  # uncompressed: encoding costs ~4 ms where PNG costs ~100
+    g.save(buf, format="PPM")  # uncompressed: far cheaper to encode than PNG, and tesseract reads it
     # --psm 11 = sparse text, no page layout: a GUI is scattered labels, not a document.
     # One thread per process: we run several processes side by side, and tesseract's own OpenMP
-    # threads fight each other for the cores (measured 4x slower on 2 cores).
+    # threads fight each other for the cores (slower, not faster, on a busy machine).
     env = dict(os.environ, OMP_THREAD_LIMIT="1")
     try:
         out = subprocess.run([tools.tesseract, "stdin", "stdout", "--psm", "11", "tsv"],
@@ -232,8 +232,8 @@ def ocr_many(tools: TextTools, images: list[Image.Image], workers=None, **kw) ->
     """OCR of many screenshots, one tesseract process per core; identical screens are read once.
 
     In a rollout the after-screen of step t is usually the before-screen of step t+1, so reading
-    each distinct screen once nearly halves the cost (0.5-1 s per 1280x720 screen per core: OCR is
-    by far the most expensive part of the rewards; `no_text,no_intent,no_intent_click` skips it).
+    each distinct screen once nearly halves the cost (OCR is by far the most expensive part of the
+    rewards, bench/world_model.py times it; `no_text,no_intent,no_intent_click` skips it).
     """
     keys = [hashlib.blake2b(im.tobytes(), digest_size=16).hexdigest() + str(im.size) + im.mode for im in images]
     unique = {k: im for k, im in zip(keys, images)}
@@ -458,9 +458,9 @@ def update_and_predict(wm: WorldModel, optimizer, f: Features, actions: list, va
     train_first=True is the release's order (train, then score the same transitions), kept for
     comparison. It leaks: a transition repeated within one buffer (all desktops start from the same
     screen after a reset, so the same first click happens on several of them) is learned during the
-    epochs and has its surprise trained away before it is scored. On synthetic features (tests/
-    test_world_model.py) a new transition repeated 8 times scores 0.55 against familiar ones' 0.004 when
-    predicted first, and 0.09 against 0.02 when trained first.
+    epochs and has its surprise trained away before it is scored: on synthetic features a new
+    transition repeated 8 times stands far above the familiar ones when predicted first, and barely
+    when trained first (tests/test_world_model.py asserts both).
     Returns (screen_pred (N, D), text_pred (N, E) or None, metrics)."""
     rows = [k for k, ok in enumerate(valid) if ok]
     text = wm.text_head is not None

@@ -17,7 +17,8 @@ One iteration, top to bottom (`iteration`):
     two optimizer steps, dual clip, log-probs at the sampling temperature) -> log, checkpoint.
 Everything an episode asks of a policy goes through `policy_fn(observations) -> answers` (default:
 one batched model.generate), so a scripted policy can stand in (the tests do). A run folder:
-args.json, metrics.jsonl (one line per iteration), trajectories/, ckpt/ (plumbing/rundir.py).
+args.json, metrics.jsonl (one line per iteration), trajectories/ (plumbing/rundir.py), ckpt/
+(plumbing/ckpt.py).
 
 Where this departs from ARPO (its paper and released code), on purpose:
 1. Desktops are local Xvfb desktops (or remote `vm_server.py`s), not OSWorld's VMs; tasks are
@@ -91,8 +92,8 @@ class Args:
     task_ids: str = arg("", "comma-separated task ids to use (default: every task)")
     group_size: int = arg(8, "rollouts per task = one GRPO group (ARPO: 8); fewer desktops than a group play it "
                              "in turns; 1 trains nothing (a group of one has advantage 0), a smoke test only")
-    groups: int | None = arg(None, "tasks (groups) per iteration, played in turns on the desktops (default: the "
-                                   "desktops in service // --group-size, at least 1)")
+    groups: int | None = arg(None, "tasks (groups) per iteration, played in turns on the desktops; under torchrun "
+                                   "per rank (default: the desktops in service // --group-size, at least 1)")
     # policy
     model: str = arg("ByteDance-Seed/UI-TARS-1.5-7B",
                      "HF id or folder of a Qwen-VL checkpoint; 'tiny-uitars' = tiny, UI-TARS format taught (CPU); "
@@ -417,7 +418,7 @@ def pick_tasks(ids: list[str], state: dict, n: int, seed: int) -> list[str]:
 
 def to_dict(e: Episode) -> dict:
     """An episode as plain data, for the replay buffer and checkpoints: screenshots as PNG bytes
-    (~10x smaller than pixels), the task as a dict without its scripted solution (the test
+    (much smaller than the pixels), the task as a dict without its scripted solution (the test
     suite's, never part of what the policy learns from); unpickling needs no class of ours."""
     def png(img):
         if isinstance(img, bytes):

@@ -731,7 +731,7 @@ def main(argv=None) -> None:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     if args.threads or not (args.device.startswith("cuda") or (not args.device and torch.cuda.is_available())):
         # OpenMP threads spin while they wait; next to Xvfb desktops and tesseract on the same cores
-        # the default (every core) ran our tiny-model steps 10x slower than one thread did.
+        # the default (every core) ran our tiny-model steps far slower than one thread did.
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
     # The desktops first: an unreachable VM should leave no run folder behind.
     print(f"starting {args.vms} desktop(s) ..." if args.vms.isdigit() else f"connecting to {args.vms} ...", flush=True)

@@ -8,7 +8,7 @@
 
 One concept per file: model.py holds the policy and HF generation (its generate and sync_weights
 hand over to policy.engine when one is set); this file holds only what vLLM needs, on top of
-model.py, model.py and plumbing/dist.py. vLLM itself is imported only when an engine is built (`--engine
+model.py and plumbing/dist.py. vLLM itself is imported only when an engine is built (`--engine
 vllm`), and needs CUDA: `pip install vllm==0.32.0`, the release that pins torch==2.13.0 as we do
 (0.33.0 pins torch 2.14.0; 0.32.0 also wants transformers < 5.20, which pip picks within ours).
 

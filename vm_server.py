@@ -6,7 +6,7 @@ It runs INSIDE each VM, or as a local desktop of its own on this machine:
     VM_TOKEN=<its token> python vm_server.py --host 0.0.0.0       # inside your VM, on its DISPLAY
     VM_TOKEN=<secret> python vm_server.py --token-for URL         # the token of the VM at URL
 
-Endpoints (JSON; errors are 4xx/5xx {"error": "<one sentence>"}; see README "VM protocol"):
+Endpoints (JSON; errors are 4xx/5xx {"error": "<one sentence>"}; see docs/vm.md):
     GET /health, GET /screenshot[?format=png|jpeg&quality=Q], GET /windows,
     POST /action[?settle=watch|SECONDS][&screenshot=png|jpeg&quality=Q] (the settled screen as the
     answer: one round trip per step; header X-Settle), POST /reset,
@@ -125,10 +125,9 @@ def encode_png(img) -> bytes:
     """The screen as a PNG with no row filters, deflated at PNG_LEVEL.
 
     Pillow's PNG encoder always tries several filters per row and keeps the best. On a screenshot
-    that search costs more than the compression (a 1920x1080 screen: ~25 of Pillow's ~45 ms at
-    level 1; 6, its default, is slower still), and un-filtering slows every decode too. Flat
-    desktop colours compress almost as well unfiltered (~4% bigger), so we write the few PNG
-    chunks ourselves: ~2x faster to encode, ~5x faster to decode (bench/screenshot.py).
+    that search costs more than the compression, and un-filtering slows every decode too. Flat
+    desktop colours compress almost as well unfiltered, so we write the few PNG chunks ourselves:
+    faster to encode and to decode (bench/screenshot.py measures both against Pillow's).
     """
     img = img if img.mode == "RGB" else img.convert("RGB")
     (w, h), raw = img.size, memoryview(img.tobytes())
@@ -153,7 +152,7 @@ def image_query(query: dict, key: str = "format") -> tuple[str, int]:
 
 def screenshot(fmt: str = "png", quality: int = 80) -> tuple[bytes, dict]:
     """The screen now -> (image bytes, headers)."""
-    img = ImageGrab.grab()  # X11 GetImage through Pillow's XCB binding: ~8 ms at 1280x720
+    img = ImageGrab.grab()  # X11 GetImage through Pillow's XCB binding
     if fmt == "png":
         return encode_png(img), {"Content-Type": "image/png"}
     buf = io.BytesIO()
@@ -166,7 +165,7 @@ def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[in
     routes = {"/health": "GET", "/screenshot": "GET", "/windows": "GET", "/action": "POST", "/reset": "POST",
               "/setup": "POST", "/evaluate": "POST"}
     if path not in routes:
-        return 404, {"error": f"no endpoint {path}; see the README's VM protocol section."}, {}
+        return 404, {"error": f"no endpoint {path}; see docs/vm.md for the protocol."}, {}
     if routes[path] != method:
         return 405, {"error": f"{path} takes {routes[path]}, not {method}."}, {}
     if desk.xvfb is not None and desk.xvfb.poll() is not None:
@@ -312,7 +311,7 @@ class Handler(BaseHTTPRequestHandler):
             message = f"method {self.command!r} is not served; use GET or POST"
         self.request_version = "HTTP/1.1"  # a request line that did not parse left "HTTP/0.9"
         self.close_connection = True
-        data = json.dumps({"error": f"{(message or 'bad request').rstrip('.')}; see the README's VM protocol."}).encode()
+        data = json.dumps({"error": f"{(message or 'bad request').rstrip('.')}; see docs/vm.md for the protocol."}).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -495,7 +494,7 @@ def main(argv: list[str] | None = None) -> None:
     # out of reach of every process without CAP_SYS_PTRACE, the desktop's own (same user) included:
     # /proc/<pid>/environ, mem and fd answer "permission denied", ptrace too.
     prctl(4, 0)
-    p = argparse.ArgumentParser(description="Serve one desktop over HTTP (see the README's VM protocol).")
+    p = argparse.ArgumentParser(description="Serve one desktop over HTTP (docs/vm.md has the protocol).")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (printed at start)")
     p.add_argument("--listen-fd", type=int, help="serve on this inherited, listening socket instead of --host/--port")

@@ -4,7 +4,7 @@
     python bench/arpo_iter.py --settles watch,2.0,0.5 --iterations 5 --vms 8
     python bench/arpo_iter.py --vms 4 --iterations 1 --max-steps 3     # a small sanity run
 
-Runs real `train_arpo.run_iteration`s (rollout.py's stepper: each desktop resets, sets up, plays and
+Runs real `train_arpo.iteration`s (rollout.py's stepper: each desktop resets, sets up, plays and
 is scored on its own thread while generation batches whatever observations are waiting; then the
 GRPO update) with the tiny Qwen2.5-VL on CPU, once per --settle setting per round, the settings
 taking turns so machine noise falls on all of them alike (after one warm-up iteration: the first
@@ -14,7 +14,7 @@ generate and update are slow). Per setting, side by side:
                iteration the main thread had nothing to generate or update (no observation was
                waiting, or it held some back for the gather window). In the old lockstep loop every
                VM phase was idle time, so this is the number that loop reported as its VM-wait share
-               (0.57 with a fixed 2.0 s settle, iteration median 3.24 s, on the learning bench).
+               (docs/log.md has what it was).
     gen, upd   seconds the learner computed: generation (in policy_fn), the update
     batch      mean observations per policy call
     per desktop  seconds each desktop spent in reset + setup, act + settle + screenshot, evaluate

@@ -12,7 +12,7 @@ model.encode_chats on the tiny model's processor (the processor does not depend 
   - "1 new image each": the next step, the histories one screenshot longer.
 What is left in the second is the rest of encoding: concatenating the pixels of 15 screenshots per
 prompt (22.5 MB each at 1280x720) and the tokens.
-Measured on this 2-core machine, two runs: 10.49 s vs 3.97 s (2.6x) and 9.22 s vs 4.17 s (2.2x).
+It prints both times and their ratio (docs/log.md has the runs).
 """
 from __future__ import annotations
 

@@ -22,10 +22,8 @@ the same in both ways. So the end-to-end speedup shrinks as images grow, and the
 ceiling (sequential time / batched prefill time). Two things keep the batched prefill small: the
 screenshots are processed in parallel threads (model.encode_chats) and the vision tower attends
 all windows of one length in one call (qwen_vl.py).
-Measured on this 2-core machine (8 prompts, 128 tokens): at the default size 2.19x end to end
-(0.93 s vs 2.04 s), decode alone 4.52x, ceiling 3.11x; at 256*28*28, 4.42x end to end. So 4x
-or more holds for the decode and for the smaller screenshots, not end to end at the default size,
-where the ceiling itself is below 4.
+Batching wins most in the decode; end to end the gain shrinks as screenshots grow, since the
+batched prefill does as much work as the sequential ones (the printed ceiling; docs/log.md).
 """
 from __future__ import annotations
 

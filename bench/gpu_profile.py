@@ -10,13 +10,9 @@ operators with the most GPU and CPU self time from torch.profiler over one updat
 idle while the CPU works shows up as CPU-side operators (Python loops, host syncs) whose self time
 rivals the kernels'. Last line: `gpu_update_share_vision_fwd: <vision forward / update>`.
 
-Measured on an H200 (torch 2.11, transformers 5.17), full fine-tuning, micro-batch 4:
-  transformers' stock vision attention (one call per window, qwen_vl.py not installed):
-      vision forward 1.003 s, log-prob pass 1.062 s, update 9.280 s; 2.25 s of GPU time in 9.28 s
-      of wall time, 37,840 cuDNN attention calls of ~7 us each: the GPU waited on Python launching
-      one attention call per window.
-  with qwen_vl.py (what wrap_policy installs): vision forward 0.322 s, log-prob pass
-      0.555 s, update 2.367 s, 1.86 s of it GPU time (GPU-bound; the top kernels are the matmuls).
+With transformers' stock vision attention (one call per window) the GPU waits on Python
+launching tiny attention calls; with qwen_vl.install_vision_windows (what wrap_policy installs) the
+update is GPU-bound, its top kernels the matmuls (docs/log.md has the H200 numbers).
 """
 import argparse
 import os

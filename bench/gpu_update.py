@@ -28,11 +28,8 @@ the same 6N formula overstates the work there; it is still printed, for comparis
 It times the project's own grpo.update_policy and nothing else: if that fails, the run fails with
 its traceback (a number from some other code would measure nothing we ship).
 
-Measured on an H200 (torch 2.11, transformers 5.17), 11,840 tokens + 38,272 patches per update:
-  full fine-tuning, micro-batch 4: 2.29 s/update, 5,177 tokens/s, 35.5 GB peak, MFU 16.5%
-  LoRA r=64:                       2.43 s/update, 4,869 tokens/s, 12.9 GB peak, MFU 15.9%
-  (with transformers' stock one-call-per-window vision attention instead of qwen_vl.py:
-   8.67 s and 9.31 s, MFU 4.3% / 4.1%; see bench/gpu_profile.py)
+It prints seconds per update, tokens per second, peak memory and MFU for full fine-tuning and
+LoRA (docs/log.md has the H200 runs, with and without the batched vision windows).
 """
 from __future__ import annotations
 

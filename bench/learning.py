@@ -19,14 +19,12 @@ No weights can be downloaded, so the policy is the tiny random Qwen2.5-VL of the
 3. Train: `train_arpo.py --model <warm start> --select-tasks K ...` as a subprocess, as a user runs
    it: ARPO's task selection first, then GRPO with replay, lr 5e-4 with a 10% warm-up and a linear
    decay over --iterations (120; fewer if the --minutes budget leaves less, fixed before training).
-   The peak lr is what keeps the format: at 1e-3 (121 iterations) and at 7e-4 (64) the tokens
-   after a coordinate drifted while the lr was high (parse rate 0.73 and 0.80 in a quarter of the
-   run), although success rose (eval after 0.92 and 0.57 / 0.40). So does the format penalty:
+   The peak lr is what keeps the format: at higher peaks (1e-3, 7e-4) the tokens after a
+   coordinate drifted while the lr was high, although success rose. So does the format penalty:
    --format-penalty 1.0 here (train_arpo.py's default is ARPO's 0.5). At 0.5 a broken answer cost
    half what a success earns, and as the policy concentrated on its icons it spliced their
-   coordinates (`(8,1,5)`) more and more: parse 0.78 in a quarter of the run at lr 5e-4. At 1.0 it
-   costs as much as a success earns, and the parse rate stayed at 0.88 or more in every quarter
-   of 8 seeds (4 runs of this bench, README).
+   coordinates (`(8,1,5)`) more and more; at 1.0 it costs as much as a success earns, and the
+   parse rate held (docs/log.md has every run).
 4. After: the same eval on the selected tasks, of the checkpoint chosen by a rule fixed in advance:
    the run's LAST checkpoint (the lr has decayed to ~0 there, so it is the policy the run settled on;
    not the best of several, which would select on the eval's own noise).
@@ -51,19 +49,18 @@ other app). No task selection: a random episode succeeds 1 time in 35, so 16 rol
 drop most tasks; every task is trained and evaluated. The format penalty (1.0) is taken from the broken
 trajectory's advantage, after its group's scores are normalised (train_arpo.py --format-penalty-on
 advantage; not ARPO's way): early on most groups fail the task alike, and ARPO's reward-side
-penalty then gave every well-formed failure of such a group a positive advantage; in one run 94
-of 200 updates were only that, and they pushed seed 1 onto one wrong icon before it ever
+penalty then gave every well-formed failure of such a group a positive advantage; in one run
+most early updates were only that, and they pushed a seed onto one wrong icon before it ever
 succeeded. With it no seed collapsed, but at lr 5e-4 the format still drifted while the lr was
-high (parse 0.61-0.78 in a quarter at penalty 1.0 and 2.0); the peak lr is 3e-4 here. And the
-warm start runs 16 epochs, as the one-step bench's (it ran 8): with 8, a run at 3e-4 still lost
-its format in a quarter (0.72: the thought's copy of the instruction broke, "Open my Open my"),
-while the first step's coordinates were pushed up; with 16 no quarter of 2 development seeds parsed under
-0.93 (README). The table adds per step, before -> after: how often the first action was right (a
+high; the peak lr is 3e-4 here. And the warm start runs 16 epochs, as the one-step bench's: with 8,
+a run at 3e-4 still lost its format for a while (the thought's copy of the instruction broke,
+"Open my Open my") while the first step's coordinates were pushed up; with 16 the format held
+(docs/log.md). The table adds per step, before -> after: how often the first action was right (a
 double-click on the file manager's icon) and how often the second was, among the episodes whose
 first was (the task's folder opened), so it shows what of the second step was learned.
 
 Last line, one verdict over all seeds (the worst seed: the smallest gain, the largest p, the lowest parse):
-    learning_arpo: before 0.18 after 0.71 gain +0.53 p 0.0000 parse 0.99 seeds 2: pass
+    learning_arpo: before <b> after <a> gain <+g> p <p> parse <r> seeds 2: pass
     (learning_arpo_multi: ... for --method arpo-multi)
 Pass = in every seed: gain >= 0.25, p < 0.01, parse >= 0.85, wall time <= --minutes.
 Also written: <out>/learning_arpo.png (fresh success per iteration, every seed) and

@@ -19,20 +19,18 @@ Per seed, every number from real rollouts on real local desktops:
    of 8 desktops x 3 steps, with the paper's image terms (immediate change, sequence diversity, world-model curiosity) and
    the windows term (+1 per X window a step opened; rewards.TERMS), without the paper's text and
    intent terms: `--rewards all,no_text,no_intent,no_intent_click,windows`. Why, measured on this
-   desktop (one step from a fresh desktop): the OCR text terms pay a right-click menu more than an
-   app's window (text change 0.27-0.38 for a menu, 0.20-0.27 for a window: a menu is a column of
-   words tesseract reads, a new window little text at this size), and with them the policy settled
-   on menus (README, "Does it learn?"); the image terms pay a window 0.06-1.03 by its size and a
-   menu 0.07-0.16 (bench/reward_steps.py). The image terms alone (no windows term) left windows
-   opened at the warm start's level in 48 iterations. With the windows term a seed still settles
-   on menus if it meets no window in its first iterations (a menu pays every time): with 4
-   desktops (12 steps an iteration) that happened to 2 seeds of 7; 8 desktops, as the paper and
-   the README's main command, double the steps an iteration. Even so a seed met windows (1 step
-   in 20) and still settled on menus: the paper's advantages divide by the buffer's reward std,
-   so an iteration without a window, whose rewards differ only by a menu (~0.3), pushes towards
-   menus as hard as one with a window (~2.5) pushes towards it. Dr. GRPO's advantages (reward -
-   mean, `--no-scale-rewards`, the default here) keep the rewards' scale: a menu moves the policy
-   a tenth of what a window does. `--rewards all --scale-rewards on` runs the paper's recipe.
+   desktop (one step from a fresh desktop, bench/reward_steps.py): the OCR text terms pay a
+   right-click menu more than an app's window (a menu is a column of words tesseract reads, a new
+   window little text at this size), and with them the policy settled on menus; the image terms
+   pay a window by its size and a menu little. The image terms alone (no windows term) left windows
+   opened at the warm start's level. With the windows term a seed still settles on menus if it
+   meets no window in its first iterations (a menu pays every time), which happened to some seeds
+   with 4 desktops; 8 desktops, as the paper and the README's main command, double the steps an
+   iteration. Even so a seed met windows and still settled on menus: the paper's advantages divide
+   by the buffer's reward std, so an iteration without a window, whose rewards differ only by a
+   menu, pushes towards menus as hard as one with a window pushes towards it. Dr. GRPO's advantages
+   (reward - mean, `--no-scale-rewards`, the default here) keep the rewards' scale: a menu moves the
+   policy far less than a window does (docs/log.md has every run). `--rewards all --scale-rewards on` runs the paper's recipe.
 4. After: `train_explore.py --eval-only` of the checkpoint chosen by the rule fixed here in advance:
    the run's last model (models/E1, after --iterations), never the best of several.
 5. Test: one-sided permutation test per seed of the headline metric, after > before, on the

@@ -18,7 +18,7 @@ seconds from the moment the action is sent:
   floor      the physical floor: the action, then screenshots as fast as the server answers them
              (GET /screenshot, PNG); the first one that shows the final screen. Nothing that waits
              for the screen can do better than this without knowing the final screen in advance
-             (to within one screenshot round trip, ~20-40 ms, its resolution).
+             (to within one screenshot round trip, its resolution).
   fixed 0.5 / fixed 2.0   the papers' way: the action, a fixed sleep, a screenshot (0.5 final: the
              screen 0.5 s after the action's answer was already the final one)
   gap        what QUIET must exceed: on a third fresh desktop, the action sent with no settle and

@@ -3,7 +3,7 @@
     python bench/vm_faults.py                         # both parts below; last line = headline
     python bench/vm_faults.py --timeouts 5,10 --explore-iterations 6
 
-1. train_arpo.py's `run_iteration` (in process, the tiny real model, 4 local desktops in 2 groups
+1. train_arpo.py's `iteration` (in process, the tiny real model, 4 local desktops in 2 groups
    of 2), for each --vm-timeout T: a warm-up and a clean iteration, then one where desktop 1 is SIGKILLed and
    desktop 2 SIGSTOPped while the model answers step 1, then the next iteration (both restarted).
    Columns: T, clean s, faulty s, extra = faulty - clean (ideally about T: the frozen VM's one
@@ -102,7 +102,7 @@ def explore_faults(iterations: int, run: str) -> dict:
             if n >= 2:
                 break
             time.sleep(0.05)
-        # into iteration 2's rollout (8 steps, ~4 s): past its reset (as long as the earlier ones took) + 1 s
+        # into iteration 2's rollout (8 steps): past its reset (as long as the earlier ones took) + 1 s
         time.sleep(max(json.loads(x).get("time/reset", 0) for x in open(metrics)) + 1.0)
         servers = [c for c in children(p.pid) if b"vm_server.py" in open(f"/proc/{c}/cmdline", "rb").read()]
         victims = [(servers[1], group_pids(servers[1])), (servers[2], group_pids(servers[2]))]
@@ -135,7 +135,7 @@ def main():
     with open(os.path.join(tmp, "tasks", "t.json"), "w") as f:
         json.dump(TASK, f)
     rows = [arpo_faults(float(t), os.path.join(tmp, "tasks")) for t in a.timeouts.split(",") if t]
-    print("train_arpo.run_iteration, 4 desktops (groups [0,1], [2,3]); VM 1 SIGKILLed + VM 2 SIGSTOPped at step 1")
+    print("train_arpo.iteration, 4 desktops (groups [0,1], [2,3]); VM 1 SIGKILLed + VM 2 SIGSTOPped at step 1")
     print(f"{'timeout s':>9} {'clean s':>8} {'faulty s':>9} {'extra s':>8} {'extra/T':>8} {'restarted s':>12} "
           f"{'dropped':>8} {'trained on':>11} {'next it (eps, dropped)':>23} {'procs left':>10}")
     for r in rows:

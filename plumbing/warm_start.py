@@ -34,7 +34,7 @@ What it cost to get there, on a 2-layer model of width 64 (docs/log.md has the m
     where a number ends); more steps of the same recipe fixed it (tiny-uitars 1000, tiny-explore
     400), a higher lr did not;
   - full-size screenshots must be in the mix, or the numbers keep the size of the small images
-    (every click in the left half of the screen); they cost 10x a small one, so the vision tower
+    (every click in the left half of the screen); they cost far more than a small one, so the vision tower
     is frozen and its output remembered per screenshot (_frozen_vision), and a long sample is
     never padded together with short ones (_sft_step);
   - no typed text or keys in the explore answers and no copied instruction in the UI-TARS thought:
@@ -156,7 +156,7 @@ INTENTS = ("See what happens here", "Try something new", "Look at this part of t
 # UI-TARS's action space, (call, weight, the thought that goes with it): the pointer calls most
 # often, as in a GUI agent's answers. The thought names the action, not the task, and typed text
 # and keys come from short fixed lists: a 2-layer model that must also copy the instruction or
-# spell random words mixes those into the call's arguments (format 0.15 after 100 steps).
+# spell random words mixes those into the call's arguments (the format broke).
 UITARS_CALLS = (("click", 4, "I click it."), ("left_double", 3, "I open it."),
                 ("right_single", 1, "I open its menu."), ("scroll", 1, "I scroll to see more."),
                 ("hotkey", 0.5, "I press keys."), ("type", 0.5, "I type it."), ("wait", 0.25, "I wait for it."),
@@ -165,7 +165,7 @@ KEYS = ("ctrl c", "ctrl v", "ctrl s", "enter", "esc", "alt tab")
 TEXTS = ("hello", "notes.txt", "hello world\\n", "1+2=")
 # ScreenExplorer's pointer actions (its random baseline's). Not Text(x, y, "...") and Key("..."): a
 # 2-layer model mixes their argument lists up with the pointer ones (with them at a quarter of the
-# weight each, format 0.67 instead of 0.96 after the same 100 steps).
+# weight each, the format suffered at the same budget).
 EXPLORE_CALLS = ("Click", "DoubleClick", "RightClick", "Move", "ScrollUp", "ScrollDown")
 
 
@@ -185,7 +185,7 @@ def uitars_answer(rng: random.Random, size: tuple[int, int]) -> str:
     call, _, thought = rng.choices(UITARS_CALLS, [w for _, w, _ in UITARS_CALLS])[0]
     x, y = _xy(rng, size)
     # "(x, y)" with a space, which UI-TARS's parser (and ours) reads like the released "(x,y)": with
-    # the comma alone the 2-layer model dropped it in 20-40% of its answers ("(14265)"), as if the
+    # the comma alone the 2-layer model often dropped it ("(14265)"), as if the
     # two numbers were one (digits are one token each); the explore answers, "Click(x, y)", kept it.
     xy = f"({x}, {y})"
     action = {
@@ -237,7 +237,7 @@ def _sample(prompt, recipe: Recipe, rng: random.Random):
 @contextlib.contextmanager
 def _frozen_vision(model):
     """The vision tower frozen and its output remembered per image, for the warm start only: the
-    same few screenshots come back every step, and a full-size one spends 80% of its sample's
+    same few screenshots come back every step, and a full-size one spends most of its sample's
     time in the tower (a full attention over 4,784 patches). The tower's forward is replaced on
     this one instance, by one that runs the stock forward once per distinct image (keyed by its
     pixels) and hands back the merged tokens of the batch's images in order; put back after."""
@@ -275,7 +275,7 @@ def _sft_step(policy, opt, samples: list, short: int = 800) -> float:
     with micro-batches chosen by length: short samples of similar lengths together, every long one
     alone. A
     full-size screenshot's 1,400 tokens in a micro-batch would pad the 200-token ones to its
-    length, and two long ones of unequal length together take a padded attention 20x slower than
+    length, and two long ones of unequal length together take a padded attention far slower than
     each alone (CPU). -> the step's NLL per target token."""
     groups = []
     for s in sorted(samples, key=lambda s: len(s.input_ids)):
@@ -309,7 +309,7 @@ def train(policy, recipe: Recipe, seed: int, desc: str = "warm start") -> dict:
         params = [q for q in policy.model.parameters() if q.requires_grad]
         opt = torch.optim.AdamW(params, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
         # The saved weights are an average over the last ~10 steps (EMA 0.9), not the last step's:
-        # how often a tiny model's samples break the format at T=1 varied by +-0.1 from one build
+        # how often a tiny model's samples break the format at T=1 varied from one build
         # to the next with the last step's weights.
         average = [q.detach().clone() for q in params]
         bar = progress.bar(recipe.steps, desc)  # on a terminal: step, NLL, time left

@@ -2,7 +2,7 @@
 
 Run: python -m pytest -q -s tests/test_faults.py        (~1 min; 4 local Xvfb desktops)
 
-train_arpo.py's own `run_iteration` (reset, setup, rollout, evaluate, replay, GRPO update) runs with
+train_arpo.py's own `iteration` (reset, setup, rollout, evaluate, replay, GRPO update) runs with
 the tiny real Qwen2.5-VL on 4 local desktops in 2 groups of 2. In the middle of the rollout (while
 the model answers step 1) desktop 1 is killed (SIGKILL to its vm_server's process group) and
 desktop 2 is frozen (SIGSTOP to its process group: it accepts connections and never answers). Must

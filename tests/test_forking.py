@@ -62,3 +62,14 @@ def test_every_module_name_forking_md_names_is_defined_there():
 def test_the_readme_points_to_forking_md():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         assert "FORKING.md" in f.read()
+
+
+def test_every_file_the_readme_and_docs_name_exists():
+    # the README and docs/ send a newcomer to files; none of them may be a file that moved or went
+    for doc in ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))):
+        with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+            files = set(re.findall(r"\b([\w/.-]+\.(?:py|md|sh))\b", f.read()))
+        missing = [f for f in sorted(files) if not any(os.path.exists(os.path.join(ROOT, base, f))
+                                                       for base in ("", "docs", "tests", "bench"))]
+        assert not missing, f"{doc} names files that do not exist: {missing}"
+

@@ -20,7 +20,7 @@ FONT = "/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf"
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    """Everything here is tiny: a second torch thread only adds waiting (10x slower measured) when
+    """Everything here is tiny: a second torch thread only adds waiting (much slower) when
     other processes share the cores. Restored afterwards for the rest of the suite."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -19,7 +19,7 @@ and never reach the event that releases it (the hold then runs out, and the test
 - blame: a 500 from /action drops ARPO's episode (env_failures, no format penalty) and
   ScreenExplorer's step; a 400 is the model's (a format failure); --settle parses.
 Real desktops whose X server is killed mid-episode are in tests/test_train_arpo.py and
-tests/test_train_explore.py; train_arpo.run_iteration with a killed and a frozen desktop in
+tests/test_train_explore.py; train_arpo.iteration with a killed and a frozen desktop in
 tests/test_faults.py.
 """
 from __future__ import annotations

@@ -212,7 +212,7 @@ def test_every_answer_is_trained_in_the_context_and_at_the_temperature_it_was_sa
     # schedule makes two optimizer steps of the batch (lr 0 here: the weights stay as sampled).
     policy = load_policy("tiny", seed=0, max_pixels=SMALL)
     task = TASKS["calc-open"]
-    # lr 0 in the args: run_iteration sets the optimizer's lr from them (lr_at) every iteration
+    # lr 0 in the args: iteration sets the optimizer's lr from them (lr_at) every iteration
     args = small_args(max_steps=3, max_images=1, temperature=0.7, stop_on_format_error=False, lr=0.0)
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=0.0)
     tr = T.Trainer(args, pool, policy, opt, None, T.model_policy(policy, args, args.temperature), str(tmp_path), [task])

@@ -47,7 +47,7 @@ def run_script(script: str, *argv, timeout=240):
 
 
 def speaking_tiny(path: str) -> str:
-    """The tiny random Qwen2.5-VL after ~8 s of SFT on valid explore answers of six action kinds."""
+    """The tiny random Qwen2.5-VL after a short SFT on valid explore answers of six action kinds."""
     torch.set_num_threads(1)
     policy = M.load_policy("tiny", max_pixels=12544, seed=0)
     enc = encode_chat(policy, explore_messages(Image.new("RGB", (1280, 720), DESKTOP_BLUE)))

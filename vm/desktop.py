@@ -273,9 +273,9 @@ def openbox_config(config_home: str) -> None:
     """openbox's rc.xml for this desktop (config_home/openbox/rc.xml, which openbox reads before
     the system's): the system's own, with the workspace popup switched off. A scroll on the empty
     desktop switches workspaces and openbox shows "desktop 2" in the middle of the screen for
-    875 ms, on a timer of its own: the watched settle (vm/settle.py) answers before it goes, a fixed
-    1-2 s sleep after, so the popup was a screen only the watch ever saw (bench/settle.py
-    --explore found it: 18 of 128 random pointer actions, all scrolls, and no other kind).
+    most of a second, on a timer of its own: the watched settle (vm/settle.py) answers before it
+    goes, a fixed 1-2 s sleep after, so the popup was a screen only the watch ever saw (bench/settle.py
+    --explore found it, on scrolls only).
     The workspace switch itself stays: the screen it leaves is the same with either settle."""
     dirs = (os.environ.get("XDG_CONFIG_DIRS") or "/etc/xdg").split(":") + ["/etc/xdg"]
     system = next((os.path.join(d, "openbox", "rc.xml") for d in dirs

@@ -1,9 +1,9 @@
 """vm/settle.py: wait until a desktop has settled after an action, by watching it from inside the VM.
 
 After an action the papers' trainers sleep a fixed time before the next screenshot (ARPO/OSWorld
-0.5 s, ScreenExplorer 1 s, our learning bench's earlier 2 s), while the desktop is done in about 0.1-0.3 s:
-an app's window is up and drawn 0.1-0.3 s after the double-click on its icon is sent (0.13 s of
-which is the double-click itself), a typed command's output 5-40 ms after the keys. vm_server.py
+0.5 s, ScreenExplorer 1 s), while the desktop is usually done far sooner: an app's window is up and
+drawn a fraction of a second after the double-click on its icon, a typed command's output a few
+milliseconds after the keys (bench/settle.py measures every kind of step; docs/log.md). vm_server.py
 calls this for `POST /action?settle=watch` and answers with the settled screen: one round trip per
 step, as long as the desktop needs and no longer.
 
@@ -24,19 +24,19 @@ It has settled once none of that happened for QUIET seconds and the screen chang
 first change (and QUIET of stillness); nothing waits longer than CAP ("cap").
 
 What counts as a change, and why a caret or a clock never keeps a step waiting: a blinking caret,
-the taskbar clock and the taskbar's own timer are instants of drawing or CPU followed by at least
-0.4 s of stillness (GTK's caret: on 0.8 s, off 0.4 s; tint2 wakes twice a second for 0.05-0.2 ms;
-a blink costs 0.4-1.1 ms of CPU), so each can add at most QUIET to a step, never reach CAP. Only
+the taskbar clock and the taskbar's own timer are brief instants of drawing or CPU followed by at
+least 0.4 s of stillness (GTK's caret: on 0.8 s, off 0.4 s; tint2 wakes twice a second), so each
+can add at most QUIET to a step, never reach CAP. Only
 continuous change does (an animation, `watch date`, a command that keeps running: `sleep 100`).
 Why a second signal beside pixels: between an icon's selection highlight and the app's window the
-screen is still for up to 0.1 s while the app starts (more on a loaded machine: a waiting app is
+screen is still for a moment while the app starts (longer on a loaded machine: a waiting app is
 R, not drawing), and after a hotkey the app thinks before it draws a dialog; the app's threads are
 running or runnable all that time, and /proc shows it (rule 2), which X events alone would not
 (CreateNotify/MapNotify only come once the window exists). Rule 3 is there for a program that
 waits on purpose before it shows anything; one that waits inside its own event loop (a GLib
 timeout) is not seen, nor is a tooltip that appears after a hover delay of 0.5 s. The one case in
 the task suite: GTK's file chooser, which completes a typed path (and turns its Save button
-sensitive) 0.1-0.3 s later and answers the Enter ~0.5 s later, on timers of its own with nothing
+sensitive) and answers the Enter a little later, on timers of its own with nothing
 running or drawing meanwhile (bench/settle.py: the settled screen still shows the dialog, as a
 fixed 0.5 s one would).
 
@@ -47,13 +47,13 @@ action began (the app a double-click launched), and not the rest of the session,
 work would otherwise keep every step waiting.
 
 Without DAMAGE (an X server without the extension, or a python-xlib without Xlib.ext.damage) the
-screen is compared as a full screenshot at every look instead (FALLBACK_LOOK apart: ~8 ms a grab
-at 1280x720). The X server's own CPU is then left out of rule 2: serving our grab costs it 3-6 ms
-per look, more than BUSY_CPU, so counting it would keep every step waiting until CAP; whatever it
+screen is compared as a full screenshot at every look instead (FALLBACK_LOOK apart). The X
+server's own CPU is then left out of rule 2: serving our grab costs it more than BUSY_CPU, so
+counting it would keep every step waiting until CAP; whatever it
 draws shows in the next grab anyway.
 
 Nothing in the papers does this: OSWorld-based trainers sleep a fixed time, and desktop-automation
-tools that poll screenshot hashes pay at least their polling interval (0.5-1 s) per step.
+tools that poll screenshot hashes pay at least their polling interval per step.
 
 Used by vm_server.py (POST /action?settle=watch), vm/tasks.py (a setup that started an app
 answers once it has settled) and vm/desktop.py (a reset's session is up once it has settled); copied
@@ -71,27 +71,24 @@ from PIL import ImageGrab
 
 from vm.procs import Desktop, descendants
 
-# The constants, and the measurements behind them (bench/settle.py, tests/test_settle.py and
-# probes of the same kind: a 1280x720 --xvfb desktop on 2 shared cores, at load 2, and with 4 CPU
-# burners beside it).
-LOOK = 0.02          # s between looks. A look reads /proc: ~0.5 ms of CPU for a desktop of 16 processes.
-QUIET = 0.10         # s without change = settled. The longest stillness inside one reaction (a window
-#                      mapping, a dialog drawing, a command's output) was 22-28 ms for every kind of
-#                      step in bench/settle.py (its gap column): GTK draws on a 16.7 ms frame clock, and
-#                      a program waiting for a CPU is seen as R. The exception is GTK's file chooser
-#                      (0.19 s: timers of its own, see the README). Under 0.4 s, the shortest period
-#                      of a caret blink or a taskbar tick, so those cost at most QUIET.
-FIRST_CHANGE = 0.25  # s an action that changes nothing waits for a first change. Every measured
-#                      reaction drew within 0.08 s of the action's end (alt+f4 closing mousepad: 0.05 s,
-#                      0.19 s under load with its threads busy in between); the margin is for what
-#                      /proc does not show (a compositor in your own VM).
-CAP = 5.0            # s at most. The longest settle over the task suite's 100 solution steps was 0.46 s;
+# The constants, and why each has its value. The measurements behind them (bench/settle.py's
+# columns, on a 1280x720 --xvfb desktop of 2 shared cores, idle, at load 2 and beside CPU burners)
+# are in docs/log.md.
+LOOK = 0.02          # s between looks. A look only reads /proc (and takes the X events): cheap.
+QUIET = 0.10         # s without change = settled. Above the longest stillness inside one reaction (a
+#                      window mapping, a dialog drawing, a command's output: GTK draws on a 16.7 ms frame
+#                      clock, and a program waiting for a CPU is seen as R), except GTK's file chooser
+#                      (timers of its own, above); below 0.4 s, the shortest period of a caret blink or
+#                      a taskbar tick, so those cost at most QUIET.
+FIRST_CHANGE = 0.25  # s an action that changes nothing waits for a first change: above the latest first
+#                      drawing any measured reaction made, under load too, with a margin for what /proc
+#                      does not show (a compositor in your own VM).
+CAP = 5.0            # s at most: far above the longest settle of any solution step of the task suite;
 #                      an app's cold start on a slow VM can take seconds. Only continuous change
 #                      reaches it (an animation, `watch date`), which a fixed settle cuts off too.
-BUSY_CPU = 0.002     # s of CPU the desktop may use between two looks and still be idle: its idle
-#                      wake-ups cost 0.03-1.1 ms each (taskbar, X server, a caret blink; an open GTK
-#                      file chooser ticks at 60 Hz for ~0.1 ms); a starting app or a redraw uses a
-#                      whole CPU (10-20 ms per look).
+BUSY_CPU = 0.002     # s of CPU the desktop may use between two looks and still be idle: above its idle
+#                      wake-ups (taskbar, X server, a caret blink, an open GTK file chooser's 60 Hz
+#                      tick), below a starting app or a redraw, which use a whole CPU.
 FALLBACK_LOOK = 0.05  # s between looks when screenshots stand in for DAMAGE
 X_SERVERS = ("Xvfb", "Xorg", "X", "Xephyr", "Xwayland")  # their CPU is our grab's in the fallback
 

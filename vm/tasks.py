@@ -360,7 +360,7 @@ def _search(pattern: re.Pattern, texts: list[str]) -> bool | None:
     Python's re can take exponential time on patterns like `(a+)+$`, and a running match cannot be
     interrupted: one such regex in a task file would freeze this server (and its desktop) for good.
     So the match runs in a forked child that we kill when time is up. Forking shares the text
-    without copying it and costs about 2 ms; the child touches nothing but the pattern and the
+    without copying it and is cheap; the child touches nothing but the pattern and the
     texts, and leaves with os._exit (no cleanup of the parent's X connection or sockets). Forking
     from this threaded server is safe because every request but /health holds the server's lock,
     and /health forks nothing.

@@ -754,7 +754,9 @@ def main(argv=None) -> None:
     with rundir.new_run(run):  # a bad --model or --vms: one sentence, and no half-made run folder
         if not (args.eval_only and args.resume):  # evaluating a run: its args.json stays the training args
             rundir.make_run_dir(run, args, resume=bool(args.resume))
+        print(f"run folder: {run}; loading {args.model}", flush=True)
         policy = make_policy(args, state)
+        print(f"starting {args.vms} desktop(s) ..." if args.vms.isdigit() else f"connecting to {args.vms} ...", flush=True)
         pool, _, _ = rundir.open_desktops(args.vms, args.token, args.vm_timeout, screen_size(args))
     try:
         if args.eval_only:  # standard + hard success rates of the policy, into eval_it<N>.json

@@ -66,7 +66,7 @@ def group_advantages(rewards, group_ids=None, scale: bool = True, eps: float = 1
     group_ids: one id per reward (int or str; a list, tensor or numpy array), or None for one group
     (ScreenExplorer normalises every step of the rollout buffer together). torch.std is the
     unbiased one (divides by n - 1). A group of one, or one where every reward is equal, gets
-    advantage 0 either way: it carries no signal (train_arpo.py calls such groups flat).
+    advantage 0 either way: it carries no signal (plumbing/logs.py counts such groups as flat).
     """
     r = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)  # (N,)
     ids = [0] * len(r) if group_ids is None else list(group_ids)
@@ -92,6 +92,7 @@ def group_advantages(rewards, group_ids=None, scale: bool = True, eps: float = 1
     return adv
 
 
+
 # ----------------------------------------------------------------------------------------------
 # ARPO's replay buffer of successes
 
@@ -112,7 +113,7 @@ class ReplayBuffer:
 
     def add(self, task_id, trajectory, score: float) -> bool:
         """Keep a success (score strictly above the threshold); returns whether it was kept."""
-        if not (float(score) > self.success_threshold):  # ALGO: success = score > 0.1 (NaN is not)
+        if not (float(score) > self.success_threshold):  # ALGO: a success: score > the threshold (ARPO: 0.1; NaN is not)
             return False
         items = self.data.setdefault(str(task_id), [])
         items.append((trajectory, float(score)))
@@ -126,22 +127,23 @@ class ReplayBuffer:
         return self.rng.choice(items)[0] if items else None
 
     def inject(self, task_id, trajectories: list, scores: Sequence[float], std_below: float = 0.05,
-               mean_below: float = 0.2) -> tuple[list, list[float], bool]:
+               mean_below: float = 0.2) -> tuple[list, list[float], int | None]:
         """If the group failed alike (std < std_below and mean < mean_below), replace its lowest
         scorer (the first of them on a tie) with a stored success so GRPO sees a non-zero
         advantage. ARPO's code replaces the first member, its paper a random one: the lowest keeps
-        a partial success the group may hold (departure 5). Returns new lists + flag."""
+        a partial success the group may hold (departure 5). -> (new lists, the index replaced or
+        None)."""
         trajectories, scores = list(trajectories), [float(s) for s in scores]
         if not scores:
-            return trajectories, scores, False
+            return trajectories, scores, None
         std = statistics.stdev(scores) if len(scores) > 1 else 0.0  # unbiased, as group_advantages
         items = self.data.get(str(task_id))
-        if not (std < std_below and statistics.fmean(scores) < mean_below) or not items:  # ALGO
-            return trajectories, scores, False
+        if not (std < std_below and statistics.fmean(scores) < mean_below) or not items:  # ALGO: failed alike?
+            return trajectories, scores, None
         traj, score = self.rng.choice(items)
         worst = min(range(len(scores)), key=scores.__getitem__)
         trajectories[worst], scores[worst] = traj, score  # ALGO: one success into the failed group
-        return trajectories, scores, True
+        return trajectories, scores, worst
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.data.values())
@@ -161,61 +163,9 @@ class ReplayBuffer:
         self.rng.setstate((version, tuple(internal), gauss))
 
 
-# ----------------------------------------------------------------------------------------------
-# Log-probs of chosen tokens
-
-# Rows of logits handled per exp/logsumexp call: bounds each temporary to ~16M floats (64 MB).
-_LSE_CHUNK_ELEMS = 1 << 24
-
-
-class _SelectiveLogSoftmax(torch.autograd.Function):
-    """log p(index) = logits[index] - logsumexp(logits), with a hand-written backward.
-
-    Autograd's own backward for gather + logsumexp allocates three or four (N, V) buffers (the
-    gather's zero-filled grad, exp(logits - lse), their sum, ...). d/dlogits is simply
-    onehot(index) - softmax(logits), so one (N, V) gradient buffer filled chunk by chunk does it.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, index):  # logits (N, V), index (N,)
-        out_dtype = torch.promote_types(logits.dtype, torch.float32)
-        rows = max(1, _LSE_CHUNK_ELEMS // logits.shape[1])
-        # Upcast per chunk: a bf16 logsumexp over 152k entries loses ~2 digits, and the GRPO
-        # ratio exp(new - old) magnifies any such error.
-        lse = [torch.logsumexp(logits[i:i + rows].to(out_dtype), dim=-1)
-               for i in range(0, logits.shape[0], rows)]  # [(n,)]
-        lse = torch.cat(lse) if lse else logits.new_zeros(0, dtype=out_dtype)  # (N,)
-        picked = logits.gather(1, index[:, None]).squeeze(1).to(out_dtype)  # (N,)
-        ctx.save_for_backward(logits, index, lse)
-        ctx.rows = rows
-        return picked - lse  # (N,)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # grad_out (N,)
-        logits, index, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)  # (N, V)
-        for i in range(0, logits.shape[0], ctx.rows):
-            p = torch.exp(logits[i:i + ctx.rows].to(lse.dtype) - lse[i:i + ctx.rows, None])  # (n, V) softmax
-            grad[i:i + ctx.rows] = (p * -grad_out[i:i + ctx.rows, None]).to(grad.dtype)  # (n, V)
-        grad.scatter_add_(1, index[:, None], grad_out[:, None].to(grad.dtype))  # + onehot * grad_out
-        return grad, None
-
-
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[..., index] without materialising a full log_softmax.
-
-    logits (..., V), index (...) -> (...), in float32 (float64 stays float64), whatever the
-    logits' dtype. Memory beyond the logits: one chunk temporary forward, one (N, V) gradient
-    backward.
-    """
-    V = logits.shape[-1]
-    flat = logits.reshape(-1, V)  # (N, V)
-    idx = index.reshape(-1).to(device=logits.device, dtype=torch.long)  # (N,)
-    return _SelectiveLogSoftmax.apply(flat, idx).reshape(index.shape)  # (...)
-
 
 # ----------------------------------------------------------------------------------------------
-# Samples and batches
+# Samples: one training sequence each
 
 
 @dataclass
@@ -259,101 +209,86 @@ def trajectory_sample(encoded, reward: float = 0.0, group: int | str = 0,
                   encoded.image_grid_thw, float(reward), 0.0, group, olds)
 
 
-def micro_batches(samples: Sequence[Sample], size: int) -> Iterator[list[Sample]]:
-    """Consecutive chunks of `size` samples (order kept, so old log-probs line up)."""
-    size = max(1, int(size))
-    for i in range(0, len(samples), size):
-        yield list(samples[i:i + size])
-
-
-def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
-    """Right-pad samples into one batch. Images of all samples are concatenated in sample order,
-    which is the order the model's placeholder tokens appear in when reading the batch row-major.
-
-    Also carries rewards (B,), advantages (B,), weights (B,), and old_logps (B, T) -- each sample's per-target
-    values put at its target positions, 0 elsewhere, aligned with input_ids as per_token_logps is --
-    when every sample has them (None otherwise)."""
-    B, T = len(samples), max(len(s.input_ids) for s in samples)
-    input_ids = torch.full((B, T), int(pad_id), dtype=torch.long)  # (B, T)
-    attention_mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
-    completion_mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
-    carried = all(s.old_logps is not None for s in samples)
-    old_logps = torch.zeros(B, T, dtype=torch.float32) if carried else None  # (B, T)
-    for b, s in enumerate(samples):
-        n = len(s.input_ids)
-        if len(s.target_mask) != n:
-            raise ValueError(f"sample {b} has {n} input ids but {len(s.target_mask)} target-mask entries; "
-                             "build samples with step_sample or trajectory_sample.")
-        input_ids[b, :n] = torch.tensor(s.input_ids, dtype=torch.long)  # (n,)
-        attention_mask[b, :n] = 1
-        completion_mask[b, :n] = torch.tensor(s.target_mask, dtype=torch.long)  # (n,)
-        if carried:
-            on = completion_mask[b].bool()  # (T,)
-            if len(s.old_logps) != int(on.sum()):
-                raise ValueError(f"sample {b} has {int(on.sum())} target tokens but {len(s.old_logps)} old log-probs; "
-                                 "pass one log-prob per completion token (Generation.logprobs).")
-            old_logps[b, on] = torch.tensor(s.old_logps, dtype=torch.float32)  # (n_target,) into (T,)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "completion_mask": completion_mask,
-        **qwen_vl.image_inputs(samples),  # pixel_values (sum N_patches, D), image_grid_thw (N_img, 3)
-        "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),  # (B,)
-        "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),  # (B,)
-        "weights": torch.tensor([s.weight for s in samples], dtype=torch.float32),  # (B,)
-        "old_logps": old_logps,  # (B, T) or None
-    }
-
-
-def per_token_logps(model, batch: dict, temperature: float | None = None) -> torch.Tensor:
-    """logps[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) on completion tokens, 0 elsewhere: (B, T).
-
-    p = softmax(logits / temperature) without the ids in batch["suppressed"]: the distribution the
-    tokens were sampled from (verl and ARPO divide by T when scoring the old, the new and the
-    reference policy), so a run sampling at T != 1 trains the policy it sampled from, and the
-    sampler's Generation.logprobs are these numbers. temperature None: batch["temperature"] if the
-    batch carries one (update_policy puts both there, as verl's meta_info does, so a ref_fn scores
-    the same distribution), else 1; <= 0 (greedy) scores at 1. top-p is not reproduced (nor in
-    verl): sample with top_p 1 when the ratio must be exact.
-
-    The vocabulary projection is what eats memory: a 4k-token screenshot prompt at V = 151,936 is
-    2.5 GB of float32 logits per sample, twice that with a log_softmax beside it. Only the
-    positions just before a completion token are needed, so we run the model's body for the
-    hidden states, gather exactly those rows and apply lm_head to them alone: (N_completion, V).
-    (transformers >= 5.24 can do the gather itself with a boolean `logits_to_keep`; 5.17, which the
-    GPU image has, cannot, so we do it by hand and work on both.) Works through peft's LoRA wrapper:
-    its adapters sit inside the body's Linear layers.
-    """
-    dev = next(model.parameters()).device
-    target = batch["completion_mask"].bool().to(dev)  # (B, T)
-    target[:, 0] = False  # the first token has no context to be predicted from
-    keep = torch.zeros_like(target)  # (B, T)
-    keep[:, :-1] = target[:, 1:]  # position t - 1 predicts token t
-    # ids, mask, the images and the token types that give image tokens their 3-D (time, height,
-    # width) rotary positions (without them Qwen2/2.5-VL silently fall back to 1-D positions)
-    kwargs = dict(qwen_vl.forward_inputs(model, batch, dev), use_cache=False)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # unwrap peft
-    if dist.is_sharded(base):
-        # FSDP2 gathers the root's weights (embeddings, lm_head) only in the root's own forward, and
-        # keeps them gathered for the backward: through it, with one position's logits to spare.
-        hidden = base(**kwargs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]  # (B, T, H)
-    else:
-        hidden = base.model(**kwargs).last_hidden_state  # (B, T, H)
-    logits = base.lm_head(hidden[keep])  # (N_completion, V)
-    temperature = batch.get("temperature", 1.0) if temperature is None else temperature
-    # ALGO: the sampling distribution's logits. In place (as verl): no second (N, V) buffer, and
-    # lm_head's backward does not need its output.
-    if temperature > 0 and temperature != 1.0:
-        logits = logits.div_(temperature)  # (N_completion, V)
-    if batch.get("suppressed"):
-        logits = logits.index_fill_(1, torch.tensor(batch["suppressed"], device=dev), float("-inf"))  # (N_completion, V)
-    lp = selective_log_softmax(logits, kwargs["input_ids"][target])  # (N_completion,)
-    # Row-major order of `keep` and `target` is the same, so masked_scatter puts each value back.
-    return torch.zeros(target.shape, dtype=lp.dtype, device=dev).masked_scatter(target, lp)  # (B, T)
-
 
 # ----------------------------------------------------------------------------------------------
-# The loss
+# The update, and its loss
+
+
+STEP_KEYS = ("pg_loss", "kl", "clip_low", "clip_high", "clip_dual", "ratio_mean")  # token-weighted over micro-batches
+
+
+def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_batch_size: int = 4,
+                  eps_low: float = 0.2, eps_high: float = 0.28, beta: float = 0.0,
+                  ref_fn: Callable[[dict], torch.Tensor] | None = None, max_grad_norm: float = 1.0,
+                  agg: str = "seq-mean-token-mean", mini_batch_size: int | None = None,
+                  epochs: int = 1, on_micro_batch: Callable[[int], None] | None = None, temperature: float = 1.0,
+                  dual_clip: float | None = None, shuffle: random.Random | None = None,
+                  optimizer_steps: int | None = None) -> dict:
+    """One GRPO update on a rollout's samples (each with its .advantage); -> metrics averaged over
+    its optimizer steps ({} when no rank had a sample).
+
+    The samples, shuffled by `shuffle` (seeded; None keeps their order), are cut into optimizer
+    steps of `mini_batch_size` samples, or into `optimizer_steps` steps (ARPO: 2), or one step, and
+    each step is accumulated over micro-batches of `micro_batch_size` (memory only: the gradient is
+    the whole step's); `epochs` repeats the steps. Old log-probs are fixed before the first step
+    (departure 3); every log-prob is scored at the sampling `temperature`. beta > 0 adds the KL to a
+    reference: `ref_fn(batch)` (a frozen copy, reference_fn) or, for a LoRA model, the same weights
+    with the adapter off. `on_micro_batch(n)` is called after each micro-batch (a progress bar).
+    metrics["logp_gap"]: the trainer's old log-probs against the sampler's (Sample.old_logps).
+    Under torchrun each rank passes its own samples; sizes and means count every rank's.
+    """
+    model, pad_id, suppressed = _unwrap(policy_or_model)
+    samples = list(samples)
+    n_all = int(dist.all_sum([len(samples)])[0])  # every rank's samples (one process: its own)
+    if n_all == 0:
+        return {}
+    if beta != 0.0 and ref_fn is None and not hasattr(model, "disable_adapter"):
+        raise ValueError("beta > 0 needs a reference policy: pass ref_fn, or train with LoRA (--lora-rank) "
+                         "so the adapter can be switched off.")
+    if shuffle is not None:
+        shuffle.shuffle(samples)  # our copy of the list: the caller's order stays
+    per_step = mini_batch_size or math.ceil(n_all / (optimizer_steps or 1))
+    # What the sampler did to the logits travels with each batch (verl: meta_info), so every forward
+    # that scores it (old, new, a ref_fn's) scores the sampling distribution.
+    sampling = {"temperature": float(temperature), "suppressed": suppressed}
+    batches, steps = _plan(samples, n_all, per_step, micro_batch_size, sampling, pad_id)  # micro-batches, per step
+    extra = _matched(model, steps)  # FSDP2: the forwards a step adds to match the busiest rank's (else 0)
+    # With one step in all, the weights that score the tokens are the ones old log-probs would come
+    # from: old = the current log-probs, detached, and no second forward (exactly on-policy).
+    single = len(steps) == 1 and epochs == 1
+    gap = _LogpGap()
+    model.train()  # gradient checkpointing only runs in train mode; dropout is 0 in our configs
+    with torch.no_grad():
+        old = None if single else _old_logps(model, batches, extra, gap)  # [(B, T)]
+        ref = _reference_logps(model, batches, beta, ref_fn)  # [(B, T) or None]
+    # ALGO: what each step's loss is a mean over (sequences or target tokens), over ALL ranks' samples
+    units = dist.all_sum([sum(_units(batches[i], agg) for i in step) for step in steps])
+    done = []
+    optimizer.zero_grad(set_to_none=True)
+    for _ in range(max(1, epochs)):
+        for step, n_extra, step_units in zip(steps, extra, units):
+            sums = dict.fromkeys(("loss", "tokens") + STEP_KEYS, 0.0)
+            for i in step:
+                b = batches[i]
+                logps = per_token_logps(model, b)  # (B, T)
+                if single:
+                    gap.note(logps, b)
+                dev = logps.device
+                loss, m = grpo_loss(logps, logps.detach() if single else old[i].to(dev),
+                                    b["advantages"].to(dev), b["completion_mask"].to(dev),
+                                    None if ref[i] is None else ref[i].to(dev), eps_low, eps_high, beta, agg,
+                                    dual_clip, b["weights"].to(dev))  # ALGO: the clipped surrogate, aggregated
+                w = _units(b, agg) / step_units if step_units > 0 else 0.0  # ALGO: its share of the step's mean
+                (loss * w * dist.grad_scale(model)).backward()
+                if on_micro_batch is not None:
+                    on_micro_batch(len(b["advantages"]))
+                sums["loss"] += m["loss"] * w
+                sums["tokens"] += m["tokens"]
+                for key in STEP_KEYS:
+                    sums[key] += m[key] * m["tokens"]
+            _matched_backwards(model, batches, n_extra)  # FSDP2: the busiest rank's extra forwards, weight 0
+            done.append(_optimizer_step(model, optimizer, sums, max_grad_norm))  # ranks summed, clipped, stepped
+    return _update_metrics(done, samples, gap, epochs)
 
 
 def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float = 0.2,
@@ -432,95 +367,11 @@ def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float
         }
     return loss, metrics
 
+
+
 # ----------------------------------------------------------------------------------------------
-# The update
-
-
-STEP_KEYS = ("pg_loss", "kl", "clip_low", "clip_high", "clip_dual", "ratio_mean")  # token-weighted over micro-batches
-
-
-def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_batch_size: int = 4,
-                  eps_low: float = 0.2, eps_high: float = 0.28, beta: float = 0.0,
-                  ref_fn: Callable[[dict], torch.Tensor] | None = None, max_grad_norm: float = 1.0,
-                  agg: str = "seq-mean-token-mean", mini_batch_size: int | None = None,
-                  epochs: int = 1, on_micro_batch: Callable[[int], None] | None = None, temperature: float = 1.0,
-                  dual_clip: float | None = None, shuffle: random.Random | None = None,
-                  optimizer_steps: int | None = None) -> dict:
-    """One GRPO update on a rollout; returns metrics averaged over its optimizer steps ({} when no
-    rank had a sample).
-
-    samples carry .advantage already (the trainer sets it from group_advantages). By default the
-    whole rollout is one optimizer step, accumulated over micro-batches of `micro_batch_size`
-    (memory knob only: the loss is scaled so the gradient equals the full-batch one).
-    `mini_batch_size` samples per step, or `optimizer_steps` steps (ARPO: 2, whatever the batch
-    size), split it into several steps, and `epochs` repeats them; old log-probs are fixed before
-    the first step. `shuffle` (a seeded random.Random) mixes the samples before they are cut
-    (ScreenExplorer's release shuffles; verl reorders by length). `temperature`: the sampling
-    temperature, at which every log-prob is scored (per_token_logps). `dual_clip`: grpo_loss's c.
-    Reference for beta > 0: `ref_fn(batch) -> (B, T)` (a frozen copy, reference_fn), or, for a
-    peft model, the same weights with the LoRA adapter disabled; beta 0 computes no reference.
-    `on_micro_batch(n)` is called after each micro-batch's backward (a progress bar). The sampler's
-    log-probs the samples carry (Sample.old_logps) are only compared with the trainer's own:
-    metrics["logp_gap"] is the mean |trainer - sampler| over the target tokens (departure 4).
-    Under torchrun every rank passes its own samples: sizes and means count all ranks' samples.
-    """
-    model, pad_id, suppressed = _unwrap(policy_or_model)
-    samples = list(samples)
-    n_all = int(dist.all_sum([len(samples)])[0])  # under torchrun: every rank's samples together
-    if n_all == 0:
-        return {}
-    if beta != 0.0 and ref_fn is None and not hasattr(model, "disable_adapter"):
-        raise ValueError("beta > 0 needs a reference policy: pass ref_fn, or train with LoRA (--lora-rank) "
-                         "so the adapter can be switched off.")
-    if shuffle is not None:
-        shuffle.shuffle(samples)  # our copy of the list: the caller's order stays
-    per_step = mini_batch_size or math.ceil(n_all / (optimizer_steps or 1))
-    batches, steps = _plan(samples, n_all, per_step, micro_batch_size,
-                           # what the sampler did to the logits travels with each batch (verl: meta_info),
-                           # so every forward that scores it (old, new, a ref_fn's) scores the sampling distribution
-                           {"temperature": float(temperature), "suppressed": suppressed}, pad_id)
-    steps = _matched(model, steps, batches)  # FSDP2: every rank runs as many forwards as the busiest
-    # On-policy shortcut: with one step in all, the weights that score the tokens are the weights
-    # old_logps would come from, so old = current logps, detached (a second forward would only
-    # return the same numbers).
-    single = len(steps) == 1 and epochs == 1
-    gap = _LogpGap()
-    model.train()  # gradient checkpointing only runs in train mode; dropout is 0 in our configs
-    with torch.no_grad():
-        old = [None if single else gap.note(per_token_logps(model, b), b) for b in batches]  # [(B, T)]
-        if not single:
-            _matched_forwards(model, steps, batches)
-        ref = _reference_logps(model, batches, beta, ref_fn)  # [(B, T) or None]
-    # ALGO: what each step's loss is a mean over (sequences or target tokens), over ALL ranks' samples
-    units = dist.all_sum([sum(_units(batches[i], agg) for i in step if i >= 0) for step in steps])
-    done = []
-    optimizer.zero_grad(set_to_none=True)
-    for _ in range(max(1, epochs)):
-        for step, step_units in zip(steps, units):
-            sums = dict.fromkeys(("loss", "tokens") + STEP_KEYS, 0.0)
-            for i in step:
-                b = batches[max(i, 0)]
-                logps = per_token_logps(model, b)  # (B, T)
-                if i < 0:  # FSDP2's matched forward: a zero-weight loss, for the collectives only
-                    (logps.sum() * 0.0).backward()
-                    continue
-                if single:
-                    gap.note(logps, b)
-                dev = logps.device
-                loss, m = grpo_loss(logps, logps.detach() if single else old[i].to(dev),
-                                    b["advantages"].to(dev), b["completion_mask"].to(dev),
-                                    None if ref[i] is None else ref[i].to(dev), eps_low, eps_high, beta, agg,
-                                    dual_clip, b["weights"].to(dev))
-                w = _units(b, agg) / step_units if step_units > 0 else 0.0  # ALGO: its share of the step's mean
-                (loss * w * dist.grad_scale(model)).backward()
-                if on_micro_batch is not None:
-                    on_micro_batch(len(b["advantages"]))
-                sums["loss"] += m["loss"] * w
-                sums["tokens"] += m["tokens"]
-                for key in STEP_KEYS:
-                    sums[key] += m[key] * m["tokens"]
-            done.append(_optimizer_step(model, optimizer, sums, max_grad_norm))  # ranks summed, clipped, stepped
-    return _update_metrics(done, samples, gap, epochs)
+# Below the update: what it calls by name. Its bookkeeping (the steps' plan, FSDP2's matched
+# forwards, the optimizer step, the metrics), log-probs of the chosen tokens, batches
 
 
 def _unwrap(policy_or_model):
@@ -558,23 +409,34 @@ def _plan(samples: list[Sample], n_all: int, per_step: int, micro: int, sampling
     return batches, steps
 
 
-def _matched(model, steps: list[list[int]], batches: list) -> list[list[int]]:
-    """FSDP2: every forward is a collective, so each rank runs as many per step as the busiest
-    rank; the extra ones are marked -1 (a forward of batches[0] that counts for nothing). Without
-    sharding the steps as they are."""
+def _matched(model, steps: list[list[int]]) -> list[int]:
+    """FSDP2: every forward is a collective, so each rank runs as many per optimizer step as the
+    busiest rank. -> per step, how many extra forwards this rank adds (all 0 without sharding)."""
     if not dist.is_sharded(model):
-        return steps
+        return [0] * len(steps)
     busiest = [max(c) for c in zip(*dist.gather([len(s) for s in steps]))]
-    if any(len(s) < m for s, m in zip(steps, busiest)) and not batches:
+    extra = [m - len(s) for s, m in zip(steps, busiest)]
+    if any(extra) and not any(steps):
         raise ValueError("FSDP2 needs at least one sample on every rank to match the others' forwards.")
-    return [s + [-1] * (m - len(s)) for s, m in zip(steps, busiest)]
+    return extra
 
 
-def _matched_forwards(model, steps: list[list[int]], batches: list) -> None:
-    """FSDP2: the busiest rank's extra old-log-prob forwards, matched on this rank (no grad)."""
-    if dist.is_sharded(model):
-        for i in (i for step in steps for i in step if i < 0):
-            per_token_logps(model, batches[0])
+def _old_logps(model, batches: list, extra: list[int], gap) -> list:
+    """The old log-probs of every batch, (B, T) each, fixed before the first step (no grad), their
+    gap to the sampler's noted; FSDP2: the busiest rank's extra forwards matched."""
+    old = []
+    for b in batches:
+        old.append(per_token_logps(model, b))
+        gap.note(old[-1], b)
+    for _ in range(sum(extra)):
+        per_token_logps(model, batches[0])
+    return old
+
+
+def _matched_backwards(model, batches: list, n: int) -> None:
+    """FSDP2's matched forwards of one step: a zero-weight loss, for the collectives only."""
+    for _ in range(n):
+        (per_token_logps(model, batches[0]).sum() * 0.0).backward()
 
 
 def _reference_logps(model, batches: list, beta: float, ref_fn) -> list:
@@ -599,13 +461,12 @@ class _LogpGap:
     def __init__(self):
         self.sum, self.n = 0.0, 0
 
-    def note(self, trainer_old: torch.Tensor, b: dict) -> torch.Tensor:
+    def note(self, trainer_old: torch.Tensor, b: dict) -> None:
         if b["old_logps"] is not None:
             on = b["completion_mask"].bool()  # (B, T)
             on[:, 0] = False  # per_token_logps leaves position 0 out
             d = (trainer_old.detach().float().cpu() - b["old_logps"])[on].abs()  # (N_target,)
             self.sum, self.n = self.sum + float(d.sum()), self.n + d.numel()
-        return trainer_old
 
 
 def _clip_and_step(model, optimizer, max_grad_norm) -> tuple[float, bool]:
@@ -651,8 +512,152 @@ def _update_metrics(done: list[dict], samples: list[Sample], gap: _LogpGap, epoc
     return metrics
 
 
+def per_token_logps(model, batch: dict, temperature: float | None = None) -> torch.Tensor:
+    """logps[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) on completion tokens, 0 elsewhere: (B, T).
+
+    p = softmax(logits / temperature) without the ids in batch["suppressed"]: the distribution the
+    tokens were sampled from (verl and ARPO divide by T when scoring the old, the new and the
+    reference policy), so a run sampling at T != 1 trains the policy it sampled from, and the
+    sampler's Generation.logprobs are these numbers. temperature None: batch["temperature"] if the
+    batch carries one (update_policy puts both there, as verl's meta_info does, so a ref_fn scores
+    the same distribution), else 1; <= 0 (greedy) scores at 1. top-p is not reproduced (nor in
+    verl): sample with top_p 1 when the ratio must be exact.
+
+    The vocabulary projection is what eats memory: a 4k-token screenshot prompt at V = 151,936 is
+    2.5 GB of float32 logits per sample, twice that with a log_softmax beside it. Only the
+    positions just before a completion token are needed, so we run the model's body for the
+    hidden states, gather exactly those rows and apply lm_head to them alone: (N_completion, V).
+    (transformers >= 5.24 can do the gather itself with a boolean `logits_to_keep`; 5.17, which the
+    GPU image has, cannot, so we do it by hand and work on both.) Works through peft's LoRA wrapper:
+    its adapters sit inside the body's Linear layers.
+    """
+    dev = next(model.parameters()).device
+    target = batch["completion_mask"].bool().to(dev)  # (B, T)
+    target[:, 0] = False  # the first token has no context to be predicted from
+    keep = torch.zeros_like(target)  # (B, T)
+    keep[:, :-1] = target[:, 1:]  # position t - 1 predicts token t
+    # ids, mask, the images and the token types that give image tokens their 3-D (time, height,
+    # width) rotary positions (without them Qwen2/2.5-VL silently fall back to 1-D positions)
+    kwargs = dict(qwen_vl.forward_inputs(model, batch, dev), use_cache=False)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # unwrap peft
+    if dist.is_sharded(base):
+        # FSDP2 gathers the root's weights (embeddings, lm_head) only in the root's own forward, and
+        # keeps them gathered for the backward: through it, with one position's logits to spare.
+        hidden = base(**kwargs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]  # (B, T, H)
+    else:
+        hidden = base.model(**kwargs).last_hidden_state  # (B, T, H)
+    logits = base.lm_head(hidden[keep])  # (N_completion, V)
+    temperature = batch.get("temperature", 1.0) if temperature is None else temperature
+    # ALGO: the sampling distribution's logits. In place (as verl): no second (N, V) buffer, and
+    # lm_head's backward does not need its output.
+    if temperature > 0 and temperature != 1.0:
+        logits = logits.div_(temperature)  # (N_completion, V)
+    if batch.get("suppressed"):
+        logits = logits.index_fill_(1, torch.tensor(batch["suppressed"], device=dev), float("-inf"))  # (N_completion, V)
+    lp = selective_log_softmax(logits, kwargs["input_ids"][target])  # (N_completion,)
+    # Row-major order of `keep` and `target` is the same, so masked_scatter puts each value back.
+    return torch.zeros(target.shape, dtype=lp.dtype, device=dev).masked_scatter(target, lp)  # (B, T)
+
+
+# Rows of logits handled per exp/logsumexp call: bounds each temporary to ~16M floats (64 MB).
+_LSE_CHUNK_ELEMS = 1 << 24
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """log p(index) = logits[index] - logsumexp(logits), with a hand-written backward.
+
+    Autograd's own backward for gather + logsumexp allocates three or four (N, V) buffers (the
+    gather's zero-filled grad, exp(logits - lse), their sum, ...). d/dlogits is simply
+    onehot(index) - softmax(logits), so one (N, V) gradient buffer filled chunk by chunk does it.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, index):  # logits (N, V), index (N,)
+        out_dtype = torch.promote_types(logits.dtype, torch.float32)
+        rows = max(1, _LSE_CHUNK_ELEMS // logits.shape[1])
+        # Upcast per chunk: a bf16 logsumexp over 152k entries loses ~2 digits, and the GRPO
+        # ratio exp(new - old) magnifies any such error.
+        lse = [torch.logsumexp(logits[i:i + rows].to(out_dtype), dim=-1)
+               for i in range(0, logits.shape[0], rows)]  # [(n,)]
+        lse = torch.cat(lse) if lse else logits.new_zeros(0, dtype=out_dtype)  # (N,)
+        picked = logits.gather(1, index[:, None]).squeeze(1).to(out_dtype)  # (N,)
+        ctx.save_for_backward(logits, index, lse)
+        ctx.rows = rows
+        return picked - lse  # (N,)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out (N,)
+        logits, index, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # (N, V)
+        for i in range(0, logits.shape[0], ctx.rows):
+            p = torch.exp(logits[i:i + ctx.rows].to(lse.dtype) - lse[i:i + ctx.rows, None])  # (n, V) softmax
+            grad[i:i + ctx.rows] = (p * -grad_out[i:i + ctx.rows, None]).to(grad.dtype)  # (n, V)
+        grad.scatter_add_(1, index[:, None], grad_out[:, None].to(grad.dtype))  # + onehot * grad_out
+        return grad, None
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[..., index] without materialising a full log_softmax.
+
+    logits (..., V), index (...) -> (...), in float32 (float64 stays float64), whatever the
+    logits' dtype. Memory beyond the logits: one chunk temporary forward, one (N, V) gradient
+    backward.
+    """
+    V = logits.shape[-1]
+    flat = logits.reshape(-1, V)  # (N, V)
+    idx = index.reshape(-1).to(device=logits.device, dtype=torch.long)  # (N,)
+    return _SelectiveLogSoftmax.apply(flat, idx).reshape(index.shape)  # (...)
+
+
+def micro_batches(samples: Sequence[Sample], size: int) -> Iterator[list[Sample]]:
+    """Consecutive chunks of `size` samples (order kept, so old log-probs line up)."""
+    size = max(1, int(size))
+    for i in range(0, len(samples), size):
+        yield list(samples[i:i + size])
+
+
+def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
+    """Right-pad samples into one batch. Images of all samples are concatenated in sample order,
+    which is the order the model's placeholder tokens appear in when reading the batch row-major.
+
+    Also carries rewards (B,), advantages (B,), weights (B,), and old_logps (B, T) -- each sample's per-target
+    values put at its target positions, 0 elsewhere, aligned with input_ids as per_token_logps is --
+    when every sample has them (None otherwise)."""
+    B, T = len(samples), max(len(s.input_ids) for s in samples)
+    input_ids = torch.full((B, T), int(pad_id), dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
+    completion_mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
+    carried = all(s.old_logps is not None for s in samples)
+    old_logps = torch.zeros(B, T, dtype=torch.float32) if carried else None  # (B, T)
+    for b, s in enumerate(samples):
+        n = len(s.input_ids)
+        if len(s.target_mask) != n:
+            raise ValueError(f"sample {b} has {n} input ids but {len(s.target_mask)} target-mask entries; "
+                             "build samples with step_sample or trajectory_sample.")
+        input_ids[b, :n] = torch.tensor(s.input_ids, dtype=torch.long)  # (n,)
+        attention_mask[b, :n] = 1
+        completion_mask[b, :n] = torch.tensor(s.target_mask, dtype=torch.long)  # (n,)
+        if carried:
+            on = completion_mask[b].bool()  # (T,)
+            if len(s.old_logps) != int(on.sum()):
+                raise ValueError(f"sample {b} has {int(on.sum())} target tokens but {len(s.old_logps)} old log-probs; "
+                                 "pass one log-prob per completion token (Generation.logprobs).")
+            old_logps[b, on] = torch.tensor(s.old_logps, dtype=torch.float32)  # (n_target,) into (T,)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "completion_mask": completion_mask,
+        **qwen_vl.image_inputs(samples),  # pixel_values (sum N_patches, D), image_grid_thw (N_img, 3)
+        "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),  # (B,)
+        "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),  # (B,)
+        "weights": torch.tensor([s.weight for s in samples], dtype=torch.float32),  # (B,)
+        "old_logps": old_logps,  # (B, T) or None
+    }
+
+
+
 # ----------------------------------------------------------------------------------------------
-# Experience-stream distillation: one SFT step
+# Experience-stream distillation: one SFT step; the learning-rate schedule; the KL reference
 
 
 def distill_step(policy_or_model, optimizer, samples: Sequence[Sample], micro_batch_size: int = 4,
@@ -673,10 +678,6 @@ def distill_step(policy_or_model, optimizer, samples: Sequence[Sample], micro_ba
         nll += loss.item()
     norm, ok = _clip_and_step(model, optimizer, max_grad_norm)
     return {"nll": nll, "tokens": total, "grad_norm": norm, "skipped": 0.0 if ok else 1.0}
-
-
-# ----------------------------------------------------------------------------------------------
-# The learning rate schedule and the KL reference
 
 
 def scheduled_lr(lr: float, u: int, n: int, warmup: int, schedule: str) -> float:

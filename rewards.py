@@ -58,7 +58,7 @@ One iteration, as train_explore.py uses it (on the format-valid steps):
     wm = WorldModel(text_dim=tools.dim if flags["text"] else 0)    # once
     f = step_features(before_imgs, after_imgs, intents, actions, tools if "text" in reads(flags) else None)
     pred_s, pred_e, wm_metrics = update_and_predict(wm, opt, f, actions, format_ok)  # if a term reads it
-    r = reward(make_buffer(f, traj_ids, format_ok, screen_pred=pred_s, text_pred=pred_e, actions=actions), flags)
+    r = reward(make_buffer(f, episode_ids, format_ok, screen_pred=pred_s, text_pred=pred_e, actions=actions), flags)
     r.total -> GRPO advantages (one group);  summarize_rewards(r) -> metrics.jsonl
 """
 
@@ -450,7 +450,7 @@ def predict_next(wm: WorldModel, feats, actions, text=None):
     return ps.cpu(), (None if pt is None else pt.cpu())
 
 
-def update_and_predict(wm: WorldModel, optimizer, f: Features, actions: list, valid, epochs=3,
+def update_and_predict(wm: WorldModel, optimizer, f: Features, actions: list, format_ok, epochs=3,
                        batch_size=16, train_first=False):
     """ALGO: curiosity before learning: predict all N transitions with the world model as it stood
     before this iteration, then train it on the valid ones (`epochs` passes).
@@ -462,7 +462,7 @@ def update_and_predict(wm: WorldModel, optimizer, f: Features, actions: list, va
     transition repeated 8 times stands far above the familiar ones when predicted first, and barely
     when trained first (tests/test_world_model.py asserts both).
     Returns (screen_pred (N, D), text_pred (N, E) or None, metrics)."""
-    rows = [k for k, ok in enumerate(valid) if ok]
+    rows = [k for k, ok in enumerate(format_ok) if ok]
     text = wm.text_head is not None
     if not train_first:
         pred_s, pred_e = predict_next(wm, f.screen_before, actions, f.text_before if text else None)  # (N, D), (N, E)
@@ -484,7 +484,7 @@ class Buffer:
     """What one buffer of N steps recorded, as every reward term gets it. A term reads the fields it
     needs; a field no term that is on needs may be None (the trainer computes the costly ones, OCR
     text, world-model guesses, window lists, only when a term that is on reads them: Term.reads)."""
-    traj: list  # (N,) the trajectory (desktop) of each step; one trajectory's steps in time order
+    episode: list  # (N,) the episode (desktop) of each step; one episode's steps in time order
     format_ok: torch.Tensor  # (N,) float 0/1, the format reward: the answer parsed and its action ran
     screen_before: torch.Tensor  # (N, D) s_t
     screen_after: torch.Tensor  # (N, D) s'_t
@@ -500,21 +500,21 @@ class Buffer:
     windows_after: list | None = None  # (N,) X window ids open after it
 
     def __post_init__(self):
-        self.format_ok = torch.as_tensor(self.format_ok, dtype=torch.float32).reshape(len(self.traj))  # (N,)
+        self.format_ok = torch.as_tensor(self.format_ok, dtype=torch.float32).reshape(len(self.episode))  # (N,)
 
-    def trajectories(self) -> list[list[int]]:
-        """The rows of each trajectory's valid steps, in time order (a malformed step changed
+    def episodes(self) -> list[list[int]]:
+        """The rows of each episode's format-valid steps, in time order (a malformed step changed
         nothing, so it is left out of the sequences)."""
         rows: dict = {}
-        for k, t in enumerate(self.traj):
+        for k, t in enumerate(self.episode):
             if self.format_ok[k] > 0:
                 rows.setdefault(t, []).append(k)
         return list(rows.values())
 
 
-def make_buffer(f: Features, traj: list, format_ok, **more) -> Buffer:
+def make_buffer(f: Features, episode: list, format_ok, **more) -> Buffer:
     """A Buffer from step_features' output; `more`: predictions, actions, window lists."""
-    return Buffer(traj, format_ok, f.screen_before, f.screen_after, text_before=f.text_before, text_after=f.text_after,
+    return Buffer(episode, format_ok, f.screen_before, f.screen_after, text_before=f.text_before, text_after=f.text_after,
                  intent=f.intent, click_text=f.click_text, click_hit=f.click_hit, **more)
 
 
@@ -553,8 +553,8 @@ def _require(x, what, flag):
 
 
 def _sequence(s: Buffer, before, after) -> torch.Tensor:
-    out = torch.zeros(len(s.traj))  # (N,)
-    for rows in s.trajectories():
+    out = torch.zeros(len(s.episode))  # (N,)
+    for rows in s.episodes():
         out[rows] = 1 - sequence_similarity(before[rows[0]], after[rows])  # (T,)
     return out
 
@@ -598,7 +598,7 @@ def intent_click(s: Buffer) -> torch.Tensor:
     hit = _require(s.click_hit, "click_hit", "intent_click") > 0  # (N,)
     c = cosine(_require(s.click_text, "click text embeddings", "intent_click"),
                _require(s.intent, "intent embeddings", "intent_click"))  # (N,)
-    return torch.where(hit, c, torch.zeros(len(s.traj)))  # ALGO: clicked on what it meant to
+    return torch.where(hit, c, torch.zeros(len(s.episode)))  # ALGO: clicked on what it meant to
 
 
 def windows_opened(s: Buffer) -> torch.Tensor:
@@ -705,19 +705,19 @@ class Rewards:
 def reward(s: Buffer, flags: dict[str, bool]) -> Rewards:
     """ALGO: r_t = format_t * sum of the terms that are on (weights 1), for the N steps of `s`."""
     ok = s.format_ok > 0  # (N,)
-    parts = {name: torch.zeros(len(s.traj)) for name in TERMS}  # (N,) each
+    parts = {name: torch.zeros(len(s.episode)) for name in TERMS}  # (N,) each
     for name in terms_on(flags):
         parts[name] = TERMS[name].fn(s).float().cpu() * ok  # a malformed step's screens are not its doing
     total = s.format_ok * sum(parts.values())  # ALGO: weights 1, summed, times the format reward
     return Rewards(total=total, format=s.format_ok, parts=parts)
 
 
-def exploration_rewards(flags: dict[str, bool], traj_ids: list, format_ok, screen_before: torch.Tensor,
+def exploration_rewards(flags: dict[str, bool], episode_ids: list, format_ok, screen_before: torch.Tensor,
                         screen_after: torch.Tensor, screen_pred: torch.Tensor | None = None,
                         text_before=None, text_after=None, text_pred=None, intent=None,
                         click_text=None, click_hit=None, **more) -> Rewards:
-    """reward() with the buffer's fields as arguments (traj_ids, format_ok, then the tensors)."""
-    return reward(Buffer(traj_ids, format_ok, screen_before, screen_after, screen_pred, text_before, text_after,
+    """reward() with the buffer's fields as arguments (episode_ids, format_ok, then the tensors)."""
+    return reward(Buffer(episode_ids, format_ok, screen_before, screen_after, screen_pred, text_before, text_after,
                         text_pred, intent, click_text, click_hit, **more), flags)
 
 

@@ -6,51 +6,40 @@
     python train_arpo.py --select-tasks 16 ...                            # ARPO's task selection first
     python train_arpo.py --eval-only --resume runs/<name>                 # standard + hard success rates
 
-One iteration, top to bottom (`iteration`):
-    one task per group (desktops in service // group size) -> every group member is an episode
-    (`episode`: reset, the task's setup, then screenshot -> the policy's answer -> parse the UI-TARS
-    answer -> act, until finished() / call_user() / an unparseable answer / max steps -> the score,
-    OSWorld's rule), each desktop playing on its own while generation batches whatever is waiting
-    (rollout.play) -> replay: a group that failed alike gets one member swapped for a stored
-    success of its task -> store this iteration's successes -> one advantage per trajectory against
-    its group, broadcast to every assistant token -> GRPO update (grpo.update_policy: the batch in
-    two optimizer steps, dual clip, log-probs at the sampling temperature) -> log, checkpoint.
-Everything an episode asks of a policy goes through `policy_fn(observations) -> answers` (default:
-one batched model.generate), so a scripted policy can stand in (the tests do). A run folder:
-args.json, metrics.jsonl (one line per iteration), trajectories/ (plumbing/rundir.py), ckpt/
-(plumbing/ckpt.py).
+One iteration (`iteration`, below `main`'s loop `train`): one task per group of --group-size
+rollouts -> every rollout is an `episode` on a desktop of its own (reset, the task's setup, then
+screenshot -> the policy's answer -> the UI-TARS action, until finished() / call_user() / an
+unparseable answer / max steps -> OSWorld's score), each desktop playing on its own while one
+batched generate answers whatever is waiting (rollout.play) -> `replay`: a group that failed alike
+gets a stored success of its task -> this iteration's successes stored -> `advantages`: one per
+trajectory against its group -> `episode_samples`: every assistant token of a trajectory gets its
+advantage -> `update`: GRPO (grpo.update_policy) -> log, checkpoint. The policy is any
+`policy_fn(observations) -> answers` (default: model_policy), so a scripted one can stand in.
+Below `main`: the flags' checks, task selection and evaluation, and loading what a run needs.
 
 Where this departs from ARPO (its paper and released code), on purpose:
-1. Desktops are local Xvfb desktops (or remote `vm_server.py`s), not OSWorld's VMs; tasks are
-   tasks/*.json with execution-based checks. A VM that fails (no answer, a 5xx, garbage) drops its
-   episode as the environment's failure (`env_failures`; the group goes on with fewer members),
-   never the model's; only an action the VM refuses (4xx) is a format failure. Evaluation and task
-   selection play a lost episode once more.
-2. No lockstep (rollout.py): each desktop steps on its own, so the sampled tokens of a run are not
-   reproducible across runs (batches depend on timing); the task order is. After an action the
-   screen settles by the server's watch (--settle watch) or, as ARPO/OSWorld, a fixed sleep
-   (--settle 0.5).
-3. The format penalty is ARPO's code's (reward = score - 0.5 if any answer did not parse, and that
-   answer ends the episode; --no-stop-on-format-error goes on). --format-penalty-on advantage (not
-   ARPO's) takes it from the broken trajectory's advantage after the group's scores are normalised
-   (`advantages` says why).
-4. The replay buffer is saved in every checkpoint (ARPO's is lost) and an injection replaces the
-   lowest scorer of the group (ARPO: its paper a random member, its code the first; grpo.ReplayBuffer).
-5. The update follows ARPO's verl config: its batch of 16 tasks x 8 rollouts makes two optimizer
-   steps (--optimizer-steps 2, at any scale), on a seeded shuffle (verl reorders by length); dual
-   clip 3.0, clip 0.2 / 0.3, no warm-up, every log-prob scored at the sampling temperature.
-6. With more steps than --max-images (ARPO never has them) each later answer is a training
-   sequence of its own with the screenshots it saw (`episode_samples`), weighted so the trajectory
-   counts once.
-7. Scoring is OSWorld's (`outcome_scores`). "standard" evaluation counts a timeout as FAIL, "hard"
-   (ARPO's OSWorld-Hard, and training) does not.
-8. Knobs ARPO does not have, for small models trained from scratch: --lr-warmup, --lr-schedule,
-   --epochs, --sample-seed, --no-scale-rewards (Dr. GRPO), --beta (KL to the start; ARPO: 0).
-   Their defaults are ARPO's.
+1. Desktops are local Xvfb desktops or remote `vm_server.py`s, tasks tasks/*.json with execution-based
+   checks. A VM that fails drops its episode as the environment's failure, never the model's; only
+   an action the VM refuses (4xx) is a format failure.
+2. No lockstep (rollout.py): each desktop steps on its own, so sampled tokens are not reproducible
+   across runs (the task order is). The screen settles by the server's watch (--settle watch) or,
+   as ARPO/OSWorld, a fixed sleep (--settle 0.5).
+3. The format penalty is ARPO's code's (reward = score - 0.5 once if an answer did not parse, and
+   that answer ends the episode); --format-penalty-on advantage (not ARPO's) pays it after the
+   group's scores are normalised (`advantages` says why).
+4. The replay buffer is saved in every checkpoint (ARPO's is lost), and an injection replaces the
+   group's lowest scorer (ARPO: a random member, or the first; grpo.ReplayBuffer says why).
+5. The update is ARPO's verl config at any scale: the batch in --optimizer-steps 2, shuffled (verl
+   reorders by length), dual clip 3.0, clip 0.2 / 0.3, log-probs at the sampling temperature.
+6. With more steps than --max-images (ARPO never has them) each later answer trains as a sequence
+   of its own, with the screenshots it saw (`episode_samples`).
+7. Scoring is OSWorld's (`outcome_scores`); evaluation reports "standard" (a timeout counts as
+   FAIL) and "hard" (ARPO's OSWorld-Hard, and training's rule).
+8. Knobs ARPO does not have, off or ARPO's by default: --lr-warmup, --lr-schedule, --epochs,
+   --sample-seed, --no-scale-rewards (Dr. GRPO), --beta (KL to the start).
 9. A group is always --group-size rollouts: fewer desktops than that play it in turns.
-10. More than one GPU: `torchrun --nproc_per_node N train_arpo.py ...`; each rank plays its own
-   groups on its slice of the VMs, the replay buffer and task order are the same on every rank,
-   full fine-tuning is sharded with FSDP2 (docs/gpu.md).
+10. torchrun: each rank plays its own groups on its slice of the VMs, with the same task order and
+   replay buffer everywhere; full fine-tuning is sharded with FSDP2 (docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -165,45 +154,6 @@ class Args:
 OLD_VALUES = {"groups": {0: None}, "sample_seed": {-1: None}, "mini_batch": {0: None}, "dual_clip": {0: float("inf")}}
 
 
-def check_args(args: Args) -> None:
-    """Errors a user can cause, each as one sentence."""
-    import vllm_engine  # plain Python until an engine is built (vLLM itself is imported there)
-    rundir.check([
-        (args.group_size < 1, "--group-size must be at least 1 (ARPO uses 8)"),
-        (args.groups is not None and args.groups < 1, "--groups must be at least 1"),
-        (args.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
-        (args.loss_agg not in ("seq-mean-token-mean", "token-mean"), "--loss-agg must be seq-mean-token-mean or token-mean"),
-        (args.beta < 0, "--beta must be >= 0"),
-        (args.format_penalty_on not in ("reward", "advantage"), "--format-penalty-on must be reward or advantage"),
-        (args.engine == "vllm" and args.beta > 0 and args.lora_rank == 0, "--engine vllm with full fine-tuning and "
-                                                                          "--beta > 0 would hold three model copies; use LoRA or --beta 0"),
-        (not args.dual_clip > 1, "--dual-clip must be above 1 (ARPO uses 3.0), or inf to switch it off"),
-        (args.optimizer_steps < 1 or (args.mini_batch is not None and args.mini_batch < 1) or args.micro_batch < 1,
-         "--optimizer-steps, --mini-batch and --micro-batch must be at least 1"),
-        (min(args.max_steps, args.max_images, args.max_new_tokens, args.eval_episodes, args.ckpt_every) < 1,
-         "--max-steps, --max-images, --max-new-tokens, --eval-episodes and --ckpt-every must be at least 1"),
-        (args.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
-        (args.lr_warmup < 0 or args.epochs < 1, "--lr-warmup must be 0 or more and --epochs at least 1"),
-        (screen_size(args) is None, "--screen must be WIDTHxHEIGHT, e.g. 1280x720"),
-        (parse_settle(args.settle) is None, SETTLE_HELP),
-        *vllm_engine.flag_errors(args.engine, args.temperature, args.eval_temperature),
-    ], PROG)
-
-
-def screen_size(args: Args) -> tuple[int, int] | None:
-    w, _, h = args.screen.lower().partition("x")
-    return (int(w), int(h)) if w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0 else None
-
-
-def resolve_args(argv=None) -> tuple:
-    """The command line; on --resume, the run's saved args with the flags given now on top.
-    -> (args, (checkpoint state, folder) or None, the flags given now)."""
-    args, given = rundir.parse_args(Args, argv, PROG)
-    args, state = ckpt.resume_args(Args, args, given, PROG, marker="group_size", old_values=OLD_VALUES)
-    check_args(args)
-    return args, state, given
-
-
 # ------------------------------------------------------------------------------------------------
 # The episode: one task on one desktop, a generator rollout.play steps in the desktop's own thread
 
@@ -244,46 +194,12 @@ class Observation:
     job: int = 0            # which of the episodes played together this is (a scripted policy plans by it)
 
 
-def observe(e: Episode, img: Image.Image, args) -> Observation:
-    """The prompt of the episode's next step: its screenshots so far, the last one `img`."""
-    # The size the processor resizes this screenshot to: UI-TARS answers in those pixels.
-    h, w = smart_resize(img.height, img.width, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
-    # The history: earlier answers as the sampled ids themselves, so this prompt and the training
-    # sequence built from the same episode later hold the very same tokens.
-    msgs = uitars_messages(e.task.instruction, e.screenshots, e.assistant, max_images=args.max_images)
-    return Observation(e.task, e.vm, len(e.assistant), msgs, img.size, (w, h), e.job)
-
-
-def add_answer(e: Episode, o: Observation, answer, args):
-    """One answer into its episode, parsed in the image the model saw. -> the Action to run, or None."""
-    if isinstance(answer, Generation):  # the model: keep the sampled ids, parse in the image it saw
-        text, content, seen, lps = answer.text, list(answer.completion_ids), answer.prompt.image_sizes[-1], answer.logprobs
-    else:                               # a scripted stand-in: text, in o.image_size coordinates
-        text, content, seen, lps = str(answer), str(answer), o.image_size, None
-    parsed = parse_action(text, "uitars", o.screen, seen)
-    e.texts.append(text)
-    e.assistant.append(content)
-    e.logprobs.append(None if lps is None else [float(x) for x in lps])
-    e.thoughts.append(parsed.thought if parsed else "")
-    e.actions.append(parsed.action.to_dict() if parsed else None)
-    e.format_ok.append(parsed is not None)
-    if parsed is None:
-        e.end = "format" if args.stop_on_format_error else None  # ALGO: ARPO stops the episode
-    elif parsed.action.type in ("done", "fail"):
-        e.end = parsed.action.type  # finished() / call_user(): nothing to execute
-    else:
-        return parsed.action
-    return None
-
-
 def episode(desk: rollout.Desktop, task: Task, args, group: int = 0, iteration: int = 0, job: int = 0):
-    """One ARPO episode on one desktop, top to bottom: reset, the task's setup, then screenshot ->
-    the policy's answer (`yield`, batched with other desktops' by rollout.play) -> parse (UI-TARS,
-    coordinates mapped from the image the model saw to the screen) -> act (the settled screen comes
-    back) until finished() / call_user() / an unparseable answer / max steps; then the score, as
-    soon as the episode ends (as ARPO does). -> the Episode. A VM that fails at any point (no answer,
-    5xx, garbage) drops it: EnvFailure with the Episode so far, the environment's fault, not the
-    model's. Only a refused action (4xx) is the model's: a format failure."""
+    """One ARPO episode on one desktop, top to bottom (a generator: `answer = yield observation`
+    hands the prompt to the policy, batched with the other desktops' by rollout.play). -> the
+    Episode, scored as soon as it ends (as ARPO does). A VM that fails at any point (no answer, a
+    5xx, garbage) drops it: rollout.EnvFailure, with the Episode so far, is the environment's fault;
+    only an action the VM refuses (4xx) is the model's, a format failure."""
     settle = parse_settle(args.settle)
     e = Episode(task, desk.id, group, iteration, job=job)
     try:
@@ -325,6 +241,47 @@ def episode(desk: rollout.Desktop, task: Task, args, group: int = 0, iteration: 
     return e
 
 
+def observe(e: Episode, img: Image.Image, args) -> Observation:
+    """The prompt of the episode's next step: its screenshots so far, the last one `img`."""
+    # The size the processor resizes this screenshot to: UI-TARS answers in those pixels.
+    h, w = smart_resize(img.height, img.width, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
+    # The history: earlier answers as the sampled ids themselves, so this prompt and the training
+    # sequence built from the same episode later hold the very same tokens.
+    msgs = uitars_messages(e.task.instruction, e.screenshots, e.assistant, max_images=args.max_images)
+    return Observation(e.task, e.vm, len(e.assistant), msgs, img.size, (w, h), e.job)
+
+
+def add_answer(e: Episode, o: Observation, answer, args):
+    """One answer into its episode, parsed in the image the model saw. -> the Action to run, or None."""
+    if isinstance(answer, Generation):  # the model: keep the sampled ids, parse in the image it saw
+        text, content, seen, lps = answer.text, list(answer.completion_ids), answer.prompt.image_sizes[-1], answer.logprobs
+    else:                               # a scripted stand-in: text, in o.image_size coordinates
+        text, content, seen, lps = str(answer), str(answer), o.image_size, None
+    parsed = parse_action(text, "uitars", o.screen, seen)
+    e.texts.append(text)
+    e.assistant.append(content)
+    e.logprobs.append(None if lps is None else [float(x) for x in lps])
+    e.thoughts.append(parsed.thought if parsed else "")
+    e.actions.append(parsed.action.to_dict() if parsed else None)
+    e.format_ok.append(parsed is not None)
+    if parsed is None:
+        e.end = "format" if args.stop_on_format_error else None  # ALGO: ARPO stops the episode
+    elif parsed.action.type in ("done", "fail"):
+        e.end = parsed.action.type  # finished() / call_user(): nothing to execute
+    else:
+        return parsed.action
+    return None
+
+
+def score_episode(e: Episode, evaluator_score: float | None, args) -> None:
+    """Fill score (hard), score_standard and reward of a finished episode, in place: the scores by
+    OSWorld's rule (outcome_scores), the reward ARPO's: the score minus the format penalty, once, if
+    any answer did not parse (its code: eval_result + 0.5 * format_reward, format_reward = -1). The
+    one place the penalty is computed; `advantages` decides where it is paid."""
+    e.score, e.score_standard = outcome_scores(e.task.infeasible, e.actions, e.end, evaluator_score)
+    e.reward = e.score - args.format_penalty * (not all(e.format_ok))  # ALGO: ARPO's trajectory reward
+
+
 def outcome_scores(infeasible: bool, actions: list, end: str | None, evaluator_score: float | None = None):
     """ALGO: (hard, standard) score of one finished episode, by OSWorld's `DesktopEnv.evaluate`:
     if the last action is FAIL (call_user()), an infeasible task scores 1 and a feasible one 0,
@@ -342,22 +299,16 @@ def outcome_scores(infeasible: bool, actions: list, end: str | None, evaluator_s
     return score(last), score("fail" if end == "max_steps" else last)
 
 
-def score_episode(e: Episode, evaluator_score: float | None, args) -> None:
-    """Fill score (hard), score_standard and reward of a finished episode, in place: the scores by
-    OSWorld's rule (outcome_scores), the reward ARPO's: the score minus the format penalty, once, if
-    any answer did not parse (its code: eval_result + 0.5 * format_reward, format_reward = -1). The
-    one place the penalty is computed; `advantages` decides where it is paid."""
-    e.score, e.score_standard = outcome_scores(e.task.infeasible, e.actions, e.end, evaluator_score)
-    e.reward = e.score - args.format_penalty * (not all(e.format_ok))  # ALGO: ARPO's trajectory reward
-
-
 def play_tasks(pool: VMPool, tasks: list[Task], policy_fn, args, groups: list[int] | None = None,
                iteration: int = 0, retries: int = 0, first_job: int = 0,
                desc: str = "episodes") -> tuple[list[Episode], rollout.Rollout]:
     """Play tasks[k] (repeats allowed; group groups[k]) on the pool's desktops (rollout.play: a
     freed desktop takes the next task, so more tasks than desktops are played in turns; one the
     environment failed is played again elsewhere up to `retries` times). Episode k is job first_job
-    + k. -> (one Episode per task, in order: finished, or `dropped` with its error; the Rollout)."""
+    + k. -> (one Episode per task, in order: finished, or `dropped` with its error; the Rollout).
+    An episode the environment failed comes back as a rollout.Lost: what it had played (its
+    `partial` Episode), or a dropped Episode on the VM it failed on (numbered in the run: pool.first
+    is this rank's first VM's number)."""
     groups = groups or [0] * len(tasks)
     eps = [partial(episode, task=t, args=args, group=g, iteration=iteration, job=first_job + k)
            for k, (t, g) in enumerate(zip(tasks, groups))]
@@ -377,7 +328,7 @@ def model_policy(policy, args: Args, temperature: float):
 
 
 # ------------------------------------------------------------------------------------------------
-# The algorithm: tasks and groups, replay, advantages, training sequences
+# The algorithm: tasks and groups, replay, advantages, the training sequences, the update
 
 
 def n_groups(desktops: int, group_size: int, groups: int | None = None) -> int:
@@ -389,13 +340,6 @@ def n_groups(desktops: int, group_size: int, groups: int | None = None) -> int:
     if not desktops:
         return 0
     return groups or max(1, desktops // group_size)
-
-
-def lr_at(it: int, a: Args) -> float:
-    """The learning rate of iteration `it` (0-based): grpo.scheduled_lr over --iterations. ARPO
-    keeps lr constant without warm-up; a small model trained from scratch at a high lr needs the
-    decay to keep what it learned (it can learn a task and lose it again in the last iterations)."""
-    return grpo.scheduled_lr(a.lr, it, a.iterations, a.lr_warmup, a.lr_schedule)
 
 
 def pick_tasks(ids: list[str], state: dict, n: int, seed: int) -> list[str]:
@@ -414,6 +358,229 @@ def pick_tasks(ids: list[str], state: dict, n: int, seed: int) -> list[str]:
         if state["pos"] >= len(order):
             state["epoch"], state["pos"] = state["epoch"] + 1, 0
     return out
+
+
+def replay(buffer: grpo.ReplayBuffer | None, fresh: list[Episode], task_ids: list[str],
+           scores: list[tuple[int, float]]) -> tuple[list[Episode], list[dict]]:
+    """ALGO: ARPO's replay. A group that failed alike (score std < 0.05 and mean < 0.2) gets one
+    member replaced by a stored success of its task, which was stored in an EARLIER iteration (this
+    one's successes are added after). Decided on the evaluator scores, not the rewards: a group
+    whose members all failed the task needs a success, however well-formed their answers were.
+    `scores`: (group, score) of the fresh episodes of EVERY group (under torchrun, of every rank:
+    each rank keeps the same buffer, so every rank draws for every group, in order). -> (this rank's
+    groups' episodes for the update, the injections)."""
+    by_group: dict[int, list[float]] = {}
+    for g, s in scores:
+        by_group.setdefault(g, []).append(s)
+    trained, injections = [], []
+    for g, tid in enumerate(task_ids):
+        members = [e for e in fresh if e.group == g]  # (none: another rank's group, or every VM failed)
+        if buffer is not None and by_group.get(g):
+            # Another rank's group is drawn for too (with stand-ins), so every rank's buffer draws alike.
+            new, _, k = buffer.inject(tid, members or [None] * len(by_group[g]), by_group[g])
+            if k is not None and members:
+                # The stored success joins this group: its own reward, normalised against today's
+                # members. Its sampler log-probs are an older policy's: dropped (logp_gap compares like with like).
+                ep = replace(from_dict(new[k]), group=g, replayed=True, logprobs=[])
+                injections.append({"task": tid, "group": g, "replaced_vm": members[k].vm, "from_iteration": ep.iteration,
+                                   "from_vm": ep.vm, "score": ep.score, "reward": ep.reward})
+                members = members[:k] + [ep] + members[k + 1:]
+        trained += members
+    return trained, injections
+
+
+def advantages(episodes: list[Episode], a: Args) -> list[float]:
+    """ALGO: one advantage per trajectory, against its group. --format-penalty-on reward (ARPO): the
+    group normalises the rewards (score - penalty on a broken one, score_episode). --format-penalty-on
+    advantage: the group normalises the scores, and a broken trajectory alone loses its penalty
+    afterwards. Why the second exists: in a group that failed the task alike, ARPO's way turns one
+    broken answer into a positive advantage for every other member (scores [0, 0, 0, 0], one broken:
+    rewards [0, 0, 0, -0.5] -> [+0.5, +0.5, +0.5, -1.5]), which reinforces whatever the failed
+    members did; here that group gives [0, 0, 0, -0.5]: the format is still taught, and nothing a
+    failure did is rewarded."""
+    groups = [e.group for e in episodes]
+    if a.format_penalty_on == "reward":
+        return grpo.group_advantages([e.reward for e in episodes], groups, a.scale_rewards).tolist()  # (N,)
+    adv = grpo.group_advantages([e.score for e in episodes], groups, a.scale_rewards)  # (N,)
+    penalty = torch.tensor([e.score - e.reward for e in episodes])  # (N,) the format penalty, 0 if none
+    return (adv - penalty).tolist()  # ALGO: the broken trajectory alone pays it, (N,)
+
+
+def episode_samples(policy, ep: Episode, args, advantage: float = 0.0) -> list[grpo.Sample]:
+    """ALGO: a trajectory as training sequences, every answer in the context it was sampled in: the
+    conversation re-encoded, the sampled answer ids verbatim, the sampler's log-probs alongside.
+
+    With at most --max-images steps (ARPO: 15 and 15) that is ONE sequence, target_mask over every
+    assistant turn, as ARPO trains. Past that, answer i saw only screenshots i-K+1..i (K = max
+    images): the first K answers still share one sequence, and every later answer is a sequence of
+    its own, its prompt exactly as sampled and only its answer a target. Each piece's weight is its
+    share of the trajectory's target tokens, so under seq-mean-token-mean the pieces count as one
+    sequence and the loss is the one the whole trajectory would give."""
+    shots = [as_image(s) for s in ep.screenshots]
+    n, K = len(ep.assistant), args.max_images
+    lps = ep.logprobs if len(ep.logprobs) == n and all(lp is not None for lp in ep.logprobs) else None
+    im_start = policy.tokenizer.convert_tokens_to_ids(TURN_START)  # a turn's first token
+    pieces = []
+    # Piece ends: the first min(n, K) answers together, then one piece per later answer.
+    for end in [min(n, K)] + list(range(K + 1, n + 1)):  # answers [0, end) in context
+        msgs = uitars_messages(ep.task.instruction, shots[:end], ep.assistant[:end], max_images=K)
+        enc = encode_chat(policy, msgs, add_generation_prompt=False)
+        first_target = 0 if end <= K else end - 1  # the first answer this piece trains
+        if first_target:  # earlier answers are context here: only the last assistant turn is a target
+            last_turn = max(i for i, t in enumerate(enc.input_ids) if t == im_start)
+            enc.target_mask = [0] * last_turn + enc.target_mask[last_turn:]
+        old = [x for lp in lps[first_target:end] for x in lp] if lps is not None else None
+        pieces.append(grpo.trajectory_sample(enc, ep.reward, ep.group, old))
+    total = sum(sum(p.target_mask) for p in pieces)
+    for p in pieces:
+        p.advantage = advantage  # ALGO: the trajectory's one advantage on every answer of it
+        p.weight = sum(p.target_mask) / total if total else 1.0 / len(pieces)  # ALGO: the pieces count as one
+    return pieces
+
+
+def update(tr, samples: list[grpo.Sample], it: int, on_micro_batch=None) -> dict:
+    """ALGO: the GRPO update in ARPO's schedule: the batch, shuffled (seeded, the same on a resume),
+    in --optimizer-steps steps, dual clip, log-probs at the sampling temperature (grpo.update_policy).
+    -> its metrics ({} when no rank had a sample)."""
+    a = tr.args
+    return grpo.update_policy(tr.policy, tr.optimizer, samples, micro_batch_size=a.micro_batch, eps_low=a.eps_low,
+                              eps_high=a.eps_high, beta=a.beta, ref_fn=tr.ref_fn, max_grad_norm=a.max_grad_norm,
+                              agg=a.loss_agg, epochs=a.epochs, temperature=a.temperature, dual_clip=a.dual_clip,
+                              mini_batch_size=a.mini_batch, optimizer_steps=a.optimizer_steps,
+                              on_micro_batch=on_micro_batch, shuffle=random.Random(f"{a.seed}-update-{it}"))
+
+
+def lr_at(it: int, a: Args) -> float:
+    """The learning rate of iteration `it` (0-based): grpo.scheduled_lr over --iterations. ARPO
+    keeps lr constant without warm-up; a small model trained from scratch at a high lr needs the
+    decay to keep what it learned (it can learn a task and lose it again in the last iterations)."""
+    return grpo.scheduled_lr(a.lr, it, a.iterations, a.lr_warmup, a.lr_schedule)
+
+
+# ------------------------------------------------------------------------------------------------
+# One iteration, and the loop
+
+
+@dataclass
+class Trainer:
+    """The trainer's state: what the iterations use and update (the policy, its optimizer, the
+    replay buffer (None with --no-replay), the task order) and what they run on."""
+    args: Args
+    pool: VMPool
+    policy: object
+    optimizer: torch.optim.Optimizer
+    replay: grpo.ReplayBuffer | None
+    policy_fn: object
+    run: str | None = None
+    tasks: list = field(default_factory=list)  # the training task list (after --select-tasks)
+    picker: dict = field(default_factory=lambda: {"epoch": 0, "pos": 0})  # pick_tasks' place in the order
+    ref_fn: object = None  # --beta with full fine-tuning: the frozen starting policy's log-probs
+
+
+def iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
+    """One ARPO iteration, top to bottom; pick(n) -> the next n task ids. -> (metrics, this rank's episodes)."""
+    a, times, t0 = tr.args, {}, time.perf_counter()
+    lr = grpo.set_lr(tr.optimizer, lr_at(it, a))
+    task_ids, jobs, groups, first_job = assign_tasks(tr, pick, times)  # one task a group, --group-size jobs each
+    # -- the rollout: each desktop resets, sets up, plays and scores its episode on its own
+    with dist.unsharded(tr.policy.model):  # (FSDP2: each rank decodes alone, with whole weights)
+        eps, out = play_tasks(tr.pool, jobs, tr.policy_fn, a, groups, it, first_job=first_job, desc="rollout")
+    rundir.add_times(times, out.times)
+    fresh = [e for e in eps if e.end != "dropped"]
+    # -- replay into the groups that failed alike, THEN store this iteration's successes (under
+    # torchrun every rank keeps the same buffer: it sees every rank's scores and successes)
+    trained, injections = replay(tr.replay, fresh, task_ids, dist.every([(e.group, e.score) for e in fresh]))
+    if tr.replay is not None:
+        won = [(e.task.id, to_dict(e), e.score) for e in fresh if e.score > tr.replay.success_threshold]
+        for task_id, d, score in dist.every(won):
+            tr.replay.add(task_id, d, score)  # ALGO: kept if a success (score > --success-threshold)
+    # -- one advantage per trajectory, on every assistant token of it; the GRPO update
+    adv = advantages(trained, a)  # (N,)
+    pieces = [episode_samples(tr.policy, e, a, x) for e, x in zip(trained, adv)]  # each trajectory's sequences
+    samples = [p for ps in pieces for p in ps]
+    with rundir.timed(times, "update"), progress.bar(len(samples) * a.epochs, "update") as bar:
+        upd = update(tr, samples, it, bar.update)
+    if upd:
+        with rundir.timed(times, "sync"):
+            sync_weights(tr.policy)  # the generator samples the next rollout from the new weights
+    times["time/iteration"] = time.perf_counter() - t0
+    m = logs.arpo_metrics(it, task_ids, fresh, out, tr.pool.first, trained, adv, pieces, upd, injections,
+                          len(tr.replay or []), a.success_threshold, times)
+    return {**m, "actor/lr": lr}, eps
+
+
+def train(tr: Trainer, start: int) -> None:
+    """The loop: one iteration, then trajectories, checkpoint, metrics line, console line."""
+    args, run, ids = tr.args, tr.run, [t.id for t in tr.tasks]
+    trackers = rundir.open_trackers(run, args)
+    for it in progress.track(range(start, args.iterations), "iterations"):
+        m, eps = iteration(tr, it, lambda n: pick_tasks(ids, tr.picker, n, args.seed))
+        with rundir.timed(m, "save"):
+            if args.save_trajectories:
+                logs.save_episodes(run, it, eps)
+            if (it + 1) % args.ckpt_every == 0 or it + 1 == args.iterations:
+                checkpoint(tr, it + 1, m)
+        rundir.end_iteration(run, trackers, m, logs.arpo_line(m, args.beta))
+    progress.close(trackers)
+
+
+def setup(args: Args, pool: VMPool, policy, run: str, state, tasks: list) -> tuple[Trainer, int]:
+    """The trainer's state: AdamW (ARPO's: weight decay 0.01), the replay buffer and the task order,
+    fresh (after --select-tasks) or from the checkpoint; the KL reference with --beta and full
+    fine-tuning. -> (Trainer, the first iteration to run)."""
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)  # ARPO: AdamW, wd 0.01
+    buffer = grpo.ReplayBuffer(args.replay_capacity, args.success_threshold, seed=args.seed) if args.replay else None
+    picker, start = {"epoch": 0, "pos": 0}, 0
+    if state is not None:
+        if buffer is not None and state[0]["replay"] is not None:
+            buffer.load_state_dict(state[0]["replay"])  # ARPO's own code starts it empty again
+        picker = dict(state[0]["picker"])
+        start = ckpt.resume(run, state, policy, optimizer)  # optimizer, metrics.jsonl and RNG states
+        print(f"resumed {run} at iteration {start} ({len(buffer or [])} stored successes)")
+    dist.seed_ranks((args.seed if args.sample_seed is None else args.sample_seed) + start)  # torchrun: own samples
+    policy_fn = model_policy(policy, args, args.temperature)
+    if state is None and args.select_tasks > 0:
+        with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
+            tasks = selected_tasks(pool, tasks, policy_fn, args, run)
+    ref_fn = grpo.reference_fn(args.beta, args.lora_rank, lambda: load_policy(  # the run's start, also on a resume
+        args.model, seed=args.seed, min_pixels=args.min_pixels, max_pixels=args.max_pixels))
+    return Trainer(args, pool, policy, optimizer, buffer, policy_fn, run, tasks, picker, ref_fn), start
+
+
+def main(argv=None) -> None:
+    dist.init()  # torchrun: join the other ranks (one process: nothing)
+    dist.mute_others()
+    args, state, given = resolve_args(argv)
+    hf_logging.disable_progress_bar()  # one summary line per iteration; load/save bars are noise here
+    rundir.seed_all(args.seed, args.sample_seed)
+    # A resumed run trains on the task list it trained on (after --select-tasks), unless told otherwise.
+    # The tasks before the run folder: a bad --tasks or --task-ids leaves nothing behind.
+    resumed_ids = state[0]["tasks"] if state is not None and not args.eval_only and "task_ids" not in given else None
+    tasks = load_task_list(args, resumed_ids)
+    run = args.resume or rundir.run_path(args.runs_dir, args.run_name)
+    with rundir.new_run(run):  # a bad --model or --vms: one sentence, and no half-made run folder
+        if not (args.eval_only and args.resume):  # evaluating a run: its args.json stays the training args
+            rundir.make_run_dir(run, args, resume=bool(args.resume))
+        print(f"run folder: {run}; loading {args.model}", flush=True)
+        policy = make_policy(args, state)
+        print(f"starting {args.vms} desktop(s) ..." if args.vms.isdigit() else f"connecting to {args.vms} ...", flush=True)
+        pool, _, _ = rundir.open_desktops(args.vms, args.token, args.vm_timeout, screen_size(args))
+    try:
+        if args.eval_only:  # standard + hard success rates of the policy, into eval_it<N>.json
+            with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
+                logs.arpo_eval(lambda folder: evaluate(pool, tasks, model_policy(policy, args, args.eval_temperature),
+                                                       args, save_to=folder), args, run,
+                               ckpt.next_iteration(state[0]) if state else 0)
+            return
+        train(*setup(args, pool, policy, run, state, tasks))
+    finally:
+        pool.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Below the loop: what it calls by name. The replay buffer's episodes as plain data, the groups'
+# tasks, checkpoints, task selection and evaluation, loading a run's tasks and policy, the flags' checks
 
 
 def to_dict(e: Episode) -> dict:
@@ -439,97 +606,28 @@ def as_image(x) -> Image.Image:
     return Image.open(BytesIO(x)).convert("RGB") if isinstance(x, bytes) else x
 
 
-def replay(buffer: grpo.ReplayBuffer | None, fresh: list[Episode], task_ids: list[str],
-           scores: list[tuple[int, float]]) -> tuple[list[Episode], list[dict]]:
-    """ALGO: ARPO's replay. A group that failed alike (score std < 0.05 and mean < 0.2) gets one
-    member replaced by a stored success of its task, which was stored in an EARLIER iteration (this
-    one's successes are added after). Decided on the evaluator scores, not the rewards: a group
-    whose members all failed the task needs a success, however well-formed their answers were.
-    `scores`: (group, score) of the fresh episodes of EVERY group (under torchrun, of every rank:
-    each rank keeps the same buffer, so every rank draws for every group, in order). -> (this rank's
-    groups' episodes for the update, the injections)."""
-    by_group: dict[int, list[float]] = {}
-    for g, s in scores:
-        by_group.setdefault(g, []).append(s)
-    batch, injections = [], []
-    for g, tid in enumerate(task_ids):
-        members = [e for e in fresh if e.group == g]
-        if buffer is not None and by_group.get(g):
-            new, _, injected = buffer.inject(tid, members or [None] * len(by_group[g]), by_group[g])
-            if injected and members:  # (another rank's group: the same draw as there, nothing to swap here)
-                k = next(i for i, (a, b) in enumerate(zip(members, new)) if a is not b)  # the replaced member
-                # The stored success joins this group: its own reward, normalised against today's
-                # members. Its sampler log-probs are an older policy's: dropped (logp_gap compares like with like).
-                ep = replace(from_dict(new[k]), group=g, replayed=True, logprobs=[])
-                injections.append({"task": tid, "group": g, "replaced_vm": members[k].vm, "from_iteration": ep.iteration,
-                                   "from_vm": ep.vm, "score": ep.score, "reward": ep.reward})
-                members = members[:k] + [ep] + members[k + 1:]
-        batch += members  # (a group every VM of which failed has none: nothing to learn from it)
-    return batch, injections
-
-
-def advantages(batch: list[Episode], a: Args) -> list[float]:
-    """ALGO: one advantage per trajectory, against its group. --format-penalty-on reward (ARPO): the
-    group normalises the rewards (score - penalty on a broken one, score_episode). --format-penalty-on
-    advantage: the group normalises the scores, and a broken trajectory alone loses its penalty
-    afterwards. Why the second exists: in a group that failed the task alike, ARPO's way turns one
-    broken answer into a positive advantage for every other member (scores [0, 0, 0, 0], one broken:
-    rewards [0, 0, 0, -0.5] -> [+0.5, +0.5, +0.5, -1.5]), which reinforces whatever the failed
-    members did; here that group gives [0, 0, 0, -0.5]: the format is still taught, and nothing a
-    failure did is rewarded."""
-    groups = [e.group for e in batch]
-    if a.format_penalty_on == "reward":
-        return grpo.group_advantages([e.reward for e in batch], groups, a.scale_rewards).tolist()  # (N,)
-    adv = grpo.group_advantages([e.score for e in batch], groups, a.scale_rewards)  # (N,)
-    penalty = torch.tensor([e.score - e.reward for e in batch])  # (N,) the format penalty, 0 if none
-    return (adv - penalty).tolist()  # (N,)
-
-
-def episode_samples(policy, ep: Episode, args, advantage: float = 0.0) -> list[grpo.Sample]:
-    """ALGO: a trajectory as training sequences, every answer in the context it was sampled in: the
-    conversation re-encoded, the sampled answer ids verbatim, the sampler's log-probs alongside.
-
-    With at most --max-images steps (ARPO: 15 and 15) that is ONE sequence, target_mask over every
-    assistant turn, as ARPO trains. Past that, answer i saw only screenshots i-K+1..i (K = max
-    images): the first K answers still share one sequence, and every later answer is a sequence of
-    its own, its prompt exactly as sampled and only its answer a target. Each piece's weight is its
-    share of the trajectory's target tokens, so under seq-mean-token-mean the pieces count as one
-    sequence and the loss is the one the whole trajectory would give."""
-    shots = [as_image(s) for s in ep.screenshots]
-    n, K = len(ep.assistant), args.max_images
-    lps = ep.logprobs if len(ep.logprobs) == n and all(lp is not None for lp in ep.logprobs) else None
-    im_start = policy.tokenizer.convert_tokens_to_ids(TURN_START)  # a turn's first token
-    pieces = []
-    for end in [min(n, K)] + list(range(K + 1, n + 1)):  # answers [0, end) in context; the last one or all targets
-        msgs = uitars_messages(ep.task.instruction, shots[:end], ep.assistant[:end], max_images=K)
-        enc = encode_chat(policy, msgs, add_generation_prompt=False)
-        first_target = 0 if end <= K else end - 1  # the first answer this piece trains
-        if first_target:  # earlier answers are context here: only the last assistant turn is a target
-            last_turn = max(i for i, t in enumerate(enc.input_ids) if t == im_start)
-            enc.target_mask = [0] * last_turn + enc.target_mask[last_turn:]
-        old = [x for lp in lps[first_target:end] for x in lp] if lps is not None else None
-        pieces.append(grpo.trajectory_sample(enc, ep.reward, ep.group, old))
-    total = sum(sum(p.target_mask) for p in pieces)
-    for p in pieces:
-        p.advantage = advantage
-        p.weight = sum(p.target_mask) / total if total else 1.0 / len(pieces)
-    return pieces
-
-
-def update(tr, samples: list[grpo.Sample], it: int, on_micro_batch=None) -> dict:
-    """ALGO: the GRPO update in ARPO's schedule: the batch, shuffled (seeded, the same on a resume),
-    in --optimizer-steps steps, dual clip, log-probs at the sampling temperature (grpo.update_policy).
-    -> its metrics ({} when no rank had a sample)."""
+def assign_tasks(tr: Trainer, pick, times: dict) -> tuple[list[str], list[Task], list[int], int]:
+    """The next task of each group the desktops in service can play (n_groups), every group member a
+    job. -> (every rank's task ids, one per group; this rank's jobs; the group of each job; the
+    number of this rank's first job among all ranks'). Under torchrun every rank draws the same ids
+    (the order is a function of the seed) and plays its own groups, numbered after the earlier
+    ranks': a group never straddles ranks. Dead remote VMs are re-checked meanwhile."""
     a = tr.args
-    return grpo.update_policy(tr.policy, tr.optimizer, samples, micro_batch_size=a.micro_batch, eps_low=a.eps_low,
-                              eps_high=a.eps_high, beta=a.beta, ref_fn=tr.ref_fn, max_grad_norm=a.max_grad_norm,
-                              agg=a.loss_agg, epochs=a.epochs, temperature=a.temperature, dual_clip=a.dual_clip,
-                              mini_batch_size=a.mini_batch, optimizer_steps=a.optimizer_steps,
-                              on_micro_batch=on_micro_batch, shuffle=random.Random(f"{a.seed}-update-{it}"))
+    with rundir.timed(times, "vm_wait"):
+        desktops = len(rollout.in_service(tr.pool))
+    if not desktops:
+        raise SystemExit("No VM answered; check that the desktops run (see --vms).")
+    mine, n_all = dist.share(n_groups(desktops, a.group_size, a.groups))  # this rank's groups among all ranks'
+    task_ids = pick(n_all)
+    by_id = {t.id: t for t in tr.tasks}
+    jobs = [by_id[task_ids[g]] for g in mine for _ in range(a.group_size)]
+    return task_ids, jobs, [g for g in mine for _ in range(a.group_size)], mine.start * a.group_size
 
 
-# ------------------------------------------------------------------------------------------------
-# Task selection and evaluation: episodes of a fixed policy, counted
+def checkpoint(tr: Trainer, next_it: int, metrics: dict | None = None) -> None:
+    """ckpt.save plus ARPO's own state: the replay buffer, the task order, the task list."""
+    ckpt.save(tr.run, tr.policy, tr.optimizer, next_it, tr.args, metrics, picker=dict(tr.picker),
+              tasks=[t.id for t in tr.tasks], replay=tr.replay.state_dict() if tr.replay is not None else None)
 
 
 def play_shared(pool: VMPool, tasks: list[Task], policy_fn, args, save=None) -> tuple[list[Episode], int]:
@@ -580,84 +678,26 @@ def evaluate(pool: VMPool, tasks: list[Task], policy_fn, args, save_to: str | No
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# One iteration, and the loop
-
-
-@dataclass
-class Trainer:
-    """What an iteration needs; replay is None with --no-replay."""
-    args: Args
-    pool: VMPool
-    policy: object
-    optimizer: torch.optim.Optimizer
-    replay: grpo.ReplayBuffer | None
-    policy_fn: object
-    run: str | None = None
-    tasks: list = field(default_factory=list)  # the training task list (after --select-tasks)
-    picker: dict = field(default_factory=lambda: {"epoch": 0, "pos": 0})  # pick_tasks' place in the order
-    ref_fn: object = None  # --beta with full fine-tuning: the frozen starting policy's log-probs
-
-
-def iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
-    """One ARPO iteration, top to bottom; pick(n) -> the next n task ids. -> (metrics, this rank's episodes)."""
-    a, times, t0 = tr.args, {}, time.perf_counter()
-    lr = grpo.set_lr(tr.optimizer, lr_at(it, a))
-    # -- one task per group, every group member a job (dead remote VMs are re-checked meanwhile)
-    with rundir.timed(times, "vm_wait"):
-        desktops = len(rollout.in_service(tr.pool))
-    if not desktops:
-        raise SystemExit("No VM answered; check that the desktops run (see --vms).")
-    mine, n_all = dist.share(n_groups(desktops, a.group_size, a.groups))  # torchrun: this rank's groups of all ranks'
-    task_ids = pick(n_all)  # every rank draws the same ids: the order is a function of the seed
-    by_id = {t.id: t for t in tr.tasks}
-    jobs, groups = [by_id[task_ids[g]] for g in mine for _ in range(a.group_size)], [g for g in mine for _ in range(a.group_size)]
-    # -- the rollout: each desktop resets, sets up, plays and scores its episode on its own
-    with dist.unsharded(tr.policy.model):  # FSDP2: each rank decodes alone, with whole weights
-        eps, out = play_tasks(tr.pool, jobs, tr.policy_fn, a, groups, it, first_job=mine.start * a.group_size,
-                              desc="rollout")
-    for k, v in out.times.items():
-        times[k] = times.get(k, 0.0) + v
-    fresh = [e for e in eps if e.end != "dropped"]
-    # -- ALGO: replay into the groups that failed alike, THEN store this iteration's successes (every
-    # rank keeps the same buffer: it sees every rank's scores and successes, in rank order)
-    batch, injections = replay(tr.replay, fresh, task_ids, dist.every([(e.group, e.score) for e in fresh]))
-    if tr.replay is not None:
-        won = [(e.task.id, to_dict(e), e.score) for e in fresh if e.score > tr.replay.success_threshold]
-        for task_id, d, score in dist.every(won):  # ALGO: success = score > 0.1
-            tr.replay.add(task_id, d, score)
-    # -- ALGO: one advantage per trajectory, broadcast to every assistant token; the GRPO update
-    adv = advantages(batch, a)  # (N,)
-    pieces = [episode_samples(tr.policy, e, a, x) for e, x in zip(batch, adv)]  # each trajectory's sequences
-    samples = [p for ps in pieces for p in ps]
-    with rundir.timed(times, "update"), progress.bar(len(samples) * a.epochs, "update") as bar:
-        upd = update(tr, samples, it, bar.update)
-    if upd:
-        with rundir.timed(times, "sync"):
-            sync_weights(tr.policy)  # the generator samples the next rollout from the new weights
-    times["time/iteration"] = time.perf_counter() - t0
-    m = logs.arpo_metrics(it, task_ids, fresh, out, tr.pool.first, batch, adv, pieces, upd, injections,
-                          len(tr.replay or []), a.success_threshold, times)
-    return {**m, "actor/lr": lr}, eps
-
-
-def train(tr: Trainer, start: int) -> None:
-    """The loop: one iteration, then trajectories, checkpoint, metrics line, console line."""
-    args, run, ids = tr.args, tr.run, [t.id for t in tr.tasks]
-    trackers = rundir.open_trackers(run, args)
-    for it in progress.track(range(start, args.iterations), "iterations"):
-        m, eps = iteration(tr, it, lambda n: pick_tasks(ids, tr.picker, n, args.seed))
-        with rundir.timed(m, "save"):
-            if args.save_trajectories:
-                logs.save_episodes(run, it, eps)
-            if (it + 1) % args.ckpt_every == 0 or it + 1 == args.iterations:
-                checkpoint(tr, it + 1, m)
-        rundir.end_iteration(run, trackers, m, logs.arpo_line(m, args.beta))
-    progress.close(trackers)
-
-
-# ------------------------------------------------------------------------------------------------
-# Setup: tasks, policy, the trainer's state fresh or from a checkpoint
+def selected_tasks(pool: VMPool, tasks: list[Task], policy_fn, args: Args, run: str) -> list[Task]:
+    """--select-tasks K: ARPO's selection with the starting policy, recorded in selected_tasks.json
+    (and read back from it when a run was killed after selecting, before its first checkpoint)."""
+    path = os.path.join(run, "selected_tasks.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            keep = json.load(f)["selected"]
+        kept = [t for t in tasks if t.id in keep]
+    else:
+        print(f"task selection: {args.select_tasks} rollouts of each of {len(tasks)} tasks ...", flush=True)
+        kept, counts = select_tasks(pool, tasks, args.select_tasks, policy_fn, args)
+        if dist.is_main():
+            with open(path, "w") as f:
+                json.dump({"k": args.select_tasks, "success_threshold": args.success_threshold,
+                           "successes": counts, "selected": [t.id for t in kept]}, f, indent=2)
+        print(f"task selection kept {len(kept)}/{len(tasks)} tasks: {[t.id for t in kept]} (written to {path})")
+    if not kept:
+        raise SystemExit(f"no task was solved even once in {args.select_tasks} tries; raise --select-tasks, "
+                         "use an easier task set, or train without --select-tasks.")
+    return kept
 
 
 def load_task_list(args: Args, ids: list[str] | None = None) -> list[Task]:
@@ -689,85 +729,43 @@ def make_policy(args: Args, state: tuple[dict, str] | None):
     return policy
 
 
-def selected_tasks(pool: VMPool, tasks: list[Task], policy_fn, args: Args, run: str) -> list[Task]:
-    """--select-tasks K: ARPO's selection with the starting policy, recorded in selected_tasks.json
-    (and read back from it when a run was killed after selecting, before its first checkpoint)."""
-    path = os.path.join(run, "selected_tasks.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            keep = json.load(f)["selected"]
-        kept = [t for t in tasks if t.id in keep]
-    else:
-        print(f"task selection: {args.select_tasks} rollouts of each of {len(tasks)} tasks ...", flush=True)
-        kept, counts = select_tasks(pool, tasks, args.select_tasks, policy_fn, args)
-        if dist.is_main():
-            with open(path, "w") as f:
-                json.dump({"k": args.select_tasks, "success_threshold": args.success_threshold,
-                           "successes": counts, "selected": [t.id for t in kept]}, f, indent=2)
-        print(f"task selection kept {len(kept)}/{len(tasks)} tasks: {[t.id for t in kept]} (written to {path})")
-    if not kept:
-        raise SystemExit(f"no task was solved even once in {args.select_tasks} tries; raise --select-tasks, "
-                         "use an easier task set, or train without --select-tasks.")
-    return kept
+def check_args(args: Args) -> None:
+    """Errors a user can cause, each as one sentence."""
+    import vllm_engine  # plain Python until an engine is built (vLLM itself is imported there)
+    rundir.check([
+        (args.group_size < 1, "--group-size must be at least 1 (ARPO uses 8)"),
+        (args.groups is not None and args.groups < 1, "--groups must be at least 1"),
+        (args.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
+        (args.loss_agg not in ("seq-mean-token-mean", "token-mean"), "--loss-agg must be seq-mean-token-mean or token-mean"),
+        (args.beta < 0, "--beta must be >= 0"),
+        (args.format_penalty_on not in ("reward", "advantage"), "--format-penalty-on must be reward or advantage"),
+        (args.engine == "vllm" and args.beta > 0 and args.lora_rank == 0, "--engine vllm with full fine-tuning and "
+                                                                          "--beta > 0 would hold three model copies; use LoRA or --beta 0"),
+        (not args.dual_clip > 1, "--dual-clip must be above 1 (ARPO uses 3.0), or inf to switch it off"),
+        (args.optimizer_steps < 1 or (args.mini_batch is not None and args.mini_batch < 1) or args.micro_batch < 1,
+         "--optimizer-steps, --mini-batch and --micro-batch must be at least 1"),
+        (min(args.max_steps, args.max_images, args.max_new_tokens, args.eval_episodes, args.ckpt_every) < 1,
+         "--max-steps, --max-images, --max-new-tokens, --eval-episodes and --ckpt-every must be at least 1"),
+        (args.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
+        (args.lr_warmup < 0 or args.epochs < 1, "--lr-warmup must be 0 or more and --epochs at least 1"),
+        (screen_size(args) is None, "--screen must be WIDTHxHEIGHT, e.g. 1280x720"),
+        (parse_settle(args.settle) is None, SETTLE_HELP),
+        *vllm_engine.flag_errors(args.engine, args.temperature, args.eval_temperature),
+    ], PROG)
 
 
-def setup(args: Args, pool: VMPool, policy, run: str, state, tasks: list) -> tuple[Trainer, int]:
-    """The optimizer, the replay buffer and the task order, fresh (after --select-tasks) or from the
-    checkpoint. -> (Trainer, the first iteration to run)."""
-    params = [p for p in policy.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)  # ARPO: AdamW, wd 0.01
-    buffer = grpo.ReplayBuffer(args.replay_capacity, args.success_threshold, seed=args.seed) if args.replay else None
-    picker, start = {"epoch": 0, "pos": 0}, 0
-    if state is not None:
-        if buffer is not None and state[0]["replay"] is not None:
-            buffer.load_state_dict(state[0]["replay"])  # ARPO's own code starts it empty again
-        picker = dict(state[0]["picker"])
-        start = ckpt.resume(run, state, policy, optimizer)  # optimizer, metrics.jsonl and RNG states
-        print(f"resumed {run} at iteration {start} ({len(buffer or [])} stored successes)")
-    dist.seed_ranks((args.seed if args.sample_seed is None else args.sample_seed) + start)  # torchrun: own samples
-    policy_fn = model_policy(policy, args, args.temperature)
-    if state is None and args.select_tasks > 0:
-        with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
-            tasks = selected_tasks(pool, tasks, policy_fn, args, run)
-    ref_fn = grpo.reference_fn(args.beta, args.lora_rank, lambda: load_policy(  # the run's start, also on a resume
-        args.model, seed=args.seed, min_pixels=args.min_pixels, max_pixels=args.max_pixels))
-    return Trainer(args, pool, policy, optimizer, buffer, policy_fn, run, tasks, picker, ref_fn), start
+def screen_size(args: Args) -> tuple[int, int] | None:
+    w, _, h = args.screen.lower().partition("x")
+    return (int(w), int(h)) if w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0 else None
 
 
-def checkpoint(tr: Trainer, next_it: int, metrics: dict | None = None) -> None:
-    """ckpt.save plus ARPO's own state: the replay buffer, the task order, the task list."""
-    ckpt.save(tr.run, tr.policy, tr.optimizer, next_it, tr.args, metrics, picker=dict(tr.picker),
-              tasks=[t.id for t in tr.tasks], replay=tr.replay.state_dict() if tr.replay is not None else None)
-
-
-def main(argv=None) -> None:
-    dist.init()  # torchrun: join the other ranks (one process: nothing)
-    dist.mute_others()
-    args, state, given = resolve_args(argv)
-    hf_logging.disable_progress_bar()  # one summary line per iteration; load/save bars are noise here
-    rundir.seed_all(args.seed, args.sample_seed)
-    # A resumed run trains on the task list it trained on (after --select-tasks), unless told otherwise.
-    # The tasks before the run folder: a bad --tasks or --task-ids leaves nothing behind.
-    resumed_ids = state[0]["tasks"] if state is not None and not args.eval_only and "task_ids" not in given else None
-    tasks = load_task_list(args, resumed_ids)
-    run = args.resume or rundir.run_path(args.runs_dir, args.run_name)
-    with rundir.new_run(run):  # a bad --model or --vms: one sentence, and no half-made run folder
-        if not (args.eval_only and args.resume):  # evaluating a run: its args.json stays the training args
-            rundir.make_run_dir(run, args, resume=bool(args.resume))
-        print(f"run folder: {run}; loading {args.model}", flush=True)
-        policy = make_policy(args, state)
-        print(f"starting {args.vms} desktop(s) ..." if args.vms.isdigit() else f"connecting to {args.vms} ...", flush=True)
-        pool, _, _ = rundir.open_desktops(args.vms, args.token, args.vm_timeout, screen_size(args))
-    try:
-        if args.eval_only:  # standard + hard success rates of the policy, into eval_it<N>.json
-            with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
-                logs.arpo_eval(lambda folder: evaluate(pool, tasks, model_policy(policy, args, args.eval_temperature),
-                                                       args, save_to=folder), args, run,
-                               ckpt.next_iteration(state[0]) if state else 0)
-            return
-        train(*setup(args, pool, policy, run, state, tasks))
-    finally:
-        pool.close()
+def resolve_args(argv=None) -> tuple:
+    """The command line; on --resume, the run's saved args with the flags given now on top.
+    -> (args, (checkpoint state, folder) or None, the flags given now)."""
+    args, given = rundir.parse_args(Args, argv, PROG)
+    args, state = ckpt.resume_args(Args, args, given, PROG, marker="group_size", old_values=OLD_VALUES)
+    check_args(args)
+    return args, state, given
 
 
 if __name__ == "__main__":

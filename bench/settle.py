@@ -310,13 +310,14 @@ def solutions(clients: list[VMClient], later: float) -> None:
 
 def explore_check(c: VMClient, episodes: int, steps: int, later: float, seed: int = 0) -> None:
     from rewards import dhash
-    from train_explore import Observation, random_policy
+    from train_explore import Observation, parse_answer, random_policy
     choose, out = random_policy(random.Random(seed)), []
     for e in range(episodes):
         c.reset()
         img = grab(c)
         for t in range(steps):
-            (_, parsed, _), = choose([Observation(0, t, img, (img.width // 2, img.height // 2))])
+            cursor = (img.width // 2, img.height // 2)
+            _, parsed, _ = parse_answer(choose([Observation(0, t, img, cursor)])[0], img.size, cursor)
             a = parsed.action.to_dict()
             r = c.act(a, settle="watch", screenshot="png")
             time.sleep(later)

@@ -182,6 +182,12 @@ def timed(times: dict, phase: str):
 # What an iteration writes: metrics.jsonl, trackers, trajectory files
 
 
+def add_times(times: dict, more: dict) -> None:
+    """Add another phase timing's seconds (a Rollout's time/*) to an iteration's `times`."""
+    for k, v in more.items():
+        times[k] = times.get(k, 0.0) + v
+
+
 def open_trackers(run: str, args):
     """wandb / TensorBoard as asked for, on rank 0 only (none on the others)."""
     return progress.open_trackers(run, public_args(args), wandb=args.wandb and dist.is_main(),

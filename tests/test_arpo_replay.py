@@ -29,22 +29,22 @@ def test_replay_inject_conditions():
     rb.add("t", "success", 1.0)
     # all failed (std 0 < 0.05, mean 0 < 0.2): the lowest scorer (first of the zeros) is replaced
     trajs, scores, injected = rb.inject("t", ["a", "b", "c"], [0.0, 0.0, 0.0])
-    assert injected and trajs == ["success", "b", "c"] and scores == [1.0, 0.0, 0.0]
+    assert injected == 0 and trajs == ["success", "b", "c"] and scores == [1.0, 0.0, 0.0]
     # lowest scorer among nearly equal ones: [0.02, 0.0, 0.01] std 0.01, mean 0.01 -> index 1
     trajs, scores, injected = rb.inject("t", ["a", "b", "c"], [0.02, 0.0, 0.01])
-    assert injected and trajs == ["a", "success", "c"] and scores == [0.02, 1.0, 0.01]
+    assert injected == 1 and trajs == ["a", "success", "c"] and scores == [0.02, 1.0, 0.01]
     # ARPO's code replaces the FIRST member; a lone partial success there (std 0.0354 < 0.05,
     # mean 0.0125) would be lost. We keep it and replace the first of the zeros.
     trajs, scores, injected = rb.inject("t", list("abcdefgh"), [0.1] + [0.0] * 7)
-    assert injected and trajs == ["a", "success"] + list("cdefgh") and scores[:2] == [0.1, 1.0]
+    assert injected == 1 and trajs == ["a", "success"] + list("cdefgh") and scores[:2] == [0.1, 1.0]
     # std too large: [0, 0.1] has std 0.0707 >= 0.05 (mean 0.05 is low enough) -> untouched
-    assert rb.inject("t", ["a", "b"], [0.0, 0.1]) == (["a", "b"], [0.0, 0.1], False)
+    assert rb.inject("t", ["a", "b"], [0.0, 0.1]) == (["a", "b"], [0.0, 0.1], None)
     # mean too high: [0.2, 0.2] std 0 but mean 0.2 is not < 0.2 -> untouched
-    assert rb.inject("t", ["a", "b"], [0.2, 0.2])[2] is False
+    assert rb.inject("t", ["a", "b"], [0.2, 0.2])[2] is None
     # thresholds are arguments: std_below = 0.1 makes the [0, 0.1] group qualify (0.0707 < 0.1)
-    assert rb.inject("t", ["a", "b"], [0.0, 0.1], std_below=0.1)[2] is True
+    assert rb.inject("t", ["a", "b"], [0.0, 0.1], std_below=0.1)[2] == 0
     # nothing stored for this task -> nothing to inject
-    assert rb.inject("other", ["a", "b"], [0.0, 0.0]) == (["a", "b"], [0.0, 0.0], False)
+    assert rb.inject("other", ["a", "b"], [0.0, 0.0]) == (["a", "b"], [0.0, 0.0], None)
     # the input lists are not modified in place
     group = ["a", "b"]
     rb.inject("t", group, [0.0, 0.0])

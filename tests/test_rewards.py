@@ -217,7 +217,7 @@ def test_windows_term_counts_the_windows_a_step_opened():
 def test_record_keeps_valid_as_a_tensor_and_trajectories_in_time_order():
     s = R.Buffer(["a", "b", "a", "a"], [1, 1, 0, 1], t((1, 0), (1, 0), (1, 0), (1, 0)), t((1, 0), (1, 0), (1, 0), (1, 0)))
     assert s.format_ok.dtype == torch.float32 and s.format_ok.tolist() == [1, 1, 0, 1]
-    assert s.trajectories() == [[0, 3], [1]]  # the malformed step 2 of "a" is left out
+    assert s.episodes() == [[0, 3], [1]]  # the malformed step 2 of "a" is left out
     z = R.scatter(R.reward(R.Buffer([0], [1], t((1, 0)), t((0, 1))), parse_reward_flags("none,image,immediate")), [2], 4)
     assert close(z.total, [0, 0, 1, 0]) and close(z.image_immediate, [0, 0, 1, 0]) and close(z.format, [0, 0, 1, 0])
     both = R.cat([z, R.zeros(2)])
@@ -227,7 +227,7 @@ def test_record_keeps_valid_as_a_tensor_and_trajectories_in_time_order():
 def _random_inputs(n=6, d=5, e=4):
     g = torch.Generator().manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=g)
-    return dict(traj_ids=[0, 1, 0, 1, 0, 1][:n], format_ok=[1, 1, 1, 0, 1, 1][:n], screen_before=rnd(n, d),
+    return dict(episode_ids=[0, 1, 0, 1, 0, 1][:n], format_ok=[1, 1, 1, 0, 1, 1][:n], screen_before=rnd(n, d),
                 screen_after=rnd(n, d), screen_pred=rnd(n, d), text_before=rnd(n, e), text_after=rnd(n, e),
                 text_pred=rnd(n, e), intent=rnd(n, e), click_text=rnd(n, e),
                 click_hit=torch.tensor([True, False, True, True, False, True][:n]))
@@ -388,7 +388,7 @@ def test_missing_tesseract_turns_text_off_once(caplog):
     assert not flags["text"] and not flags["intent"] and not flags["intent_click"] and flags["image"]
     # and the rewards run without any text input
     x = _random_inputs()
-    r = exploration_rewards(flags, x["traj_ids"], x["format_ok"], x["screen_before"], x["screen_after"], x["screen_pred"])
+    r = exploration_rewards(flags, x["episode_ids"], x["format_ok"], x["screen_before"], x["screen_after"], x["screen_pred"])
     assert torch.count_nonzero(r.text_immediate) == 0 and torch.count_nonzero(r.image_immediate) > 0
 
 

@@ -66,6 +66,12 @@ def speaker(tmp_path_factory):
     return speaking_tiny(str(tmp_path_factory.mktemp("speaker") / "model"))
 
 
+def trainer(flags, wm=None, opt=None):
+    """The trainer's state for scoring alone: no desktops, no policy."""
+    return T.Trainer(args=T.Args(), pool=None, run=None, policy=None, optimizer=None, start_model="", ref_fn=None,
+                     generation=1, wm=wm, wm_opt=opt, flags=flags, tools=None)
+
+
 def scored(tr, buffer, a=None):
     """The trainer's rewards of a buffer as its iteration computes them, in one process: the
     format-valid steps' features -> the world model's guesses (then it learns) -> every term."""
@@ -243,7 +249,7 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
             calls.append(len(looks))
             pointers.append([o.cursor for o in looks])
             act = first if len(calls) % 3 == 1 else Action("move", x=700, y=400)  # 3 steps per episode
-            return [(json.dumps(act.to_dict()), Parsed(act, ""), None) for _ in looks]
+            return [T.answer_text(act) for _ in looks]
         return choose
     calls, pointers = [], []
     x, y = desktop_icons()["Terminal"]
@@ -286,7 +292,7 @@ def test_the_windows_term_reads_the_window_lists_the_rollout_recorded(vm_desktop
     acts = [Action("double_click", x=x, y=y), Action("move", x=700, y=400)]
 
     def choose(looks):
-        return [(json.dumps(acts[o.t].to_dict()), Parsed(acts[o.t], "open the terminal"), None) for o in looks]
+        return [T.answer_text(acts[o.step], "open the terminal") for o in looks]
     pool = VMPool([vm_desktop.url], token=vm_desktop.secret, timeout=30)
     try:
         plain, _ = T.play_steps(pool, {0}, choose, 1, "watch", reset=True)
@@ -298,7 +304,7 @@ def test_the_windows_term_reads_the_window_lists_the_rollout_recorded(vm_desktop
     assert buffer[1].windows_before == buffer[0].windows_after  # one step's after is the next one's before
     opened = [len(set(s.windows_after) - set(s.windows_before)) for s in buffer]
     assert sum(opened) >= 1, opened  # the terminal's window
-    learner = T.Trainer(None, None, "", None, 1, None, None, R.parse_reward_flags("none,windows"), None)
+    learner = trainer(R.parse_reward_flags("none,windows"))
     r, m = scored(learner, buffer)
     assert r.windows.tolist() == opened and r.total.tolist() == opened and m["wm/loss"] is None
     assert torch.count_nonzero(r.image_immediate) == 0  # off: logged as 0
@@ -330,7 +336,7 @@ def test_advantages_over_the_buffer_grpo_and_dr_grpo():
     light.paste((230, 230, 230), (0, 0, 32, 36))  # the left half lit: a changed screen
     befores, afters = [dark] * 4, [light, dark, light, light]
     buffer = [T.Step(vm, 0, b, c, "", Parsed(a, "") if vm < 3 else None) for vm, (b, c) in enumerate(zip(befores, afters))]
-    learner = T.Trainer(None, None, "", None, 1, None, None, R.parse_reward_flags("none,image,immediate"), None)
+    learner = trainer(R.parse_reward_flags("none,image,immediate"))
     r, _ = scored(learner, buffer)
     want_r = (1 - R.cosine(R.screen_features(befores), R.screen_features(afters))) * torch.tensor([1.0, 1, 1, 0])
     assert torch.allclose(r.total, want_r, atol=1e-6) and r.total[0] > 0.5 and r.total[1] == 0
@@ -366,8 +372,8 @@ def test_a_desktop_whose_x_server_dies_drops_out_and_its_step_is_not_the_models(
         base, seen, killed = T.random_policy(random.Random(0)), [], []
 
         def choose(looks):
-            seen.extend((o.vm, o.t) for o in looks)
-            if not killed and any((o.vm, o.t) == (1, 1) for o in looks):  # before its action lands
+            seen.extend((o.vm, o.step) for o in looks)
+            if not killed and any((o.vm, o.step) == (1, 1) for o in looks):  # before its action lands
                 killed.append(kill_x_server(pool.local[1].proc.pid))
             return base(looks)
         buffer, out = T.play_steps(pool, {0, 1}, choose, 3, "0.1", reset=True)
@@ -405,7 +411,7 @@ def test_score_rewards_curiosity_before_the_world_model_learns():
         wm = R.WorldModel(hidden=32)
         opt = T.adamw(wm.parameters(), 1e-2)
         untrained = copy.deepcopy(wm)
-        learner = T.Trainer(None, None, "", None, 1, wm, opt, flags, None)
+        learner = trainer(flags, wm, opt)
         r, m = scored(learner, buffer, T.Args(wm_train_first=train_first))
         assert m["wm/loss"] > 0 and any(not torch.equal(a, b) for a, b in zip(wm.parameters(), untrained.parameters()))
         scorer = wm if train_first else untrained  # the model whose guess curiosity must be

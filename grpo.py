@@ -1,38 +1,30 @@
-"""GRPO for vision-language GUI agents: advantages, per-token log-probs, the clipped loss and the
-update, ARPO's replay buffer, the distillation (SFT) step, the learning-rate schedule.
+"""GRPO for vision-language GUI agents: advantages, ARPO's replay buffer, training samples, the
+update and its clipped loss; below them the update's bookkeeping, the log-probs of chosen tokens,
+the distillation (SFT) step, the learning-rate schedule and the KL reference.
 
 Used by train_explore.py (ScreenExplorer) and train_arpo.py (ARPO); nothing here talks to a VM.
 Tests: `python -m pytest -q tests/test_grpo.py tests/test_grpo_model.py tests/test_arpo_replay.py`.
-Benchmark: `python bench/logprobs.py`.
 
-One update, top to bottom (`update_policy`):
-    samples (prompt + completion ids, advantage)  ->  padded micro-batches, grouped into optimizer
-    steps  ->  old log-probs (no grad)  ->  [reference log-probs, only if beta > 0]  ->  clipped
-    surrogate per token, aggregated, accumulated over micro-batches  ->  clip grad  ->  step
+One update (`update_policy`): samples (prompt + completion ids, advantage) -> padded micro-batches,
+grouped into optimizer steps -> old log-probs (no grad) -> [reference log-probs, only if beta > 0]
+-> the clipped surrogate per token (`grpo_loss`), aggregated, accumulated over micro-batches ->
+clip the gradient -> step.
 
 Where this departs from the papers (on purpose, each one small):
-1. The loss is DAPO-style "clip-higher" (separate eps_low / eps_high, ARPO uses 0.2 / 0.3) with
-   optional dual clip (ARPO's verl: c = 3.0 for negative advantages), and the KL term is the k3
-   estimator of DeepSeekMath, applied only when beta > 0 (ScreenExplorer: 0.04, ARPO: 0, no
-   reference model at all).
-2. Two aggregations: "seq-mean-token-mean" (GRPO as written: mean over tokens, then over
-   sequences) and "token-mean" (DAPO: one mean over all tokens of the batch, so long trajectories
-   weigh more). Sequences with no target token are left out of the sequence mean; Sample.weight
-   lets the pieces of one cut trajectory count as that one sequence.
-3. With a single optimizer step per rollout the update is exactly on-policy: the ratio is 1 and
-   clipping never fires. `mini_batch_size` / `optimizer_steps` / `epochs` give verl-style several
-   steps per rollout (ARPO's default: two), where old log-probs are fixed before the first step
-   and clipping matters; `shuffle` mixes the samples first, as ScreenExplorer's release does.
-4. Old log-probs are recomputed by the trainer, not taken from the sampler (vLLM's numbers differ
-   slightly from HF's; top_p < 1 draws from a truncated distribution that the trainer does not
-   reproduce). verl does the same, and logs the gap (our `logp_gap`). Every log-prob is scored at
-   the sampling temperature with the never-sampled vision tokens removed, so at top_p 1 the
-   trainer's numbers ARE the sampler's (Generation.logprobs).
-5. ARPO's replay buffer (ReplayBuffer): an injection replaces the (first) lowest-scoring member of
-   a failed group. ARPO's paper says a random member, its code the first one; in a group that
-   qualifies (std < 0.05, mean < 0.2) the members score about the same, and the lowest keeps a rare
-   partial success (one 0.1 among seven 0s, std 0.035) that a random or first pick could throw
-   away. The buffer is saved in every checkpoint, its RNG included (ARPO's is lost).
+1. The loss is DAPO's "clip-higher" (eps_low / eps_high; ARPO 0.2 / 0.3) with an optional dual clip
+   (ARPO's verl: c = 3.0 for negative advantages); the KL term is DeepSeekMath's k3 estimator, only
+   when beta > 0 (ScreenExplorer: 0.04; ARPO: 0, no reference model at all).
+2. Two aggregations: "seq-mean-token-mean" (GRPO as written) and "token-mean" (DAPO: one mean over
+   the batch's tokens); Sample.weight lets the pieces of one cut trajectory count as one sequence.
+3. One optimizer step per rollout is exactly on-policy (ratio 1, no clipping); several
+   (mini_batch_size, optimizer_steps, epochs: ARPO's default is two) fix old log-probs first, and
+   `shuffle` mixes the samples, as ScreenExplorer's release does.
+4. Old log-probs are the trainer's own, scored at the sampling temperature without the
+   never-sampled vision tokens (verl does the same); the sampler's ride along only for `logp_gap`.
+5. The replay buffer replaces a failed group's lowest scorer (ARPO's paper: a random member; its
+   code: the first): in a group that qualifies (std < 0.05, mean < 0.2) the members score about the
+   same, and the lowest keeps a rare partial success (one 0.1 among seven 0s) a random or first pick
+   could throw away. It is saved in every checkpoint, its RNG included (ARPO's is lost).
 """
 from __future__ import annotations
 
@@ -270,7 +262,7 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
             sums = dict.fromkeys(("loss", "tokens") + STEP_KEYS, 0.0)
             for i in step:
                 b = batches[i]
-                logps = per_token_logps(model, b)  # (B, T)
+                logps = per_token_logps(model, b)  # (B, T), at the batch's sampling temperature
                 if single:
                     gap.note(logps, b)
                 dev = logps.device

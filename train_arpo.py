@@ -6,40 +6,38 @@
     python train_arpo.py --select-tasks 16 ...                            # ARPO's task selection first
     python train_arpo.py --eval-only --resume runs/<name>                 # standard + hard success rates
 
-One iteration (`iteration`, below `main`'s loop `train`): one task per group of --group-size
-rollouts -> every rollout is an `episode` on a desktop of its own (reset, the task's setup, then
-screenshot -> the policy's answer -> the UI-TARS action, until finished() / call_user() / an
-unparseable answer / max steps -> OSWorld's score), each desktop playing on its own while one
-batched generate answers whatever is waiting (rollout.play) -> `replay`: a group that failed alike
-gets a stored success of its task -> this iteration's successes stored -> `advantages`: one per
-trajectory against its group -> `episode_samples`: every assistant token of a trajectory gets its
-advantage -> `update`: GRPO (grpo.update_policy) -> log, checkpoint. The policy is any
+One iteration (`iteration`, which `main`'s loop `train` calls): one task per group of
+--group-size rollouts -> every rollout an `episode` on a desktop of its own (reset, the task's
+setup, then screenshot -> the policy's answer -> the UI-TARS action, until finished() /
+call_user() / an unparseable answer / max steps -> OSWorld's score), each desktop playing on its
+own while one batched generate answers whatever is waiting (rollout.play) -> `replay`: a group that
+failed alike gets a stored success of its task -> this iteration's successes stored ->
+`advantages`: one per trajectory against its group -> `episode_samples`: every assistant token of
+a trajectory gets its advantage -> `update`: GRPO (grpo.update_policy) -> log, checkpoint. The
+file reads in that order; after `main` come what the loop calls by name: the flags (`Args`, with
+ARPO's defaults: the format penalty on the reward, two optimizer steps, an unparseable answer ends
+the episode), their checks, task selection, evaluation, loading. The policy is any
 `policy_fn(observations) -> answers` (default: model_policy), so a scripted one can stand in.
-Below `main`: the flags' checks, task selection and evaluation, and loading what a run needs.
 
 Where this departs from ARPO (its paper and released code), on purpose:
-1. Desktops are local Xvfb desktops or remote `vm_server.py`s, tasks tasks/*.json with execution-based
-   checks. A VM that fails drops its episode as the environment's failure, never the model's; only
-   an action the VM refuses (4xx) is a format failure.
-2. No lockstep (rollout.py): each desktop steps on its own, so sampled tokens are not reproducible
-   across runs (the task order is). The screen settles by the server's watch (--settle watch) or,
-   as ARPO/OSWorld, a fixed sleep (--settle 0.5).
-3. The format penalty is ARPO's code's (reward = score - 0.5 once if an answer did not parse, and
-   that answer ends the episode); --format-penalty-on advantage (not ARPO's) pays it after the
-   group's scores are normalised (`advantages` says why).
-4. The replay buffer is saved in every checkpoint (ARPO's is lost), and an injection replaces the
-   group's lowest scorer (ARPO: a random member, or the first; grpo.ReplayBuffer says why).
-5. The update is ARPO's verl config at any scale: the batch in --optimizer-steps 2, shuffled (verl
-   reorders by length), dual clip 3.0, clip 0.2 / 0.3, log-probs at the sampling temperature.
-6. With more steps than --max-images (ARPO never has them) each later answer trains as a sequence
-   of its own, with the screenshots it saw (`episode_samples`).
-7. Scoring is OSWorld's (`outcome_scores`); evaluation reports "standard" (a timeout counts as
-   FAIL) and "hard" (ARPO's OSWorld-Hard, and training's rule).
-8. Knobs ARPO does not have, off or ARPO's by default: --lr-warmup, --lr-schedule, --epochs,
-   --sample-seed, --no-scale-rewards (Dr. GRPO), --beta (KL to the start).
-9. A group is always --group-size rollouts: fewer desktops than that play it in turns.
-10. torchrun: each rank plays its own groups on its slice of the VMs, with the same task order and
-   replay buffer everywhere; full fine-tuning is sharded with FSDP2 (docs/gpu.md).
+1. Desktops are local Xvfb desktops or remote `vm_server.py`s; tasks, tasks/*.json. A VM that fails
+   drops its episode as the environment's failure; only an action the VM refuses is the model's.
+2. No lockstep (rollout.py): sampled tokens are not reproducible across runs (the task order is).
+   The screen settles by the server's watch (--settle watch) or a fixed sleep (ARPO: --settle 0.5).
+3. The format penalty is ARPO's code's (score - 0.5 once if an answer did not parse or was refused,
+   and that answer ends the episode); --format-penalty-on advantage pays it after the group's
+   scores are normalised (`advantages` says why).
+4. The replay buffer is saved in every checkpoint, and an injection replaces the group's lowest
+   scorer (grpo.ReplayBuffer says why).
+5. The update is ARPO's verl config at any scale: --optimizer-steps 2, shuffled (verl reorders by
+   length), dual clip 3.0, clip 0.2 / 0.3, every log-prob scored at the sampling temperature.
+6. Past --max-images steps (ARPO never has them) each later answer trains on its own, with the
+   screenshots it saw (`episode_samples`).
+7. Evaluation reports OSWorld's "standard" rule (a timeout counts as FAIL) and "hard" (ARPO's
+   OSWorld-Hard, and training's).
+8. Knobs ARPO does not have, off by default: --lr-warmup, --lr-schedule, --epochs, --sample-seed,
+   --no-scale-rewards (Dr. GRPO), --beta (KL to the start). A group is always --group-size
+   rollouts (fewer desktops play it in turns). torchrun: each rank plays its own groups (docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -66,93 +64,6 @@ from qwen_vl import TURN_START
 
 PROG = "train_arpo.py"
 
-# ------------------------------------------------------------------------------------------------
-# Flags
-
-
-@dataclass
-class Args:
-    # desktops and tasks
-    vms: str = arg("16", "number of local desktops to launch, or comma-separated URLs of running vm_server.py")
-    token: str = arg("", "secret each remote VM's token is derived from (default: $VM_TOKEN); local desktops make their own")
-    vm_timeout: float = arg(60.0, "seconds one VM call may take before that VM drops out of the iteration")
-    screen: str = arg("1280x720", "screen size of local desktops")
-    tasks: str = arg("tasks/", "a task file or a folder of *.json task files")
-    task_ids: str = arg("", "comma-separated task ids to use (default: every task)")
-    group_size: int = arg(8, "rollouts per task = one GRPO group (ARPO: 8); fewer desktops than a group play it "
-                             "in turns; 1 trains nothing (a group of one has advantage 0), a smoke test only")
-    groups: int | None = arg(None, "tasks (groups) per iteration, played in turns on the desktops; under torchrun "
-                                   "per rank (default: the desktops in service // --group-size, at least 1)")
-    # policy
-    model: str = arg("ByteDance-Seed/UI-TARS-1.5-7B",
-                     "HF id or folder of a Qwen-VL checkpoint; 'tiny-uitars' = tiny, UI-TARS format taught (CPU); "
-                     "'tiny' = random weights")
-    engine: str = arg("hf", "generation engine: hf (any device) or vllm (GPU, pip install vllm)")
-    lora_rank: int = arg(0, "LoRA rank; 0 = full fine-tuning (ARPO)")
-    lora_alpha: int = arg(16, "LoRA alpha")
-    gradient_checkpointing: bool = arg(False, "trade compute for memory in the update")
-    max_pixels: int = arg(2116800, "max pixels of a screenshot as the model sees it (ARPO: 2116800)")
-    min_pixels: int = arg(MIN_PIXELS, "min pixels of a screenshot as the model sees it")
-    max_new_tokens: int = arg(256, "tokens one answer may take (Thought + Action)")
-    # rollout
-    iterations: int = arg(100, "training iterations (each: one rollout of every group + one update)")
-    max_steps: int = arg(15, "steps per episode at most (ARPO: 15); a task's own max_steps may lower it")
-    max_images: int = arg(15, "screenshots kept in the prompt (ARPO: 15); older ones stay as text")
-    temperature: float = arg(1.0, "sampling temperature in training; the update scores log-probs at it too (ARPO: 1.0)")
-    top_p: float = arg(1.0, "nucleus sampling in training")
-    stop_on_format_error: bool = arg(True, "an unparseable answer ends the episode, as in ARPO's code")
-    settle: str = arg("watch", "after each action: 'watch' (the server waits until the screen stops changing, "
-                               "with a cap) or seconds of a fixed sleep (ARPO/OSWorld: 0.5)")
-    # reward, loss, update
-    format_penalty: float = arg(0.5, "reward -= this if any answer of the trajectory did not parse (ARPO: 0.5 * 1)")
-    format_penalty_on: str = arg("reward", "where the format penalty is paid: reward (ARPO: the group normalises "
-                                           "score - penalty) or advantage (the group normalises the scores, then the "
-                                           "broken trajectory alone loses the penalty from its advantage)")
-    lr: float = arg(1e-6, "AdamW learning rate (ARPO: 1e-6)")
-    lr_warmup: int = arg(0, "iterations of linear learning-rate warm-up from lr / N (ARPO: none)")
-    lr_schedule: str = arg("constant", "learning rate after the warm-up: constant (ARPO), linear or cosine "
-                                       "(decay towards 0 at --iterations)")
-    epochs: int = arg(1, "passes of the optimizer over each iteration's batch (old log-probs fixed first)")
-    scale_rewards: bool = arg(True, "divide each group's advantages by its reward std (GRPO, ARPO); "
-                              "--no-scale-rewards: Dr. GRPO, advantages = reward - group mean")
-    eps_low: float = arg(0.2, "lower clip range of the ratio")
-    eps_high: float = arg(0.3, "upper clip range of the ratio (clip-higher; ARPO: 0.3)")
-    beta: float = arg(0.0, "KL coefficient to the starting policy (ARPO: 0; LoRA: the adapter off; full "
-                           "fine-tuning: a frozen copy of --model)")
-    loss_agg: str = arg("seq-mean-token-mean", "loss aggregation: seq-mean-token-mean or token-mean")
-    micro_batch: int = arg(1, "sequences per forward/backward (memory knob only)")
-    optimizer_steps: int = arg(2, "optimizer steps per iteration, the batch cut into that many mini-batches "
-                                  "(ARPO: 2, i.e. 16 tasks x 8 rollouts in steps of 8 x 8)")
-    mini_batch: int | None = arg(None, "sequences per optimizer step instead (default: set by --optimizer-steps)")
-    dual_clip: float = arg(3.0, "dual-clip c: a negative advantage's loss is capped at c * |A| (ARPO: 3.0; inf = off)")
-    max_grad_norm: float = arg(1.0, "gradient clipping")
-    # replay buffer and task selection
-    replay: bool = arg(True, "ARPO's replay buffer of successes (--no-replay: the GRPO ablation)")
-    replay_capacity: int = arg(8, "stored successes per task (ARPO: 8)")
-    success_threshold: float = arg(0.1, "a trajectory is a success if its score is above this (ARPO: 0.1)")
-    select_tasks: int = arg(0, "before training, K rollouts per task; keep the tasks solved at least once "
-                               "(ARPO: 16; 0: no selection)")
-    # evaluation
-    eval_only: bool = arg(False, "evaluate the policy (standard and hard protocols), do not train")
-    eval_episodes: int = arg(1, "episodes per task in --eval-only")
-    eval_temperature: float = arg(0.5, "sampling temperature of --eval-only (ARPO: 0.5)")
-    eval_out: str = arg("", "where --eval-only writes its JSON (default: the run folder)")
-    # run folder
-    run_name: str = arg("", "run folder name under --runs-dir (default: a time stamp)")
-    runs_dir: str = arg("runs", "where run folders go")
-    resume: str = arg("", "a run folder to continue (flags given now override the saved ones)")
-    ckpt_every: int = arg(1, "checkpoint every N iterations (and at the end)")
-    save_trajectories: bool = arg(True, "write every episode's screenshots + steps into the run folder")
-    seed: int = arg(0, "seed of the task order, the update's shuffle, the replay buffer and the tiny model's weights")
-    sample_seed: int | None = arg(None, "seed of sampling answers (training and --eval-only; default: --seed), so "
-                                        "an eval can draw fresh samples while the task order stays the run's")
-    wandb: bool = arg(False, "also log every metric to Weights & Biases (pip install wandb; WANDB_PROJECT names the project)")
-    tensorboard: bool = arg(False, "also log every metric to TensorBoard in runs/<name>/tb (pip install tensorboard)")
-
-
-# Flag values of run folders written before these flags said what they mean (args.json, checkpoints).
-OLD_VALUES = {"groups": {0: None}, "sample_seed": {-1: None}, "mini_batch": {0: None}, "dual_clip": {0: float("inf")}}
-
 
 # ------------------------------------------------------------------------------------------------
 # The episode: one task on one desktop, a generator rollout.play steps in the desktop's own thread
@@ -174,9 +85,9 @@ class Episode:
     format_ok: list = field(default_factory=list)     # per step: the answer parsed into an action the VM took
     end: str | None = None     # done | fail | format | max_steps | dropped (the VM failed)
     error: str | None = None   # why it was dropped
-    score: float = 0.0         # evaluator score, hard protocol (the training signal)
-    score_standard: float = 0.0  # standard protocol: running out of steps counts as FAIL
-    reward: float = 0.0        # score - the format penalty (score_episode)
+    score: float = 0.0         # OSWorld's score, "hard" rule (outcome_scores): success, replay
+    score_standard: float = 0.0  # the "standard" rule: running out of steps counts as FAIL
+    reward: float = 0.0        # score - the format penalty (score_episode): what the group normalises
     replayed: bool = False     # came from the replay buffer (an earlier iteration)
     job: int = -1              # its index among the episodes played together (play_tasks)
 
@@ -276,8 +187,9 @@ def add_answer(e: Episode, o: Observation, answer, args):
 def score_episode(e: Episode, evaluator_score: float | None, args) -> None:
     """Fill score (hard), score_standard and reward of a finished episode, in place: the scores by
     OSWorld's rule (outcome_scores), the reward ARPO's: the score minus the format penalty, once, if
-    any answer did not parse (its code: eval_result + 0.5 * format_reward, format_reward = -1). The
-    one place the penalty is computed; `advantages` decides where it is paid."""
+    any answer did not parse or the VM refused its action (its code: eval_result + 0.5 *
+    format_reward, format_reward = -1). The one place the penalty is computed; `advantages` decides
+    where it is paid."""
     e.score, e.score_standard = outcome_scores(e.task.infeasible, e.actions, e.end, evaluator_score)
     e.reward = e.score - args.format_penalty * (not all(e.format_ok))  # ALGO: ARPO's trajectory reward
 
@@ -310,9 +222,9 @@ def play_tasks(pool: VMPool, tasks: list[Task], policy_fn, args, groups: list[in
     `partial` Episode), or a dropped Episode on the VM it failed on (numbered in the run: pool.first
     is this rank's first VM's number)."""
     groups = groups or [0] * len(tasks)
-    eps = [partial(episode, task=t, args=args, group=g, iteration=iteration, job=first_job + k)
-           for k, (t, g) in enumerate(zip(tasks, groups))]
-    out = rollout.play(pool, eps, policy_fn, retries=retries, desc=desc)
+    todo = [partial(episode, task=t, args=args, group=g, iteration=iteration, job=first_job + k)
+            for k, (t, g) in enumerate(zip(tasks, groups))]
+    out = rollout.play(pool, todo, policy_fn, retries=retries, desc=desc)
     return [r if not isinstance(r, rollout.Lost) else
             r.partial or Episode(tasks[k], -1 if r.vm is None else pool.first + r.vm, groups[k], iteration,
                                  end="dropped", error=r.error, job=first_job + k)
@@ -360,7 +272,25 @@ def pick_tasks(ids: list[str], state: dict, n: int, seed: int) -> list[str]:
     return out
 
 
-def replay(buffer: grpo.ReplayBuffer | None, fresh: list[Episode], task_ids: list[str],
+def assign_tasks(tr: Trainer, pick, times: dict) -> tuple[list[str], list[Task], list[int], int]:
+    """The next task of each group the desktops in service can play (n_groups), every group member a
+    job. -> (every rank's task ids, one per group; this rank's jobs; the group of each job; the
+    number of this rank's first job among all ranks'). Under torchrun every rank draws the same ids
+    (the order is a function of the seed) and plays its own groups, numbered after the earlier
+    ranks': a group never straddles ranks. Dead remote VMs are re-checked meanwhile."""
+    a = tr.args
+    with rundir.timed(times, "vm_wait"):
+        desktops = len(rollout.in_service(tr.pool))
+    if not desktops:
+        raise SystemExit("No VM answered; check that the desktops run (see --vms).")
+    mine, n_all = dist.share(n_groups(desktops, a.group_size, a.groups))  # this rank's groups among all ranks'
+    task_ids = pick(n_all)
+    by_id = {t.id: t for t in tr.tasks}
+    jobs = [by_id[task_ids[g]] for g in mine for _ in range(a.group_size)]
+    return task_ids, jobs, [g for g in mine for _ in range(a.group_size)], mine.start * a.group_size
+
+
+def replay(successes: grpo.ReplayBuffer | None, fresh: list[Episode], task_ids: list[str],
            scores: list[tuple[int, float]]) -> tuple[list[Episode], list[dict]]:
     """ALGO: ARPO's replay. A group that failed alike (score std < 0.05 and mean < 0.2) gets one
     member replaced by a stored success of its task, which was stored in an EARLIER iteration (this
@@ -372,12 +302,12 @@ def replay(buffer: grpo.ReplayBuffer | None, fresh: list[Episode], task_ids: lis
     by_group: dict[int, list[float]] = {}
     for g, s in scores:
         by_group.setdefault(g, []).append(s)
-    trained, injections = [], []
+    to_train, injections = [], []
     for g, tid in enumerate(task_ids):
         members = [e for e in fresh if e.group == g]  # (none: another rank's group, or every VM failed)
-        if buffer is not None and by_group.get(g):
+        if successes is not None and by_group.get(g):
             # Another rank's group is drawn for too (with stand-ins), so every rank's buffer draws alike.
-            new, _, k = buffer.inject(tid, members or [None] * len(by_group[g]), by_group[g])
+            new, _, k = successes.inject(tid, members or [None] * len(by_group[g]), by_group[g])
             if k is not None and members:
                 # The stored success joins this group: its own reward, normalised against today's
                 # members. Its sampler log-probs are an older policy's: dropped (logp_gap compares like with like).
@@ -385,8 +315,26 @@ def replay(buffer: grpo.ReplayBuffer | None, fresh: list[Episode], task_ids: lis
                 injections.append({"task": tid, "group": g, "replaced_vm": members[k].vm, "from_iteration": ep.iteration,
                                    "from_vm": ep.vm, "score": ep.score, "reward": ep.reward})
                 members = members[:k] + [ep] + members[k + 1:]
-        trained += members
-    return trained, injections
+        to_train += members
+    return to_train, injections
+
+
+def to_dict(e: Episode) -> dict:
+    """An episode as plain data, for the replay buffer and checkpoints: screenshots as PNG bytes
+    (much smaller than the pixels), the task as a dict without its scripted solution (the test
+    suite's, never part of what the policy learns from); unpickling needs no class of ours."""
+    def png(img):
+        if isinstance(img, bytes):
+            return img
+        buf = BytesIO()
+        img.save(buf, format="PNG", compress_level=1)
+        return buf.getvalue()
+    d = {f.name: getattr(e, f.name) for f in fields(Episode)}
+    return {**d, "task": {**asdict(e.task), "solution": []}, "screenshots": [png(s) for s in e.screenshots]}
+
+
+def from_dict(d: dict) -> Episode:
+    return Episode(**{**d, "task": Task(**d["task"])})
 
 
 def advantages(episodes: list[Episode], a: Args) -> list[float]:
@@ -436,6 +384,11 @@ def episode_samples(policy, ep: Episode, args, advantage: float = 0.0) -> list[g
         p.advantage = advantage  # ALGO: the trajectory's one advantage on every answer of it
         p.weight = sum(p.target_mask) / total if total else 1.0 / len(pieces)  # ALGO: the pieces count as one
     return pieces
+
+
+def as_image(x) -> Image.Image:
+    """A stored screenshot (PNG bytes, from the replay buffer) or a live one, as a PIL image."""
+    return Image.open(BytesIO(x)).convert("RGB") if isinstance(x, bytes) else x
 
 
 def update(tr, samples: list[grpo.Sample], it: int, on_micro_batch=None) -> dict:
@@ -489,14 +442,14 @@ def iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
     fresh = [e for e in eps if e.end != "dropped"]
     # -- replay into the groups that failed alike, THEN store this iteration's successes (under
     # torchrun every rank keeps the same buffer: it sees every rank's scores and successes)
-    trained, injections = replay(tr.replay, fresh, task_ids, dist.every([(e.group, e.score) for e in fresh]))
+    to_train, injections = replay(tr.replay, fresh, task_ids, dist.every([(e.group, e.score) for e in fresh]))
     if tr.replay is not None:
         won = [(e.task.id, to_dict(e), e.score) for e in fresh if e.score > tr.replay.success_threshold]
         for task_id, d, score in dist.every(won):
             tr.replay.add(task_id, d, score)  # ALGO: kept if a success (score > --success-threshold)
     # -- one advantage per trajectory, on every assistant token of it; the GRPO update
-    adv = advantages(trained, a)  # (N,)
-    pieces = [episode_samples(tr.policy, e, a, x) for e, x in zip(trained, adv)]  # each trajectory's sequences
+    adv = advantages(to_train, a)  # (N,)
+    pieces = [episode_samples(tr.policy, e, a, x) for e, x in zip(to_train, adv)]  # each trajectory's sequences
     samples = [p for ps in pieces for p in ps]
     with rundir.timed(times, "update"), progress.bar(len(samples) * a.epochs, "update") as bar:
         upd = update(tr, samples, it, bar.update)
@@ -504,7 +457,7 @@ def iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
         with rundir.timed(times, "sync"):
             sync_weights(tr.policy)  # the generator samples the next rollout from the new weights
     times["time/iteration"] = time.perf_counter() - t0
-    m = logs.arpo_metrics(it, task_ids, fresh, out, tr.pool.first, trained, adv, pieces, upd, injections,
+    m = logs.arpo_metrics(it, task_ids, fresh, out, tr.pool.first, to_train, adv, pieces, upd, injections,
                           len(tr.replay or []), a.success_threshold, times)
     return {**m, "actor/lr": lr}, eps
 
@@ -579,49 +532,132 @@ def main(argv=None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Below the loop: what it calls by name. The replay buffer's episodes as plain data, the groups'
-# tasks, checkpoints, task selection and evaluation, loading a run's tasks and policy, the flags' checks
+# After the loop: what it calls by name. The flags (with ARPO's defaults) and their checks,
+# checkpoints, task selection and evaluation, loading a run's tasks and policy
 
 
-def to_dict(e: Episode) -> dict:
-    """An episode as plain data, for the replay buffer and checkpoints: screenshots as PNG bytes
-    (much smaller than the pixels), the task as a dict without its scripted solution (the test
-    suite's, never part of what the policy learns from); unpickling needs no class of ours."""
-    def png(img):
-        if isinstance(img, bytes):
-            return img
-        buf = BytesIO()
-        img.save(buf, format="PNG", compress_level=1)
-        return buf.getvalue()
-    d = {f.name: getattr(e, f.name) for f in fields(Episode)}
-    return {**d, "task": {**asdict(e.task), "solution": []}, "screenshots": [png(s) for s in e.screenshots]}
+@dataclass
+class Args:
+    # desktops and tasks
+    vms: str = arg("16", "number of local desktops to launch, or comma-separated URLs of running vm_server.py")
+    token: str = arg("", "secret each remote VM's token is derived from (default: $VM_TOKEN); local desktops make their own")
+    vm_timeout: float = arg(60.0, "seconds one VM call may take before that VM drops out of the iteration")
+    screen: str = arg("1280x720", "screen size of local desktops")
+    tasks: str = arg("tasks/", "a task file or a folder of *.json task files")
+    task_ids: str = arg("", "comma-separated task ids to use (default: every task)")
+    group_size: int = arg(8, "rollouts per task = one GRPO group (ARPO: 8); fewer desktops than a group play it "
+                             "in turns; 1 trains nothing (a group of one has advantage 0), a smoke test only")
+    groups: int | None = arg(None, "tasks (groups) per iteration, played in turns on the desktops; under torchrun "
+                                   "per rank (default: the desktops in service // --group-size, at least 1)")
+    # policy
+    model: str = arg("ByteDance-Seed/UI-TARS-1.5-7B",
+                     "HF id or folder of a Qwen-VL checkpoint; 'tiny-uitars' = tiny, UI-TARS format taught (CPU); "
+                     "'tiny' = random weights")
+    engine: str = arg("hf", "generation engine: hf (any device) or vllm (GPU, pip install vllm)")
+    lora_rank: int = arg(0, "LoRA rank; 0 = full fine-tuning (ARPO)")
+    lora_alpha: int = arg(16, "LoRA alpha")
+    gradient_checkpointing: bool = arg(False, "trade compute for memory in the update")
+    max_pixels: int = arg(2116800, "max pixels of a screenshot as the model sees it (ARPO: 2116800)")
+    min_pixels: int = arg(MIN_PIXELS, "min pixels of a screenshot as the model sees it")
+    max_new_tokens: int = arg(256, "tokens one answer may take (Thought + Action)")
+    # rollout
+    iterations: int = arg(100, "training iterations (each: one rollout of every group + one update)")
+    max_steps: int = arg(15, "steps per episode at most (ARPO: 15); a task's own max_steps may lower it")
+    max_images: int = arg(15, "screenshots kept in the prompt (ARPO: 15); older ones stay as text")
+    temperature: float = arg(1.0, "sampling temperature in training; the update scores log-probs at it too (ARPO: 1.0)")
+    top_p: float = arg(1.0, "nucleus sampling in training")
+    stop_on_format_error: bool = arg(True, "an unparseable answer ends the episode, as in ARPO's code")
+    settle: str = arg("watch", "after each action: 'watch' (the server waits until the screen stops changing, "
+                               "with a cap) or seconds of a fixed sleep (ARPO/OSWorld: 0.5)")
+    # reward, loss, update
+    format_penalty: float = arg(0.5, "reward -= this if any answer of the trajectory did not parse or was refused (ARPO: 0.5 * 1)")
+    format_penalty_on: str = arg("reward", "where the format penalty is paid: reward (ARPO: the group normalises "
+                                           "score - penalty) or advantage (the group normalises the scores, then the "
+                                           "broken trajectory alone loses the penalty from its advantage)")
+    lr: float = arg(1e-6, "AdamW learning rate (ARPO: 1e-6)")
+    lr_warmup: int = arg(0, "iterations of linear learning-rate warm-up from lr / N (ARPO: none)")
+    lr_schedule: str = arg("constant", "learning rate after the warm-up: constant (ARPO), linear or cosine "
+                                       "(decay towards 0 at --iterations)")
+    epochs: int = arg(1, "passes of the optimizer over each iteration's batch (old log-probs fixed first)")
+    scale_rewards: bool = arg(True, "divide each group's advantages by its reward std (GRPO, ARPO); "
+                              "--no-scale-rewards: Dr. GRPO, advantages = reward - group mean")
+    eps_low: float = arg(0.2, "lower clip range of the ratio")
+    eps_high: float = arg(0.3, "upper clip range of the ratio (clip-higher; ARPO: 0.3)")
+    beta: float = arg(0.0, "KL coefficient to the starting policy (ARPO: 0; LoRA: the adapter off; full "
+                           "fine-tuning: a frozen copy of --model)")
+    loss_agg: str = arg("seq-mean-token-mean", "loss aggregation: seq-mean-token-mean or token-mean")
+    micro_batch: int = arg(1, "sequences per forward/backward (memory knob only)")
+    optimizer_steps: int = arg(2, "optimizer steps per iteration, the batch cut into that many mini-batches "
+                                  "(ARPO: 2, i.e. 16 tasks x 8 rollouts in steps of 8 x 8)")
+    mini_batch: int | None = arg(None, "sequences per optimizer step instead (default: set by --optimizer-steps)")
+    dual_clip: float = arg(3.0, "dual-clip c: a negative advantage's loss is capped at c * |A| (ARPO: 3.0; inf = off)")
+    max_grad_norm: float = arg(1.0, "gradient clipping")
+    # replay buffer and task selection
+    replay: bool = arg(True, "ARPO's replay buffer of successes (--no-replay: the GRPO ablation)")
+    replay_capacity: int = arg(8, "stored successes per task (ARPO: 8)")
+    success_threshold: float = arg(0.1, "a trajectory is a success if its score is above this (ARPO: 0.1)")
+    select_tasks: int = arg(0, "before training, K rollouts per task; keep the tasks solved at least once "
+                               "(ARPO: 16; 0: no selection)")
+    # evaluation
+    eval_only: bool = arg(False, "evaluate the policy (standard and hard protocols), do not train")
+    eval_episodes: int = arg(1, "episodes per task in --eval-only")
+    eval_temperature: float = arg(0.5, "sampling temperature of --eval-only (ARPO: 0.5)")
+    eval_out: str = arg("", "where --eval-only writes its JSON (default: the run folder)")
+    # run folder
+    run_name: str = arg("", "run folder name under --runs-dir (default: a time stamp)")
+    runs_dir: str = arg("runs", "where run folders go")
+    resume: str = arg("", "a run folder to continue (flags given now override the saved ones)")
+    ckpt_every: int = arg(1, "checkpoint every N iterations (and at the end)")
+    save_trajectories: bool = arg(True, "write every episode's screenshots + steps into the run folder")
+    seed: int = arg(0, "seed of the task order, the update's shuffle, the replay buffer and the tiny model's weights")
+    sample_seed: int | None = arg(None, "seed of sampling answers (training and --eval-only; default: --seed), so "
+                                        "an eval can draw fresh samples while the task order stays the run's")
+    wandb: bool = arg(False, "also log every metric to Weights & Biases (pip install wandb; WANDB_PROJECT names the project)")
+    tensorboard: bool = arg(False, "also log every metric to TensorBoard in runs/<name>/tb (pip install tensorboard)")
 
 
-def from_dict(d: dict) -> Episode:
-    return Episode(**{**d, "task": Task(**d["task"])})
+# Flag values of run folders written before these flags said what they mean (args.json, checkpoints).
+OLD_VALUES = {"groups": {0: None}, "sample_seed": {-1: None}, "mini_batch": {0: None}, "dual_clip": {0: float("inf")}}
 
 
-def as_image(x) -> Image.Image:
-    """A stored screenshot (PNG bytes, from the replay buffer) or a live one, as a PIL image."""
-    return Image.open(BytesIO(x)).convert("RGB") if isinstance(x, bytes) else x
+def check_args(args: Args) -> None:
+    """Errors a user can cause, each as one sentence."""
+    import vllm_engine  # plain Python until an engine is built (vLLM itself is imported there)
+    rundir.check([
+        (args.group_size < 1, "--group-size must be at least 1 (ARPO uses 8)"),
+        (args.groups is not None and args.groups < 1, "--groups must be at least 1"),
+        (args.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
+        (args.loss_agg not in ("seq-mean-token-mean", "token-mean"), "--loss-agg must be seq-mean-token-mean or token-mean"),
+        (args.beta < 0, "--beta must be >= 0"),
+        (args.format_penalty_on not in ("reward", "advantage"), "--format-penalty-on must be reward or advantage"),
+        (args.engine == "vllm" and args.beta > 0 and args.lora_rank == 0, "--engine vllm with full fine-tuning and "
+                                                                          "--beta > 0 would hold three model copies; use LoRA or --beta 0"),
+        (not args.dual_clip > 1, "--dual-clip must be above 1 (ARPO uses 3.0), or inf to switch it off"),
+        (args.optimizer_steps < 1 or (args.mini_batch is not None and args.mini_batch < 1) or args.micro_batch < 1,
+         "--optimizer-steps, --mini-batch and --micro-batch must be at least 1"),
+        (min(args.max_steps, args.max_images, args.max_new_tokens, args.eval_episodes, args.ckpt_every) < 1,
+         "--max-steps, --max-images, --max-new-tokens, --eval-episodes and --ckpt-every must be at least 1"),
+        (args.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
+        (args.lr_warmup < 0 or args.epochs < 1, "--lr-warmup must be 0 or more and --epochs at least 1"),
+        (screen_size(args) is None, "--screen must be WIDTHxHEIGHT, e.g. 1280x720"),
+        (parse_settle(args.settle) is None, SETTLE_HELP),
+        *vllm_engine.flag_errors(args.engine, args.temperature, args.eval_temperature),
+    ], PROG)
 
 
-def assign_tasks(tr: Trainer, pick, times: dict) -> tuple[list[str], list[Task], list[int], int]:
-    """The next task of each group the desktops in service can play (n_groups), every group member a
-    job. -> (every rank's task ids, one per group; this rank's jobs; the group of each job; the
-    number of this rank's first job among all ranks'). Under torchrun every rank draws the same ids
-    (the order is a function of the seed) and plays its own groups, numbered after the earlier
-    ranks': a group never straddles ranks. Dead remote VMs are re-checked meanwhile."""
-    a = tr.args
-    with rundir.timed(times, "vm_wait"):
-        desktops = len(rollout.in_service(tr.pool))
-    if not desktops:
-        raise SystemExit("No VM answered; check that the desktops run (see --vms).")
-    mine, n_all = dist.share(n_groups(desktops, a.group_size, a.groups))  # this rank's groups among all ranks'
-    task_ids = pick(n_all)
-    by_id = {t.id: t for t in tr.tasks}
-    jobs = [by_id[task_ids[g]] for g in mine for _ in range(a.group_size)]
-    return task_ids, jobs, [g for g in mine for _ in range(a.group_size)], mine.start * a.group_size
+
+def screen_size(args: Args) -> tuple[int, int] | None:
+    w, _, h = args.screen.lower().partition("x")
+    return (int(w), int(h)) if w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0 else None
+
+
+def resolve_args(argv=None) -> tuple:
+    """The command line; on --resume, the run's saved args with the flags given now on top.
+    -> (args, (checkpoint state, folder) or None, the flags given now)."""
+    args, given = rundir.parse_args(Args, argv, PROG)
+    args, state = ckpt.resume_args(Args, args, given, PROG, marker="group_size", old_values=OLD_VALUES)
+    check_args(args)
+    return args, state, given
 
 
 def checkpoint(tr: Trainer, next_it: int, metrics: dict | None = None) -> None:
@@ -727,45 +763,6 @@ def make_policy(args: Args, state: tuple[dict, str] | None):
         import vllm_engine
         vllm_engine.attach(policy, args.max_images, args.max_steps * (args.max_new_tokens + 6))
     return policy
-
-
-def check_args(args: Args) -> None:
-    """Errors a user can cause, each as one sentence."""
-    import vllm_engine  # plain Python until an engine is built (vLLM itself is imported there)
-    rundir.check([
-        (args.group_size < 1, "--group-size must be at least 1 (ARPO uses 8)"),
-        (args.groups is not None and args.groups < 1, "--groups must be at least 1"),
-        (args.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
-        (args.loss_agg not in ("seq-mean-token-mean", "token-mean"), "--loss-agg must be seq-mean-token-mean or token-mean"),
-        (args.beta < 0, "--beta must be >= 0"),
-        (args.format_penalty_on not in ("reward", "advantage"), "--format-penalty-on must be reward or advantage"),
-        (args.engine == "vllm" and args.beta > 0 and args.lora_rank == 0, "--engine vllm with full fine-tuning and "
-                                                                          "--beta > 0 would hold three model copies; use LoRA or --beta 0"),
-        (not args.dual_clip > 1, "--dual-clip must be above 1 (ARPO uses 3.0), or inf to switch it off"),
-        (args.optimizer_steps < 1 or (args.mini_batch is not None and args.mini_batch < 1) or args.micro_batch < 1,
-         "--optimizer-steps, --mini-batch and --micro-batch must be at least 1"),
-        (min(args.max_steps, args.max_images, args.max_new_tokens, args.eval_episodes, args.ckpt_every) < 1,
-         "--max-steps, --max-images, --max-new-tokens, --eval-episodes and --ckpt-every must be at least 1"),
-        (args.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
-        (args.lr_warmup < 0 or args.epochs < 1, "--lr-warmup must be 0 or more and --epochs at least 1"),
-        (screen_size(args) is None, "--screen must be WIDTHxHEIGHT, e.g. 1280x720"),
-        (parse_settle(args.settle) is None, SETTLE_HELP),
-        *vllm_engine.flag_errors(args.engine, args.temperature, args.eval_temperature),
-    ], PROG)
-
-
-def screen_size(args: Args) -> tuple[int, int] | None:
-    w, _, h = args.screen.lower().partition("x")
-    return (int(w), int(h)) if w.isdigit() and h.isdigit() and int(w) > 0 and int(h) > 0 else None
-
-
-def resolve_args(argv=None) -> tuple:
-    """The command line; on --resume, the run's saved args with the flags given now on top.
-    -> (args, (checkpoint state, folder) or None, the flags given now)."""
-    args, given = rundir.parse_args(Args, argv, PROG)
-    args, state = ckpt.resume_args(Args, args, given, PROG, marker="group_size", old_values=OLD_VALUES)
-    check_args(args)
-    return args, state, given
 
 
 if __name__ == "__main__":

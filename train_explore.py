@@ -6,41 +6,39 @@
     python train_explore.py --vms 8 --generations 3 --iterations-per-generation 100   # E1, E2, E3
     python train_explore.py --resume runs/<name>                     # continue a run
     python train_explore.py --eval-only --model runs/<name>/models/E1 --episodes 20   # vs random actions
-(tiny-explore is the tiny model taught the answer format (models/): its answers parse, so the
-rewards are real; `--model tiny` (random weights) tests the plumbing only.)
 
-One iteration (`iteration`, below `main`'s loop `train`): --steps steps on every live desktop,
-each an `episode` on its own (screenshot -> the exploration prompt -> the policy's answer, one
-batched generate for whatever is waiting (rollout.play) -> parse {"intent", "action"} -> the
-action, and the screen once it settled) -> the format-valid steps' screen features (and OCR text)
--> `curiosity`: the world model's guesses, then it learns the buffer -> `score`: every reward term
-that is on (rewards.TERMS) -> advantages over the whole buffer, ONE group -> GRPO update (after
---update-actor-delay iterations) -> the iteration's best steps kept for distillation -> log,
-checkpoint. Between generations (--generations G) the next one starts again from the BASE model,
-fine-tuned on every distilled step so far (`start_generation`), then does RL. Below `main`: the
-flags' checks, setup, the distillation data's plumbing and the exploration eval (--eval-only).
+One iteration (`iteration`, which `main`'s loop `train` calls): --steps steps on every live
+desktop, each an `episode` on its own (screenshot -> the exploration prompt -> the policy's
+answer, one batched generate for whatever is waiting (rollout.play) -> {"intent", "action"}
+parsed -> the action, and the screen once it settled) -> the format-valid steps' screen features
+(and OCR text) -> `curiosity`: the world model's guesses, then it learns the buffer -> `score`:
+every reward term that is on (rewards.py) -> advantages over the whole buffer, ONE group ->
+`update` (after --update-actor-delay iterations) -> the iteration's best steps kept for
+distillation -> log, checkpoint. Between generations (--generations G) the next starts again from
+the BASE model fine-tuned on every distilled step so far (`start_generation`). The file reads in
+that order; after `main` come what the loop calls by name: the flags (`Args`, with the paper's
+defaults: LoRA r 64, lr 4e-5, KL 0.04, clip 0.2 / 0.28, one optimizer step per 16 steps, the actor
+from iteration 5), their checks, setup, the distillation data's plumbing, the eval (--eval-only).
+(--model tiny-explore is the tiny model taught the answer format, models/: its answers parse,
+so a CPU run's rewards are real; --model tiny, random weights, tests the plumbing only.)
 
 Where this departs from the paper and its release (niuzaisheng/ScreenExplorer):
-1. Rewards, features and the world model are rewards.py's (its docstring says where and why). The
-   release's two bugs are not here: the world model's image branch is trained, and
-   `--rewards all,no_world_model` still trains the actor. Curiosity is scored before the world
-   model learns the buffer (--wm-train-first: the release's order).
-2. No guided (JSON-schema) decoding: a malformed answer is a format failure (reward 0, nothing
-   executed), itself a learning signal. The release's repetition penalty is off: it would make the
-   sampling distribution differ from the policy whose log-probs the loss uses.
+1. Rewards, features and the world model are rewards.py's (its docstring says where and why); the
+   release's two bugs are not here (the world model's image branch learns; --rewards
+   all,no_world_model still trains the actor); curiosity is scored before the world model learns
+   the buffer (--wm-train-first: the release's order).
+2. No guided (JSON-schema) decoding, no repetition penalty: a malformed answer is a format failure
+   (reward 0, nothing executed), itself a learning signal, and the loss scores what was sampled.
 3. The actor updates from iteration --update-actor-delay (0-based; the release: after it), one
    optimizer step per --mini-batch samples (the release: gradient accumulation 16 of batch 1);
    --no-scale-rewards gives Dr. GRPO's advantages; --lr-warmup, --lr-schedule are off by default.
-4. A desktop that fails drops out of the iteration without the step it failed in (`env_failures`);
-   the release threw the whole iteration away. No lockstep (rollout.py); the screen settles by the
-   server's watch (--settle watch) instead of the release's fixed 1 s sleep (--settle 1).
-5. Distillation: the paper does not publish its SFT recipe; ours is --distill-epochs passes of
-   token-mean NLL on the sampled answers, LoRA merged after SFT; the best steps are ranked within
-   each iteration (top_steps says why).
-6. The exploration eval's measures are ours (the paper's numbers are its reward terms): distinct
-   screens by a perceptual hash, pairwise diversity, windows opened, next to random actions.
-7. torchrun: each rank plays its slice of the desktops; the one group and the world model span
-   every rank (docs/gpu.md).
+4. A desktop that fails drops out of the iteration without the step it failed in; the release threw
+   the whole iteration away. No lockstep (rollout.py); the screen settles by the server's watch
+   (--settle watch) instead of the release's fixed 1 s sleep (--settle 1).
+5. Distillation: the paper publishes no SFT recipe; ours is --distill-epochs passes of token-mean
+   NLL on the sampled answers, LoRA merged after SFT; the best steps are ranked within each
+   iteration (top_steps says why). The eval's measures are ours (rewards.py). torchrun: each rank
+   plays its slice of the desktops; the one group and the world model span every rank (docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -73,7 +71,410 @@ PROG = "train_explore.py"
 
 
 # -----------------------------------------------------------------------------------------------
-# Flags
+# The episode: --steps steps on one desktop, a generator rollout.play steps in the desktop's thread
+
+
+@dataclass
+class Step:
+    """One step of one desktop: what the model saw, said and did, and what came of it."""
+    vm: int  # the desktop (numbered among all ranks')
+    step: int  # its index in the episode
+    before: Image.Image  # the screenshot the model saw (screen pixels)
+    after: Image.Image  # the screen once it settled after the action (--settle)
+    text: str  # the model's answer (or the random baseline's action string)
+    parsed: Parsed | None  # the answer's intent (.thought) and action; None: it did not parse, nothing ran
+    gen: object = None  # model.Generation (prompt + sampled ids), None for a stand-in policy
+    error: str | None = None  # the VM refused the action (4xx): a format failure too, nothing ran
+    windows_before: dict | None = None  # {X window id: title} open before the step (when asked for)
+    windows_after: dict | None = None  # ... and after it
+
+    @property
+    def format_ok(self) -> bool:
+        """The answer parsed into an action the VM took: the format reward."""
+        return self.parsed is not None and self.error is None
+
+
+@dataclass
+class Observation:
+    """What a policy gets of one desktop at one step: the screen, and where the mouse is (DragTo
+    drags from there)."""
+    vm: int
+    step: int
+    image: Image.Image
+    cursor: tuple
+
+
+def episode(desk: rollout.Desktop, steps: int, settle, reset: bool, windows: bool = False, reset_ahead: bool = False):
+    """One desktop's episode, top to bottom: the screen -> the policy's answer (`answer = yield
+    observation`, batched with other desktops' by rollout.play) -> parsed -> the action, the settled
+    screen back -> a Step, `steps` times.
+    -> its Steps. A malformed answer executes nothing (the screen is looked at again); a refused
+    action (4xx) is a format failure too; any other VM failure ends the episode without the step
+    it happened in (EnvFailure with the steps so far): the environment failed, not the model.
+    `windows`: record the window list before and after every step (one GET /windows a step).
+    `reset_ahead`: the desktop's next episode begins with a reset; start it now, in the background."""
+    out: list[Step] = []
+    try:
+        if reset:
+            desk.reset()
+        before = desk.screenshot()
+        open_before = {w["id"]: w["title"] for w in desk.windows()} if windows else None
+        # The mouse, for DragTo: /reset leaves it at the centre (training resets every --reset-every
+        # iterations, the eval before each episode; between resets this is an approximation).
+        cursor = (before.width // 2, before.height // 2)
+        for t in range(steps):
+            text, parsed, gen = parse_answer((yield Observation(desk.id, t, before, cursor)), before.size, cursor)
+            error = None
+            try:
+                after = desk.act(parsed.action, settle) if parsed else desk.screenshot()
+            except VMError as e:
+                if not e.refused:
+                    raise
+                error, after = str(e), desk.screenshot()  # the VM refused the action (bad key name, ...)
+            open_after = {w["id"]: w["title"] for w in desk.windows()} if windows else None
+            # The step is kept even when malformed: its reward is 0, and below the buffer's mean that
+            # is a negative advantage, which is how GRPO teaches the format.
+            out.append(Step(desk.id, t, before, after, text, parsed, gen, error, open_before, open_after))
+            if error is None:
+                cursor = cursor_after(parsed.action if parsed else None, cursor)
+            before, open_before = after, open_after  # the after-screen is the next step's before-screen
+        if reset_ahead:
+            desk.reset_ahead()
+    except VMError as err:
+        raise rollout.EnvFailure(str(err), partial=out) from None
+    return out
+
+
+def parse_answer(answer, screen: tuple, cursor: tuple) -> tuple:
+    """-> (text, Parsed or None, Generation or None). The model's answer (a Generation) is parsed in
+    the resized image it saw, its coordinates mapped to the screen; a stand-in's text (the random
+    baseline, a test's script) is in screen pixels. None: a format failure."""
+    if isinstance(answer, Generation):
+        return answer.text, parse_action(answer.text, "explore", screen, answer.prompt.image_sizes[0], cursor=cursor), answer
+    return str(answer), parse_action(str(answer), "explore", screen, None, cursor=cursor), None
+
+
+def play_steps(pool: VMPool, vms: set, policy_fn, steps: int, settle, reset: bool, reset_ahead: bool = False,
+               windows: bool = False) -> tuple[list[Step], rollout.Rollout]:
+    """`steps` steps on each of the pool's desktops `vms` (the pool's own indices), every desktop on its own, its episode
+    pinned to it (it goes on from its own screen); reset first if `reset`. -> (the steps in time
+    order (t, then vm), the Rollout: times, batch sizes, the desktops that failed). A desktop the
+    environment failed comes back as a rollout.Lost holding the steps it played (`partial`)."""
+    todo = [partial(episode, steps=steps, settle=parse_settle(settle), reset=reset, windows=windows,
+                    reset_ahead=reset_ahead) for _ in vms]
+    out = rollout.play(pool, todo, policy_fn, on=sorted(vms), desktops=sorted(vms), desc="rollout")
+    for f in out.failures:
+        print(f"vm {pool.first + f.vm} dropped out: {f.error}", flush=True)
+    buffer = [s for r in out.results for s in (r.partial or [] if isinstance(r, rollout.Lost) else r)]
+    return sorted(buffer, key=lambda s: (s.step, s.vm)), out
+
+
+def model_policy(policy, a: Args, temperature: float):
+    """The default policy_fn: one batched generate over all observations -> Generations."""
+    def policy_fn(observations: list[Observation]) -> list[Generation]:
+        return generate(policy, [explore_messages(o.image) for o in observations], a.max_new_tokens, temperature,
+                        a.top_p if temperature > 0 else 1.0)
+    return policy_fn
+
+
+# -----------------------------------------------------------------------------------------------
+# The algorithm: features -> curiosity -> rewards; the update; the distillation data; a generation's start
+
+
+@dataclass
+class Trainer:
+    """The trainer's state: what the iterations use and update (the generation's policy, its
+    optimizer and KL reference, the world model, the reward terms that are on) and what they run on."""
+    args: Args
+    pool: VMPool | None
+    run: str | None
+    policy: object
+    optimizer: torch.optim.Optimizer | None
+    start_model: str  # the generation's starting model: LoRA's base and the KL reference
+    ref_fn: object  # full fine-tuning's frozen reference (grpo.reference_fn), or None
+    generation: int
+    wm: R.WorldModel | None
+    wm_opt: torch.optim.Optimizer | None
+    reward_flags: dict  # the --rewards switches, usable ones only (rewards.effective_flags)
+    tools: object  # OCR + embedder, or None
+    policy_fn: object = None  # observations -> answers: model_policy of the generation's policy
+    live: set = field(default_factory=set)  # the pool's desktops in play: one that failed is out until the next reset
+    distill_since: int = 0  # the first iteration whose distillation data this run kept as it went
+
+
+def step_features(tr: Trainer, steps: list[Step]) -> R.Features | None:
+    """The screen features (and with a text term on, OCR text and embeddings) of format-valid
+    steps: a malformed answer executed nothing, so every term of it is 0 anyway, and skipping it
+    saves its OCR (the costliest part of the rewards)."""
+    if not steps:
+        return None
+    return R.step_features([s.before for s in steps], [s.after for s in steps], [s.parsed.thought for s in steps],
+                           [s.parsed.action for s in steps], tr.tools if "text" in R.reads(tr.reward_flags) else None)
+
+
+def curiosity(tr: Trainer, f: R.Features | None, actions: list, a: Args) -> tuple:
+    """ALGO: the world model's guesses of every step's after-screen as it stood before this buffer
+    (the curiosity terms), then it learns the buffer (--wm-train-first: the release's order, the
+    other way round). f, actions: every rank's format-valid steps. -> (screen guesses (V, D) or
+    None, text guesses (V, E) or None, the world model's metrics)."""
+    if "world_model" not in R.reads(tr.reward_flags) or not actions:
+        return None, None, {"wm/loss": None, "wm/loss_first_epoch": None}
+    return R.update_and_predict(tr.wm, tr.wm_opt, f, actions, format_ok=[1] * len(actions), epochs=a.wm_epochs,
+                                batch_size=a.wm_batch_size, train_first=a.wm_train_first)  # (V, D), (V, E)
+
+
+def score(tr: Trainer, buffer: list[Step], f: R.Features | None, pred_s=None, pred_t=None) -> R.Rewards:
+    """ALGO: the exploration reward of each of the N steps: every term that is on, summed, times
+    the format reward; a malformed step earns exactly 0 (only format-valid steps were featurised:
+    f, and the world model's guesses pred_s, pred_t, are theirs). -> rewards.Rewards, (N,) each."""
+    rows = [k for k, s in enumerate(buffer) if s.format_ok]
+    if not rows:
+        return R.zeros(len(buffer))
+    steps, windows = [buffer[k] for k in rows], "windows" in R.reads(tr.reward_flags)
+    b = R.make_buffer(f, [s.vm for s in steps], format_ok=[1] * len(steps),  # (a desktop's steps: one episode)
+                      screen_pred=pred_s, text_pred=pred_t,
+                      actions=[s.parsed.action for s in steps],
+                      windows_before=[s.windows_before for s in steps] if windows else None,
+                      windows_after=[s.windows_after for s in steps] if windows else None)
+    return R.scatter(R.reward(b, tr.reward_flags), rows, len(buffer))  # (V,) into (N,)
+
+
+def step_samples(buffer: list[Step], r: R.Rewards, adv: torch.Tensor) -> list[grpo.Sample]:
+    """One training sequence per step: its prompt and the sampled answer ids, with its advantage.
+    (The sampler's log-probs ride along only so the update can log actor/logp_gap.)"""
+    out = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), old_logps=s.gen.logprobs)
+           for k, s in enumerate(buffer)]
+    for sample, x in zip(out, adv.tolist()):
+        sample.advantage = x
+    return out
+
+
+def update(tr: Trainer, samples: list[grpo.Sample], it: int, on_micro_batch=None) -> dict:
+    """ALGO: the GRPO update: the steps, shuffled (seeded, the same on a resume), one optimizer step
+    per --mini-batch of them, the KL to the generation's start (grpo.update_policy). -> its metrics."""
+    a = tr.args
+    return grpo.update_policy(tr.policy, tr.optimizer, samples, micro_batch_size=a.micro_batch, eps_low=a.eps_low,
+                              eps_high=a.eps_high, beta=a.beta, ref_fn=tr.ref_fn, max_grad_norm=a.max_grad_norm,
+                              mini_batch_size=a.mini_batch, temperature=a.temperature, on_micro_batch=on_micro_batch,
+                              shuffle=random.Random(f"{a.seed}-update-{it}"))
+
+
+def lr_at(it: int, a: Args) -> float:
+    """The actor's learning rate at iteration `it` (0-based, over the whole run): grpo.scheduled_lr
+    within each generation (each has its own optimizer) over the generation's actor updates (the
+    first generation's first one is at --update-actor-delay), towards 0 at its last iteration.
+    The paper trains at a constant lr (the default); a small model trained from scratch at a high
+    lr moves fast early and needs the decay to keep what it learned by the last iteration, which is
+    the model a generation hands on (models/E<g>)."""
+    ipg = a.iterations_per_generation or a.iterations
+    start = it - it % ipg  # the generation's first iteration
+    first_update = max(start, a.update_actor_delay)  # its first actor update
+    if it < first_update:  # no update this iteration: nothing to schedule
+        return a.lr
+    return grpo.scheduled_lr(a.lr, it - first_update, start + ipg - first_update, a.lr_warmup, a.lr_schedule)
+
+
+def top_steps(valid: list[dict], top: float) -> list[dict]:
+    """ALGO: per iteration, the ceil(top * n) of its n steps with the highest total reward; iterations
+    in order, best first within each, ties in the order given. Each step's dict has its "iteration".
+
+    Ranked within an iteration, not over the whole generation: the reward's scale drifts within a
+    generation (curiosity decays as the world model learns, the format rate climbs), so a pooled
+    ranking would keep mostly the early iterations' steps for their inflated curiosity, not for
+    being the best of what the policy did then. Within one iteration every step was scored by the
+    same world model, as GRPO's one group compares them. ceil keeps at least one step of every
+    iteration that had a format-valid one."""
+    by_it = {}
+    for step in valid:
+        by_it.setdefault(step["iteration"], []).append(step)
+    keep = []
+    for it in sorted(by_it):
+        ranked = sorted(by_it[it], key=lambda step: -step["reward"])  # stable: ties keep their order
+        keep += ranked[:math.ceil(top * len(ranked))]
+    return keep
+
+
+def distill_rows(buffer: list[Step], r: R.Rewards, it: int, top: float, everyone: list[dict]) -> list[int]:
+    """ALGO: the rows of this rank's buffer that the iteration keeps for distillation: its share of
+    the top `top` of every rank's format-valid steps (`everyone`: their {"reward", "vm", "step"}, tied
+    in desktop then time order, as their trajectory files list them)."""
+    ranked = sorted(everyone, key=lambda s: (s["vm"], s["step"]))
+    kept = {(s["vm"], s["step"]) for s in top_steps([{**s, "iteration": it} for s in ranked], top)}
+    return [k for k, s in enumerate(buffer) if s.format_ok and s.gen is not None and (s.vm, s.step) in kept]
+
+
+def start_generation(g: int, run: str, a: Args) -> tuple:
+    """ALGO: generation g's policy: the BASE model, fine-tuned on all distilled data of generations
+    < g (experience-stream distillation). -> (policy, start_model path (= the KL reference), SFT metrics)."""
+    policy = load(a.model, a)
+    data = distill_samples(policy, run, g - 1) if g > 1 else []
+    if not data:
+        if g > 1:
+            print(f"E{g}: no distilled steps yet (no format-valid answers), starting from the base model.", flush=True)
+        return policy, a.model, {}
+    opt = adamw(trainable(policy), a.distill_lr)
+    rng = random.Random(a.seed + g)
+    nll = []
+    for _ in range(a.distill_epochs):
+        rng.shuffle(data)
+        for chunk in grpo.micro_batches(data, a.distill_batch):
+            nll.append(grpo.distill_step(policy, opt, chunk, a.micro_batch, a.max_grad_norm)["nll"])  # ALGO: SFT
+    # Saved merged: with LoRA the next adapter is fresh on top of the fine-tuned weights, so the
+    # KL term pulls generation g towards its own starting point, not towards the raw base.
+    path = os.path.join(run, "models", f"E{g}_sft")
+    ckpt.save_model(policy, path)
+    if a.lora_rank > 0:
+        policy = load(path, a)
+    per_epoch = max(1, len(nll) // max(1, a.distill_epochs))
+    # --distill-epochs 0 is allowed (the next generation is the base model again, an ablation).
+    metrics = {"distill/samples": len(data), "distill/steps": len(nll), "distill/nll_first": nll[0] if nll else None,
+               "distill/nll_last_epoch": float(np.mean(nll[-per_epoch:])) if nll else None}
+    print(f"E{g}: SFT on {len(data)} distilled steps ({len(nll)} optimizer steps), nll "
+          f"{metrics['distill/nll_first'] or 0:.3f} -> {metrics['distill/nll_last_epoch'] or 0:.3f}", flush=True)
+    return policy, path, metrics
+
+
+def next_generation(tr: Trainer, it: int, ipg: int) -> dict:
+    """ALGO: experience-stream distillation at a generation boundary: the finished generation's
+    model is saved, and the next one starts from the BASE model fine-tuned on every distilled step
+    so far, with a fresh optimizer. -> the SFT metrics."""
+    a = tr.args
+    finish_generation(tr, (tr.generation - 1) * ipg, it - 1)
+    engine = tr.policy.engine
+    tr.generation = it // ipg + 1
+    tr.policy, tr.start_model, metrics = start_generation(tr.generation, tr.run, a)
+    dist.spread(tr.policy.model, shard=a.lora_rank == 0)
+    tr.policy.engine = engine
+    sync_weights(tr.policy)
+    tr.optimizer = adamw(trainable(tr.policy), a.lr)
+    tr.policy_fn = model_policy(tr.policy, a, a.temperature)
+    tr.ref_fn = grpo.reference_fn(a.beta, a.lora_rank, lambda: load(tr.start_model, a, lora=False))
+    return metrics
+
+
+# -----------------------------------------------------------------------------------------------
+# One iteration, and the loop
+
+
+def iteration(tr: Trainer, it: int, reset: bool) -> tuple:
+    """One ScreenExplorer iteration on the desktops in play, top to bottom (`reset`: reset them
+    first). -> (metrics, the buffer, its rewards (N,) each, its advantages (N,)); with no desktop
+    answering, in one process, (None, [], None, None)."""
+    a, times, t0 = tr.args, {}, time.perf_counter()
+    if reset:  # every desktop in service plays (a dead one restarts in its own thread)
+        with rundir.timed(times, "vm_wait"):
+            tr.live = set(rollout.in_service(tr.pool))
+    # -- the rollout: --steps steps on every live desktop, each on its own, generation batched; when
+    # the next iteration resets, its resets run during this one's update (reset_ahead)
+    ahead = bool(a.reset_every) and (it + 1) % a.reset_every == 0 and it + 1 < run_length(a)
+    with dist.unsharded(tr.policy.model):  # (FSDP2: each rank decodes alone, with whole weights)
+        buffer, out = play_steps(tr.pool, tr.live, tr.policy_fn, a.steps, a.settle, reset, ahead,
+                                 windows="windows" in R.reads(tr.reward_flags))  # a term reads the window lists
+    rundir.add_times(times, out.times)
+    tr.live -= {f.vm for f in out.failures}  # out until the next reset (the pool's indices, as tr.live)
+    if not buffer and dist.size() == 1:  # (under torchrun every rank goes on: their collectives pair up)
+        return None, buffer, None, None
+    # -- the rewards: features -> the world model's guesses (then it learns the buffer) -> every term
+    valid = [s for s in buffer if s.format_ok]
+    with rundir.timed(times, "features"):
+        f = step_features(tr, valid)
+    with rundir.timed(times, "world_model"), dist.same_rng(a.seed + it):  # (torchrun: one world model on every rank)
+        f_all, actions_all, my_rows = dist.every_rows(f, [s.parsed.action for s in valid], R.Features)
+        pred_s, pred_t, wm_metrics = curiosity(tr, f_all, actions_all, a)  # on every rank's valid steps
+    with rundir.timed(times, "rewards"):
+        r = score(tr, buffer, f, *(None if p is None else p[my_rows] for p in (pred_s, pred_t)))  # (N,) each
+    # -- ALGO: GRPO with the whole buffer as ONE group: each step's reward against every step's (on
+    # every rank: torchrun's buffers together, in rank order; each rank trains its own steps)
+    total_all, my_steps = dist.cat(r.total)  # (N_all,), this rank's rows
+    adv = grpo.group_advantages(total_all, scale=a.scale_rewards)[my_steps]  # (N,)
+    # -- the update, once the world model has warmed up (the ONLY condition: the release also
+    # skipped it whenever the world model was off, so its no-world-model ablation never trained)
+    upd = None
+    if it >= a.update_actor_delay:
+        lr = grpo.set_lr(tr.optimizer, lr_at(it, a))
+        samples = step_samples(buffer, r, adv)
+        with rundir.timed(times, "update"), progress.bar(len(samples), "update") as bar:
+            upd = update(tr, samples, it, bar.update)
+        if upd:
+            with rundir.timed(times, "sync"):
+                sync_weights(tr.policy)  # the generator samples the next rollout from the new weights
+        upd = {**upd, "lr": lr}
+    times["time/iteration"] = time.perf_counter() - t0
+    m = {"iteration": it, "generation": tr.generation, **logs.explore_metrics(buffer, r, adv, wm_metrics, upd, out),
+         **rundir.gather_times(times)}
+    return m, buffer, r, adv
+
+
+def train(tr: Trainer, start: int, distill_metrics: dict) -> None:
+    """The loop: a generation boundary when one is reached, one iteration, then trajectories,
+    distillation data, checkpoint, metrics line, console line."""
+    a, run = tr.args, tr.run
+    ipg, total = a.iterations_per_generation or a.iterations, run_length(a)  # iterations per generation, in all
+    trackers = rundir.open_trackers(run, a)
+    reset_next = False
+    for it in progress.track(range(start, total), "iterations"):
+        t0 = time.perf_counter()
+        if it // ipg + 1 != tr.generation:  # a generation boundary (also right after resuming at one)
+            distill_metrics = next_generation(tr, it, ipg)
+            distill_metrics["time/distill"] = time.perf_counter() - t0
+        rundir.clear_trajectories(run, it)
+        m, buffer, r, adv = iteration(tr, it, reset=it == start or reset_next or bool(a.reset_every and it % a.reset_every == 0))
+        reset_next = not buffer
+        if m is None:
+            print(f"it {it}: no desktop answered; resetting them and going on.", flush=True)
+            continue
+        m.update(distill_metrics)
+        distill_metrics = {}
+        with rundir.timed(m, "save"):  # trajectories, distillation data, checkpoint, then the metrics line
+            logs.save_steps(run, it, buffer, r, adv)
+            everyone = dist.every([{"reward": float(r.total[k]), "vm": s.vm, "step": s.step}
+                                   for k, s in enumerate(buffer) if s.format_ok and s.gen is not None])
+            logs.save_distilled(run, tr.generation, it, buffer, r, distill_rows(buffer, r, it, a.distill_top, everyone))
+            # Always at a generation's last iteration: the boundary (SFT) is redone from it.
+            if (it + 1) % a.ckpt_every == 0 or (it + 1) % ipg == 0 or it + 1 == total:
+                checkpoint(tr, it + 1, m)
+        rundir.end_iteration(run, trackers, m, logs.explore_line(m, tr.reward_flags, a.beta))
+    finish_generation(tr, (tr.generation - 1) * ipg, total - 1)
+    progress.close(trackers)
+    print(f"done: {run}", flush=True)
+
+
+def run_length(a: Args) -> int:
+    """The run's iterations in all: --generations times the iterations per generation."""
+    return a.generations * (a.iterations_per_generation or a.iterations)
+
+
+def main(argv=None) -> None:
+    dist.init()  # torchrun: join the other ranks (one process: nothing)
+    dist.mute_others()
+    args, state = resolve_args(argv)
+    transformers.utils.logging.disable_progress_bar()  # one console line per iteration, not bars
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    if args.threads or not (args.device.startswith("cuda") or (not args.device and torch.cuda.is_available())):
+        # OpenMP threads spin while they wait; next to Xvfb desktops and tesseract on the same cores
+        # the default (every core) ran our tiny-model steps far slower than one thread did.
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
+    # The desktops first: an unreachable VM should leave no run folder behind.
+    print(f"starting {args.vms} desktop(s) ..." if args.vms.isdigit() else f"connecting to {args.vms} ...", flush=True)
+    pool, _, screen = rundir.open_desktops(args.vms, args.token, args.vm_timeout)
+    try:
+        if args.eval_only:
+            eval_only(pool, args, state)
+            return
+        run = args.resume or rundir.run_path(args.runs_dir, args.run_name)
+        with rundir.new_run(run):  # a failed setup (bad --model, ...) leaves no folder behind
+            rundir.make_run_dir(run, args, resume=bool(args.resume))
+            print(f"run folder: {run}", flush=True)
+            rundir.seed_all(args.seed)
+            tr, start, distill_metrics = setup(args, pool, run, state, screen)
+        train(tr, start, distill_metrics)
+    finally:
+        pool.close()
+
+
+# -----------------------------------------------------------------------------------------------
+# After the loop: what it calls by name. The flags (with the paper's defaults) and their checks,
+# setup, a generation's end and the distillation data's plumbing, checkpoints, loading, the eval
 
 
 @dataclass
@@ -161,492 +562,45 @@ class Args:
 OLD_VALUES = {"threads": {0: None}, "iterations_per_generation": {0: None}}
 
 
-# -----------------------------------------------------------------------------------------------
-# The episode: --steps steps on one desktop, a generator rollout.play steps in the desktop's thread
-
-
-@dataclass
-class Step:
-    """One step of one desktop: what the model saw, said and did, and what came of it."""
-    vm: int  # the desktop (numbered among all ranks')
-    t: int
-    before: Image.Image  # the screenshot the model saw (screen pixels)
-    after: Image.Image  # the screen once it settled after the action (--settle)
-    text: str  # the model's answer (or the random baseline's action string)
-    parsed: Parsed | None  # the answer's intent and action; None: a format failure, nothing was executed
-    gen: object = None  # model.Generation (prompt + sampled ids), None for the random baseline
-    error: str | None = None  # the VM refused the action (4xx): a format failure too
-    windows_before: dict | None = None  # {X window id: title} open before the step (when asked for)
-    windows_after: dict | None = None  # ... and after it
-
-    @property
-    def format_ok(self) -> bool:
-        """The answer parsed into an action the VM took: the format reward."""
-        return self.parsed is not None
-
-
-@dataclass
-class Observation:
-    """What a policy gets of one desktop at one step: the screen, and where the mouse is (DragTo
-    drags from there)."""
-    vm: int
-    step: int
-    image: Image.Image
-    cursor: tuple
-
-
-def episode(desk: rollout.Desktop, steps: int, settle, reset: bool, windows: bool = False, reset_ahead: bool = False):
-    """One desktop's episode, top to bottom: the screen -> the policy's answer (`answer = yield
-    observation`, batched with other desktops' by rollout.play) -> parsed -> the action, the settled
-    screen back -> a Step, `steps` times.
-    -> its Steps. A malformed answer executes nothing (the screen is looked at again); a refused
-    action (4xx) is a format failure too; any other VM failure ends the episode without the step
-    it happened in (EnvFailure with the steps so far): the environment failed, not the model.
-    `windows`: record the window list before and after every step (one GET /windows a step).
-    `reset_ahead`: the desktop's next episode begins with a reset; start it now, in the background."""
-    out: list[Step] = []
+def check_args(a: Args) -> None:
+    """Refuse, in one sentence, anything that would only fail later."""
+    import vllm_engine  # plain Python until an engine is built (vLLM itself is imported there)
+    rundir.check([
+        (a.steps < 1, "--steps must be at least 1"),
+        (a.iterations < 1 or a.generations < 1, "--iterations and --generations must be at least 1"),
+        (a.iterations_per_generation is not None and a.iterations_per_generation < 1,
+         "--iterations-per-generation must be at least 1"),
+        (a.threads is not None and a.threads < 1, "--threads must be at least 1"),
+        (a.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
+        (a.temperature < 0 or a.max_new_tokens < 1, "--temperature must be >= 0 and --max-new-tokens >= 1"),
+        (not 0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
+        (not 0 < a.min_pixels <= a.max_pixels, "--min-pixels must be positive and at most --max-pixels"),
+        (not 0 < a.distill_top <= 1, "--distill-top must be in (0, 1]"),
+        (min(a.micro_batch, a.mini_batch, a.wm_batch_size, a.distill_batch) < 1, "batch sizes must be at least 1"),
+        (a.distill_epochs < 0, "--distill-epochs must be 0 or more"),
+        (a.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
+        (a.lr_warmup < 0, "--lr-warmup must be 0 or more"),
+        (a.eval_episodes < 1 or a.ckpt_every < 1, "--eval-episodes and --ckpt-every must be at least 1"),
+        (not 0 <= a.eval_same_hash < 64, "--eval-same-hash must be in 0..63 (bits of a 64-bit hash)"),
+        (a.lora_rank < 0 or a.beta < 0, "--lora-rank and --beta must be >= 0"),
+        (parse_settle(a.settle) is None, SETTLE_HELP),
+        (a.engine == "vllm" and a.beta > 0 and a.lora_rank == 0, "--engine vllm with full fine-tuning and --beta > 0 "
+                                                                  "would hold three model copies; use LoRA or --beta 0"),
+        *vllm_engine.flag_errors(a.engine, a.temperature),
+    ], PROG)
     try:
-        if reset:
-            desk.reset()
-        before = desk.screenshot()
-        open_before = {w["id"]: w["title"] for w in desk.windows()} if windows else None
-        # The mouse, for DragTo: /reset leaves it at the centre (training resets every --reset-every
-        # iterations, the eval before each episode; between resets this is an approximation).
-        cursor = (before.width // 2, before.height // 2)
-        for t in range(steps):
-            text, parsed, gen = parse_answer((yield Observation(desk.id, t, before, cursor)), before.size, cursor)
-            error = None
-            try:
-                after = desk.act(parsed.action, settle) if parsed else desk.screenshot()
-            except VMError as e:
-                if not e.refused:
-                    raise
-                error, after = str(e), desk.screenshot()  # the VM refused the action (bad key name, ...)
-            open_after = {w["id"]: w["title"] for w in desk.windows()} if windows else None
-            # The step is kept even when malformed: its reward is 0, and below the buffer's mean that
-            # is a negative advantage, which is how GRPO teaches the format.
-            out.append(Step(desk.id, t, before, after, text, None if error else parsed, gen, error, open_before,
-                            open_after))
-            if error is None:
-                cursor = cursor_after(parsed.action if parsed else None, cursor)
-            before, open_before = after, open_after  # the after-screen is the next step's before-screen
-        if reset_ahead:
-            desk.reset_ahead()
-    except VMError as err:
-        raise rollout.EnvFailure(str(err), partial=out) from None
-    return out
+        R.parse_reward_flags(a.rewards)
+    except ValueError as e:
+        sys.exit(f"--rewards: {e}")
 
 
-def parse_answer(answer, screen: tuple, cursor: tuple) -> tuple:
-    """-> (text, Parsed or None, Generation or None). The model's answer (a Generation) is parsed in
-    the resized image it saw, its coordinates mapped to the screen; a stand-in's text (the random
-    baseline, a test's script) is in screen pixels. None: a format failure."""
-    if isinstance(answer, Generation):
-        return answer.text, parse_action(answer.text, "explore", screen, answer.prompt.image_sizes[0], cursor=cursor), answer
-    return str(answer), parse_action(str(answer), "explore", screen, None, cursor=cursor), None
-
-
-def play_steps(pool: VMPool, vms: set, policy_fn, steps: int, settle, reset: bool, reset_ahead: bool = False,
-               windows: bool = False) -> tuple[list[Step], rollout.Rollout]:
-    """`steps` steps on each of the pool's desktops `vms`, every desktop on its own, its episode
-    pinned to it (it goes on from its own screen); reset first if `reset`. -> (the steps in time
-    order (t, then vm), the Rollout: times, batch sizes, the desktops that failed). A desktop the
-    environment failed comes back as a rollout.Lost holding the steps it played (`partial`)."""
-    eps = [partial(episode, steps=steps, settle=parse_settle(settle), reset=reset, windows=windows,
-                   reset_ahead=reset_ahead) for _ in vms]
-    out = rollout.play(pool, eps, policy_fn, on=sorted(vms), desktops=sorted(vms), desc="rollout")
-    for f in out.failures:
-        print(f"vm {pool.first + f.vm} dropped out: {f.error}", flush=True)
-    buffer = [s for r in out.results for s in (r.partial or [] if isinstance(r, rollout.Lost) else r)]
-    return sorted(buffer, key=lambda s: (s.t, s.vm)), out
-
-
-def model_policy(policy, a: Args, temperature: float):
-    """The default policy_fn: one batched generate over all observations -> Generations."""
-    def policy_fn(observations: list[Observation]) -> list[Generation]:
-        return generate(policy, [explore_messages(o.image) for o in observations], a.max_new_tokens, temperature,
-                        a.top_p if temperature > 0 else 1.0)
-    return policy_fn
-
-
-def random_policy(rng: random.Random):
-    """The eval's baseline: uniformly random pointer actions anywhere on the screen, as answers."""
-    kinds = ("click", "double_click", "right_click", "move", "scroll")
-
-    def policy_fn(observations: list[Observation]) -> list[str]:
-        out = []
-        for o in observations:
-            kind = rng.choice(kinds)
-            act = Action(kind, x=rng.randrange(o.image.width), y=rng.randrange(o.image.height),
-                         direction=rng.choice(("up", "down")) if kind == "scroll" else None)
-            out.append(answer_text(act))
-        return out
-    return policy_fn
-
-
-def answer_text(action: Action, intent: str = "") -> str:
-    """An answer in ScreenExplorer's format for a pointer action, key or text, in screen pixels
-    (what a stand-in policy answers; parse_answer reads it back as this very action)."""
-    name = {"click": "Click", "double_click": "DoubleClick", "right_click": "RightClick", "move": "Move"}.get(action.type)
-    if action.type == "scroll":
-        call = f"Scroll{action.direction.title()}({action.x}, {action.y})"
-    elif action.type == "key":
-        call = f"Key({json.dumps('+'.join(action.keys))})"
-    elif action.type == "type":
-        call = f"Text({action.x}, {action.y}, {json.dumps(action.text)})" if action.x is not None else f"Text({json.dumps(action.text)})"
-    elif name:
-        call = f"{name}({action.x}, {action.y})"
-    else:
-        raise ValueError(f"no ScreenExplorer answer for a {action.type} action")
-    return json.dumps({"intent": intent, "action": call})
-
-
-# -----------------------------------------------------------------------------------------------
-# The algorithm: features -> curiosity -> rewards; the update; the distillation data; a generation's start
-
-
-@dataclass
-class Trainer:
-    """The trainer's state: what the iterations use and update (the generation's policy, its
-    optimizer and KL reference, the world model, the reward terms that are on) and what they run on."""
-    args: Args
-    pool: VMPool | None
-    run: str | None
-    policy: object
-    optimizer: torch.optim.Optimizer | None
-    start_model: str  # the generation's starting model: LoRA's base and the KL reference
-    ref_fn: object  # full fine-tuning's frozen reference (grpo.reference_fn), or None
-    generation: int
-    wm: R.WorldModel | None
-    wm_opt: torch.optim.Optimizer | None
-    flags: dict  # the --rewards switches, usable ones only (rewards.effective_flags)
-    tools: object  # OCR + embedder, or None
-    live: set = field(default_factory=set)  # the desktops in play: one that failed is out until the next reset
-    distill_since: int = 0  # the first iteration whose distillation data this run kept as it went
-
-
-def step_features(tr: Trainer, steps: list[Step]) -> R.Features | None:
-    """The screen features (and with a text term on, OCR text and embeddings) of format-valid
-    steps: a malformed answer executed nothing, so every term of it is 0 anyway, and skipping it
-    saves its OCR (the costliest part of the rewards)."""
-    if not steps:
-        return None
-    return R.step_features([s.before for s in steps], [s.after for s in steps], [s.parsed.thought for s in steps],
-                           [s.parsed.action for s in steps], tr.tools if "text" in R.reads(tr.flags) else None)
-
-
-def curiosity(tr: Trainer, f: R.Features | None, actions: list, a: Args) -> tuple:
-    """ALGO: the world model's guesses of every step's after-screen as it stood before this buffer
-    (the curiosity terms), then it learns the buffer (--wm-train-first: the release's order, the
-    other way round). f, actions: every rank's format-valid steps. -> (screen guesses (V, D) or
-    None, text guesses (V, E) or None, the world model's metrics)."""
-    if "world_model" not in R.reads(tr.flags) or not actions:
-        return None, None, {"wm/loss": None, "wm/loss_first_epoch": None}
-    return R.update_and_predict(tr.wm, tr.wm_opt, f, actions, format_ok=[1] * len(actions), epochs=a.wm_epochs,
-                                batch_size=a.wm_batch_size, train_first=a.wm_train_first)  # (V, D), (V, E)
-
-
-def score(tr: Trainer, buffer: list[Step], f: R.Features | None, pred_s=None, pred_t=None) -> R.Rewards:
-    """ALGO: the exploration reward of each of the N steps: every term that is on, summed, times
-    the format reward; a malformed step earns exactly 0 (only format-valid steps were featurised:
-    f, and the world model's guesses pred_s, pred_t, are theirs). -> rewards.Rewards, (N,) each."""
-    rows = [k for k, s in enumerate(buffer) if s.format_ok]
-    if not rows:
-        return R.zeros(len(buffer))
-    steps, windows = [buffer[k] for k in rows], "windows" in R.reads(tr.flags)
-    b = R.make_buffer(f, [s.vm for s in steps], format_ok=[1] * len(steps), screen_pred=pred_s, text_pred=pred_t,
-                      actions=[s.parsed.action for s in steps],
-                      windows_before=[s.windows_before for s in steps] if windows else None,
-                      windows_after=[s.windows_after for s in steps] if windows else None)
-    return R.scatter(R.reward(b, tr.flags), rows, len(buffer))  # (V,) into (N,)
-
-
-def samples(buffer: list[Step], r: R.Rewards, adv: torch.Tensor) -> list[grpo.Sample]:
-    """One training sequence per step: its prompt and the sampled answer ids, with its advantage.
-    (The sampler's log-probs ride along only so the update can log actor/logp_gap.)"""
-    out = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), old_logps=s.gen.logprobs)
-           for k, s in enumerate(buffer)]
-    for sample, x in zip(out, adv.tolist()):
-        sample.advantage = x
-    return out
-
-
-def update(tr: Trainer, seqs: list[grpo.Sample], it: int, on_micro_batch=None) -> dict:
-    """ALGO: the GRPO update: the steps, shuffled (seeded, the same on a resume), one optimizer step
-    per --mini-batch of them, the KL to the generation's start (grpo.update_policy). -> its metrics."""
-    a = tr.args
-    return grpo.update_policy(tr.policy, tr.optimizer, seqs, micro_batch_size=a.micro_batch, eps_low=a.eps_low,
-                              eps_high=a.eps_high, beta=a.beta, ref_fn=tr.ref_fn, max_grad_norm=a.max_grad_norm,
-                              mini_batch_size=a.mini_batch, temperature=a.temperature, on_micro_batch=on_micro_batch,
-                              shuffle=random.Random(f"{a.seed}-update-{it}"))
-
-
-def lr_at(it: int, a: Args) -> float:
-    """The actor's learning rate at iteration `it` (0-based, over the whole run): grpo.scheduled_lr
-    within each generation (each has its own optimizer) over the generation's actor updates (the
-    first generation's first one is at --update-actor-delay), towards 0 at its last iteration.
-    The paper trains at a constant lr (the default); a small model trained from scratch at a high
-    lr moves fast early and needs the decay to keep what it learned by the last iteration, which is
-    the model a generation hands on (models/E<g>)."""
-    ipg = a.iterations_per_generation or a.iterations
-    start = it - it % ipg  # the generation's first iteration
-    first_update = max(start, a.update_actor_delay)  # its first actor update
-    if it < first_update:  # no update this iteration: nothing to schedule
-        return a.lr
-    return grpo.scheduled_lr(a.lr, it - first_update, start + ipg - first_update, a.lr_warmup, a.lr_schedule)
-
-
-def top_steps(valid: list[dict], top: float) -> list[dict]:
-    """ALGO: per iteration, the ceil(top * n) of its n steps with the highest total reward; iterations
-    in order, best first within each, ties in the order given. Each step's dict has its "iteration".
-
-    Ranked within an iteration, not over the whole generation: the reward's scale drifts within a
-    generation (curiosity decays as the world model learns, the format rate climbs), so a pooled
-    ranking would keep mostly the early iterations' steps for their inflated curiosity, not for
-    being the best of what the policy did then. Within one iteration every step was scored by the
-    same world model, as GRPO's one group compares them. ceil keeps at least one step of every
-    iteration that had a format-valid one."""
-    by_it = {}
-    for step in valid:
-        by_it.setdefault(step["iteration"], []).append(step)
-    keep = []
-    for it in sorted(by_it):
-        ranked = sorted(by_it[it], key=lambda step: -step["reward"])  # stable: ties keep their order
-        keep += ranked[:math.ceil(top * len(ranked))]
-    return keep
-
-
-def distill_rows(buffer: list[Step], r: R.Rewards, it: int, top: float, everyone: list[dict]) -> list[int]:
-    """ALGO: the rows of this rank's buffer that the iteration keeps for distillation: its share of
-    the top `top` of every rank's format-valid steps (`everyone`: their {"reward", "vm", "t"}, tied
-    in desktop then time order, as their trajectory files list them)."""
-    ranked = sorted(everyone, key=lambda s: (s["vm"], s["t"]))
-    kept = {(s["vm"], s["t"]) for s in top_steps([{**s, "iteration": it} for s in ranked], top)}
-    return [k for k, s in enumerate(buffer) if s.format_ok and s.gen is not None and (s.vm, s.t) in kept]
-
-
-def start_generation(g: int, run: str, a: Args) -> tuple:
-    """ALGO: generation g's policy: the BASE model, fine-tuned on all distilled data of generations
-    < g (experience-stream distillation). -> (policy, start_model path (= the KL reference), SFT metrics)."""
-    policy = load(a.model, a)
-    data = distill_samples(policy, run, g - 1) if g > 1 else []
-    if not data:
-        if g > 1:
-            print(f"E{g}: no distilled steps yet (no format-valid answers), starting from the base model.", flush=True)
-        return policy, a.model, {}
-    opt = adamw(trainable(policy), a.distill_lr)
-    rng = random.Random(a.seed + g)
-    nll = []
-    for _ in range(a.distill_epochs):
-        rng.shuffle(data)
-        for chunk in grpo.micro_batches(data, a.distill_batch):
-            nll.append(grpo.distill_step(policy, opt, chunk, a.micro_batch, a.max_grad_norm)["nll"])  # ALGO: SFT
-    # Saved merged: with LoRA the next adapter is fresh on top of the fine-tuned weights, so the
-    # KL term pulls generation g towards its own starting point, not towards the raw base.
-    path = os.path.join(run, "models", f"E{g}_sft")
-    ckpt.save_model(policy, path)
-    if a.lora_rank > 0:
-        policy = load(path, a)
-    per_epoch = max(1, len(nll) // max(1, a.distill_epochs))
-    # --distill-epochs 0 is allowed (the next generation is the base model again, an ablation).
-    metrics = {"distill/samples": len(data), "distill/steps": len(nll), "distill/nll_first": nll[0] if nll else None,
-               "distill/nll_last_epoch": float(np.mean(nll[-per_epoch:])) if nll else None}
-    print(f"E{g}: SFT on {len(data)} distilled steps ({len(nll)} optimizer steps), nll "
-          f"{metrics['distill/nll_first'] or 0:.3f} -> {metrics['distill/nll_last_epoch'] or 0:.3f}", flush=True)
-    return policy, path, metrics
-
-
-def next_generation(tr: Trainer, it: int, ipg: int) -> dict:
-    """ALGO: experience-stream distillation at a generation boundary: the finished generation's
-    model is saved, and the next one starts from the BASE model fine-tuned on every distilled step
-    so far, with a fresh optimizer. -> the SFT metrics."""
-    a = tr.args
-    finish_generation(tr, (tr.generation - 1) * ipg, it - 1)
-    engine = tr.policy.engine
-    tr.generation = it // ipg + 1
-    tr.policy, tr.start_model, metrics = start_generation(tr.generation, tr.run, a)
-    dist.spread(tr.policy.model, shard=a.lora_rank == 0)
-    tr.policy.engine = engine
-    sync_weights(tr.policy)
-    tr.optimizer = adamw(trainable(tr.policy), a.lr)
-    tr.ref_fn = grpo.reference_fn(a.beta, a.lora_rank, lambda: load(tr.start_model, a, lora=False))
-    return metrics
-
-
-# -----------------------------------------------------------------------------------------------
-# One iteration, and the loop
-
-
-def iteration(tr: Trainer, it: int, reset: bool) -> tuple:
-    """One ScreenExplorer iteration on the desktops in play, top to bottom (`reset`: reset them
-    first). -> (metrics, the buffer, its rewards (N,) each, its advantages (N,)); with no desktop
-    answering, in one process, (None, [], None, None)."""
-    a, times, t0 = tr.args, {}, time.perf_counter()
-    if reset:  # every desktop in service plays (a dead one restarts in its own thread)
-        with rundir.timed(times, "vm_wait"):
-            tr.live = set(rollout.in_service(tr.pool))
-    # -- the rollout: --steps steps on every live desktop, each on its own, generation batched; when
-    # the next iteration resets, its resets run during this one's update (reset_ahead)
-    ahead = bool(a.reset_every) and (it + 1) % a.reset_every == 0 and it + 1 < run_length(a)
-    with dist.unsharded(tr.policy.model):  # (FSDP2: each rank decodes alone, with whole weights)
-        buffer, out = play_steps(tr.pool, tr.live, model_policy(tr.policy, a, a.temperature), a.steps, a.settle,
-                                 reset, ahead, windows="windows" in R.reads(tr.flags))  # a term reads the window lists
-    rundir.add_times(times, out.times)
-    tr.live -= {f.vm for f in out.failures}  # out until the next reset
-    if not buffer and dist.size() == 1:  # (under torchrun every rank goes on: their collectives pair up)
-        return None, buffer, None, None
-    # -- the rewards: features -> the world model's guesses (then it learns the buffer) -> every term
-    valid = [s for s in buffer if s.format_ok]
-    with rundir.timed(times, "features"):
-        f = step_features(tr, valid)
-    with rundir.timed(times, "world_model"), dist.same_rng(a.seed + it):  # (torchrun: one world model on every rank)
-        f_all, actions_all, my_rows = dist.every_rows(f, [s.parsed.action for s in valid], R.Features)
-        pred_s, pred_t, wm_metrics = curiosity(tr, f_all, actions_all, a)  # on every rank's valid steps
-    with rundir.timed(times, "rewards"):
-        r = score(tr, buffer, f, *(None if p is None else p[my_rows] for p in (pred_s, pred_t)))  # (N,) each
-    # -- ALGO: GRPO with the whole buffer as ONE group: each step's reward against every step's (on
-    # every rank: torchrun's buffers together, in rank order; each rank trains its own steps)
-    total_all, my_steps = dist.cat(r.total)  # (N_all,), this rank's rows
-    adv = grpo.group_advantages(total_all, scale=a.scale_rewards)[my_steps]  # (N,)
-    # -- the update, once the world model has warmed up (the ONLY condition: the release also
-    # skipped it whenever the world model was off, so its no-world-model ablation never trained)
-    upd = None
-    if it >= a.update_actor_delay:
-        lr = grpo.set_lr(tr.optimizer, lr_at(it, a))
-        seqs = samples(buffer, r, adv)
-        with rundir.timed(times, "update"), progress.bar(len(seqs), "update") as bar:
-            upd = update(tr, seqs, it, bar.update)
-        if upd:
-            with rundir.timed(times, "sync"):
-                sync_weights(tr.policy)  # the generator samples the next rollout from the new weights
-        upd = {**upd, "lr": lr}
-    times["time/iteration"] = time.perf_counter() - t0
-    m = {"iteration": it, "generation": tr.generation, **logs.explore_metrics(buffer, r, adv, wm_metrics, upd, out),
-         **rundir.gather_times(times)}
-    return m, buffer, r, adv
-
-
-def train(tr: Trainer, start: int, distill_metrics: dict) -> None:
-    """The loop: a generation boundary when one is reached, one iteration, then trajectories,
-    distillation data, checkpoint, metrics line, console line."""
-    a, run = tr.args, tr.run
-    ipg, total = a.iterations_per_generation or a.iterations, run_length(a)  # iterations per generation, in all
-    trackers = rundir.open_trackers(run, a)
-    reset_next = False
-    for it in progress.track(range(start, total), "iterations"):
-        t0 = time.perf_counter()
-        if it // ipg + 1 != tr.generation:  # a generation boundary (also right after resuming at one)
-            distill_metrics = next_generation(tr, it, ipg)
-            distill_metrics["time/distill"] = time.perf_counter() - t0
-        rundir.clear_trajectories(run, it)
-        m, buffer, r, adv = iteration(tr, it, reset=it == start or reset_next or bool(a.reset_every and it % a.reset_every == 0))
-        reset_next = not buffer
-        if m is None:
-            print(f"it {it}: no desktop answered; resetting them and going on.", flush=True)
-            continue
-        m.update(distill_metrics)
-        distill_metrics = {}
-        with rundir.timed(m, "save"):  # trajectories, distillation data, checkpoint, then the metrics line
-            logs.save_steps(run, it, buffer, r, adv)
-            everyone = dist.every([{"reward": float(r.total[k]), "vm": s.vm, "t": s.t}
-                                   for k, s in enumerate(buffer) if s.format_ok and s.gen is not None])
-            logs.save_distilled(run, tr.generation, it, buffer, r, distill_rows(buffer, r, it, a.distill_top, everyone))
-            # Always at a generation's last iteration: the boundary (SFT) is redone from it.
-            if (it + 1) % a.ckpt_every == 0 or (it + 1) % ipg == 0 or it + 1 == total:
-                checkpoint(tr, it + 1, m)
-        rundir.end_iteration(run, trackers, m, logs.explore_line(m, tr.flags, a.beta))
-    finish_generation(tr, (tr.generation - 1) * ipg, total - 1)
-    progress.close(trackers)
-    print(f"done: {run}", flush=True)
-
-
-def main(argv=None) -> None:
-    dist.init()  # torchrun: join the other ranks (one process: nothing)
-    dist.mute_others()
-    args, state = resolve_args(argv)
-    transformers.utils.logging.disable_progress_bar()  # one console line per iteration, not bars
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    if args.threads or not (args.device.startswith("cuda") or (not args.device and torch.cuda.is_available())):
-        # OpenMP threads spin while they wait; next to Xvfb desktops and tesseract on the same cores
-        # the default (every core) ran our tiny-model steps far slower than one thread did.
-        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
-    # The desktops first: an unreachable VM should leave no run folder behind.
-    print(f"starting {args.vms} desktop(s) ..." if args.vms.isdigit() else f"connecting to {args.vms} ...", flush=True)
-    pool, _, screen = rundir.open_desktops(args.vms, args.token, args.vm_timeout)
-    try:
-        if args.eval_only:
-            eval_only(pool, args, state)
-            return
-        run = args.resume or rundir.run_path(args.runs_dir, args.run_name)
-        with rundir.new_run(run):  # a failed setup (bad --model, ...) leaves no folder behind
-            rundir.make_run_dir(run, args, resume=bool(args.resume))
-            print(f"run folder: {run}", flush=True)
-            rundir.seed_all(args.seed)
-            tr, start, distill_metrics = setup(args, pool, run, state, screen)
-        train(tr, start, distill_metrics)
-    finally:
-        pool.close()
-
-
-# -----------------------------------------------------------------------------------------------
-# Below the loop: what it calls by name. A generation's end and the distillation data's plumbing,
-# checkpoints, loading, setup, the exploration eval (--eval-only), the flags' checks
-
-
-def finish_generation(tr: Trainer, first: int, last: int) -> None:
-    """End of generation g: its model as models/E<g>; and, for a run whose earlier iterations of it
-    were written before distillation data was kept per iteration, their best steps from the
-    trajectory files (logs.distill_from_trajectories)."""
-    a, run = tr.args, tr.run
-    path = os.path.join(run, "models", f"E{tr.generation}")
-    stamp = os.path.join(path, "LAST_ITERATION")
-    if not (os.path.exists(stamp) and open(stamp).read().strip() == str(last)):
-        ckpt.save_model(tr.policy, path, extra={"LAST_ITERATION": str(last)})
-    if dist.is_main() and tr.distill_since > first:
-        logs.distill_from_trajectories(run, tr.generation, range(first, min(tr.distill_since, last + 1)),
-                                       lambda steps: top_steps(steps, a.distill_top))
-    dist.barrier()  # every rank reads the dataset for the next generation's SFT
-
-
-def distill_samples(policy, run: str, upto: int) -> list[grpo.Sample]:
-    """grpo.Samples of every distilled step of generations 1..upto: the saved screenshot as the
-    prompt, the answer's sampled token ids verbatim as the target."""
-    out = []
-    for d in logs.distilled(run, upto):
-        with Image.open(os.path.join(run, "distill", d["image"])) as im:
-            enc = encode_chat(policy, explore_messages(im.convert("RGB")))
-        out.append(grpo.step_sample(enc, d["completion_ids"]))
-    return out
-
-
-def checkpoint(tr: Trainer, next_it: int, metrics: dict) -> None:
-    """ckpt.save plus ScreenExplorer's own state: the world model, the generation and its start."""
-    ckpt.save(tr.run, tr.policy, tr.optimizer, next_it, tr.args, metrics, start_model=tr.start_model,
-              generation=tr.generation, wm=tr.wm.state_dict(), wm_opt=tr.wm_opt.state_dict(), wm_config=tr.wm.config,
-              distill_since=tr.distill_since)
-
-
-def run_length(a: Args) -> int:
-    """The run's iterations in all: --generations times the iterations per generation."""
-    return a.generations * (a.iterations_per_generation or a.iterations)
-
-
-def adamw(params, lr: float) -> torch.optim.AdamW:
-    """The release's AdamW, for the actor and the world model alike: betas (0.9, 0.95), eps 1e-8,
-    weight decay 0.01. beta2 = 0.95 averages squared gradients over ~20 steps instead of ~1000, so
-    the step size follows the gradient scale as the rewards and the policy drift under online RL.
-    The distillation SFT (no release recipe) uses the same optimizer."""
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-
-
-def trainable(policy):
-    return [p for p in policy.model.parameters() if p.requires_grad]
-
-
-def load(name: str, a: Args, lora: bool = True):
-    return load_policy(name, lora_rank=a.lora_rank if lora else 0, lora_alpha=a.lora_alpha,
-                       gradient_checkpointing=a.gradient_checkpointing, device=a.device or None,
-                       min_pixels=a.min_pixels, max_pixels=a.max_pixels, seed=a.seed)
+def resolve_args(argv=None) -> tuple:
+    """The command line; on --resume, the run's saved args with the flags typed now on top.
+    -> (args, (checkpoint state, folder) or None)."""
+    args, given = rundir.parse_args(Args, argv, PROG)
+    args, state = ckpt.resume_args(Args, args, given, PROG, marker="wm_epochs", old_values=OLD_VALUES)
+    check_args(args)
+    return args, state
 
 
 def setup(a: Args, pool: VMPool, run: str, state, screen) -> tuple:
@@ -686,9 +640,60 @@ def setup(a: Args, pool: VMPool, run: str, state, screen) -> tuple:
         vllm_engine.attach(policy, 1, a.max_new_tokens)
     ref_fn = grpo.reference_fn(a.beta, a.lora_rank, lambda: load(start_model, a, lora=False))
     tr = Trainer(a, pool, run, policy, optimizer, start_model, ref_fn, generation, wm, wm_opt, flags, tools,
-                 distill_since=since)
+                 model_policy(policy, a, a.temperature), distill_since=since)
     dist.seed_ranks(a.seed + start)  # under torchrun: each rank samples its own answers
     return tr, start, distill_metrics
+
+
+def finish_generation(tr: Trainer, first: int, last: int) -> None:
+    """End of generation g: its model as models/E<g>; and, for a run whose earlier iterations of it
+    were written before distillation data was kept per iteration, their best steps from the
+    trajectory files (logs.distill_from_trajectories)."""
+    a, run = tr.args, tr.run
+    path = os.path.join(run, "models", f"E{tr.generation}")
+    stamp = os.path.join(path, "LAST_ITERATION")
+    if not (os.path.exists(stamp) and open(stamp).read().strip() == str(last)):
+        ckpt.save_model(tr.policy, path, extra={"LAST_ITERATION": str(last)})
+    if dist.is_main() and tr.distill_since > first:
+        logs.distill_from_trajectories(run, tr.generation, range(first, min(tr.distill_since, last + 1)),
+                                       lambda steps: top_steps(steps, a.distill_top))
+    dist.barrier()  # every rank reads the dataset for the next generation's SFT
+
+
+def distill_samples(policy, run: str, upto: int) -> list[grpo.Sample]:
+    """grpo.Samples of every distilled step of generations 1..upto: the saved screenshot as the
+    prompt, the answer's sampled token ids verbatim as the target."""
+    out = []
+    for d in logs.distilled(run, upto):
+        with Image.open(os.path.join(run, "distill", d["image"])) as im:
+            enc = encode_chat(policy, explore_messages(im.convert("RGB")))
+        out.append(grpo.step_sample(enc, d["completion_ids"]))
+    return out
+
+
+def checkpoint(tr: Trainer, next_it: int, metrics: dict) -> None:
+    """ckpt.save plus ScreenExplorer's own state: the world model, the generation and its start."""
+    ckpt.save(tr.run, tr.policy, tr.optimizer, next_it, tr.args, metrics, start_model=tr.start_model,
+              generation=tr.generation, wm=tr.wm.state_dict(), wm_opt=tr.wm_opt.state_dict(), wm_config=tr.wm.config,
+              distill_since=tr.distill_since)
+
+
+def adamw(params, lr: float) -> torch.optim.AdamW:
+    """The release's AdamW, for the actor and the world model alike: betas (0.9, 0.95), eps 1e-8,
+    weight decay 0.01. beta2 = 0.95 averages squared gradients over ~20 steps instead of ~1000, so
+    the step size follows the gradient scale as the rewards and the policy drift under online RL.
+    The distillation SFT (no release recipe) uses the same optimizer."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+
+def trainable(policy):
+    return [p for p in policy.model.parameters() if p.requires_grad]
+
+
+def load(name: str, a: Args, lora: bool = True):
+    return load_policy(name, lora_rank=a.lora_rank if lora else 0, lora_alpha=a.lora_alpha,
+                       gradient_checkpointing=a.gradient_checkpointing, device=a.device or None,
+                       min_pixels=a.min_pixels, max_pixels=a.max_pixels, seed=a.seed)
 
 
 def evaluate(pool: VMPool, policy_fns: dict, run: str, a: Args, config: dict) -> dict:
@@ -747,45 +752,36 @@ def eval_only(pool: VMPool, a: Args, state) -> dict:
     return evaluate(pool, policy_fns, run, a, rundir.public_args(a))
 
 
-def check_args(a: Args) -> None:
-    """Refuse, in one sentence, anything that would only fail later."""
-    import vllm_engine  # plain Python until an engine is built (vLLM itself is imported there)
-    rundir.check([
-        (a.steps < 1, "--steps must be at least 1"),
-        (a.iterations < 1 or a.generations < 1, "--iterations and --generations must be at least 1"),
-        (a.iterations_per_generation is not None and a.iterations_per_generation < 1,
-         "--iterations-per-generation must be at least 1"),
-        (a.threads is not None and a.threads < 1, "--threads must be at least 1"),
-        (a.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
-        (a.temperature < 0 or a.max_new_tokens < 1, "--temperature must be >= 0 and --max-new-tokens >= 1"),
-        (not 0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
-        (not 0 < a.min_pixels <= a.max_pixels, "--min-pixels must be positive and at most --max-pixels"),
-        (not 0 < a.distill_top <= 1, "--distill-top must be in (0, 1]"),
-        (min(a.micro_batch, a.mini_batch, a.wm_batch_size, a.distill_batch) < 1, "batch sizes must be at least 1"),
-        (a.distill_epochs < 0, "--distill-epochs must be 0 or more"),
-        (a.lr_schedule not in ("constant", "linear", "cosine"), "--lr-schedule must be constant, linear or cosine"),
-        (a.lr_warmup < 0, "--lr-warmup must be 0 or more"),
-        (a.eval_episodes < 1 or a.ckpt_every < 1, "--eval-episodes and --ckpt-every must be at least 1"),
-        (not 0 <= a.eval_same_hash < 64, "--eval-same-hash must be in 0..63 (bits of a 64-bit hash)"),
-        (a.lora_rank < 0 or a.beta < 0, "--lora-rank and --beta must be >= 0"),
-        (parse_settle(a.settle) is None, SETTLE_HELP),
-        (a.engine == "vllm" and a.beta > 0 and a.lora_rank == 0, "--engine vllm with full fine-tuning and --beta > 0 "
-                                                                  "would hold three model copies; use LoRA or --beta 0"),
-        *vllm_engine.flag_errors(a.engine, a.temperature),
-    ], PROG)
-    try:
-        R.parse_reward_flags(a.rewards)
-    except ValueError as e:
-        sys.exit(f"--rewards: {e}")
+def random_policy(rng: random.Random):
+    """The eval's baseline: uniformly random pointer actions anywhere on the screen, as answers."""
+    kinds = ("click", "double_click", "right_click", "move", "scroll")
+
+    def policy_fn(observations: list[Observation]) -> list[str]:
+        out = []
+        for o in observations:
+            kind = rng.choice(kinds)
+            act = Action(kind, x=rng.randrange(o.image.width), y=rng.randrange(o.image.height),
+                         direction=rng.choice(("up", "down")) if kind == "scroll" else None)
+            out.append(answer_text(act))
+        return out
+    return policy_fn
 
 
-def resolve_args(argv=None) -> tuple:
-    """The command line; on --resume, the run's saved args with the flags typed now on top.
-    -> (args, (checkpoint state, folder) or None)."""
-    args, given = rundir.parse_args(Args, argv, PROG)
-    args, state = ckpt.resume_args(Args, args, given, PROG, marker="wm_epochs", old_values=OLD_VALUES)
-    check_args(args)
-    return args, state
+def answer_text(action: Action, intent: str = "") -> str:
+    """An answer in ScreenExplorer's format for a pointer action, key or text, in screen pixels
+    (what a stand-in policy answers; parse_answer reads it back as this very action)."""
+    name = {"click": "Click", "double_click": "DoubleClick", "right_click": "RightClick", "move": "Move"}.get(action.type)
+    if action.type == "scroll":
+        call = f"Scroll{action.direction.title()}({action.x}, {action.y})"
+    elif action.type == "key":
+        call = f"Key({json.dumps('+'.join(action.keys))})"
+    elif action.type == "type":
+        call = f"Text({action.x}, {action.y}, {json.dumps(action.text)})" if action.x is not None else f"Text({json.dumps(action.text)})"
+    elif name:
+        call = f"{name}({action.x}, {action.y})"
+    else:
+        raise ValueError(f"no ScreenExplorer answer for a {action.type} action")
+    return json.dumps({"intent": intent, "action": call})
 
 
 if __name__ == "__main__":

@@ -209,8 +209,8 @@ def step_line(s) -> dict:
     """What one ScreenExplorer step did, as a line of a trajectory file (training's and the eval's):
     the answer, the action it ran (screen pixels; None = a format failure, nothing ran), the VM's
     refusal if any. `valid` is the step's format_ok (the name run folders have always had)."""
-    return {"step": s.t, "intent": s.parsed.thought if s.parsed else None,
-            "action": s.parsed.action.to_dict() if s.parsed else None, "valid": s.format_ok,
+    action = None if s.parsed is None else {**s.parsed.action.to_dict(), **({"refused": s.error} if s.error else {})}
+    return {"step": s.step, "intent": s.parsed.thought if s.parsed else None, "action": action, "valid": s.format_ok,
             "error": s.error, "text": s.text, "screen": list(s.before.size)}
 
 
@@ -240,11 +240,11 @@ def save_distilled(run: str, g: int, it: int, buffer: list, r, rows: list[int]) 
     for k in rows:
         s, png = buffer[k], io.BytesIO()
         s.before.save(png, format="PNG", compress_level=1)
-        mine.append({"vm": s.vm, "t": s.t, "png": png.getvalue(), "text": s.text, "completion_ids": s.gen.completion_ids,
+        mine.append({"vm": s.vm, "step": s.step, "png": png.getvalue(), "text": s.text, "completion_ids": s.gen.completion_ids,
                      "intent": s.parsed.thought, "action": s.parsed.action.to_dict(), "reward": float(r.total[k])})
     kept = dist.every(mine)
     if dist.is_main():
-        _append_distilled(run, g, it, sorted(kept, key=lambda d: (-d["reward"], d["vm"], d["t"])))  # as top_steps ranks
+        _append_distilled(run, g, it, sorted(kept, key=lambda d: (-d["reward"], d["vm"], d["step"])))  # as top_steps ranks
     dist.barrier()
 
 
@@ -253,7 +253,7 @@ def _append_distilled(run: str, g: int, it: int, kept: list[dict]) -> None:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(run, "distill", f"gen{g}.jsonl"), "a") as fh:
         for d in kept:
-            name = f"it{it:06d}_vm{d['vm']:02d}_step{d['t']:02d}.png"
+            name = f"it{it:06d}_vm{d['vm']:02d}_step{d['step']:02d}.png"
             if "png" in d:
                 with open(os.path.join(folder, name), "wb") as img:
                     img.write(d["png"])
@@ -287,7 +287,7 @@ def distill_from_trajectories(run: str, g: int, iterations: range, top_steps) ->
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
             if name.endswith(".jsonl"):
                 with open(os.path.join(folder, name)) as fh:
-                    steps += [dict(json.loads(line), iteration=it) for line in fh]
+                    steps += [dict(json.loads(line), vm=int(name[2:-6]), iteration=it) for line in fh]
         valid = [s for s in steps if s.get("valid") and s.get("completion_ids") and s.get("screenshot")]
         kept = [{**s, "source": os.path.join(folder, s["screenshot"])} for s in top_steps(valid)]
         _append_distilled(run, g, it, kept)

@@ -344,9 +344,9 @@ def test_explore_a_500_drops_the_step_and_a_400_is_a_format_failure(loopback):
     buffer, out = X.play_steps(pool, {0, 1}, X.random_policy(random.Random(0)), 3, "0", reset=True)
     # desktop 0's first action failed: no step of it (not even as a format failure), one failure
     assert [(f.vm, "500" in f.error) for f in out.failures] == [(0, True)]
-    assert [(s.vm, s.t) for s in buffer] == [(1, 0), (1, 1), (1, 2)]
-    # desktop 1 refused every action: format failures (nothing ran), the refusal kept
-    assert all(s.parsed is None and "400" in s.error for s in buffer)
+    assert [(s.vm, s.step) for s in buffer] == [(1, 0), (1, 1), (1, 2)]
+    # desktop 1 refused every action: format failures (nothing ran), the answer and the refusal kept
+    assert all(not s.format_ok and s.parsed is not None and "400" in s.error for s in buffer)
 
 
 def test_settle_metrics_by_hand():

@@ -69,7 +69,7 @@ def speaker(tmp_path_factory):
 def trainer(flags, wm=None, opt=None):
     """The trainer's state for scoring alone: no desktops, no policy."""
     return T.Trainer(args=T.Args(), pool=None, run=None, policy=None, optimizer=None, start_model="", ref_fn=None,
-                     generation=1, wm=wm, wm_opt=opt, flags=flags, tools=None)
+                     generation=1, wm=wm, wm_opt=opt, reward_flags=flags, tools=None)
 
 
 def scored(tr, buffer, a=None):
@@ -379,7 +379,7 @@ def test_a_desktop_whose_x_server_dies_drops_out_and_its_step_is_not_the_models(
         buffer, out = T.play_steps(pool, {0, 1}, choose, 3, "0.1", reset=True)
         # Its server answered 503 ("X server died"): the step is dropped, not charged to the model as
         # a format failure (every random action is well formed, and none is marked refused).
-        assert [(s.vm, s.t) for s in buffer] == [(0, 0), (1, 0), (0, 1), (0, 2)]
+        assert [(s.vm, s.step) for s in buffer] == [(0, 0), (1, 0), (0, 1), (0, 2)]
         assert all(s.parsed is not None and s.error is None for s in buffer)
         assert [(f.vm, "503" in f.error) for f in out.failures] == [(1, True)]
         assert killed and (1, 2) not in seen and all(s.after.size == (1280, 720) for s in buffer)
@@ -387,7 +387,7 @@ def test_a_desktop_whose_x_server_dies_drops_out_and_its_step_is_not_the_models(
         old = pool.local[1].proc.pid
         buffer, out = T.play_steps(pool, {0, 1}, choose, 3, "0.1", reset=True)
         assert out.failures == [] and pool.local[1].proc.pid != old
-        assert sorted((s.vm, s.t) for s in buffer) == [(vm, t) for vm in (0, 1) for t in range(3)]
+        assert sorted((s.vm, s.step) for s in buffer) == [(vm, t) for vm in (0, 1) for t in range(3)]
     finally:
         pool.close()
 

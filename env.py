@@ -215,13 +215,14 @@ class VMPool:
     URL` prints a remote VM's); local desktops without one get random tokens."""
 
     def __init__(self, vms: int | str | list[str], token: str | None = None, timeout: float = 30,
-                 screen: tuple[int, int] = (1280, 720), first: int = 0):
+                 screen: tuple[int, int] = (1280, 720), first: int = 0, limits: str = ""):
         if isinstance(vms, str) and vms.strip().isdigit():
             vms = int(vms)
         if isinstance(vms, str):
             vms = [u.strip() for u in vms.split(",") if u.strip()]
         self.timeout, self.screen = timeout, tuple(screen)
         self.first = first  # the number of its first VM in the run (torchrun: among all ranks'; rollout.Desktop.id)
+        self.limits = limits  # local desktops' bounds (vm_server.py --limits; "" = its defaults)
         self.local: list[LocalVM] | None = None
         # Every VM has a token of its own: a local desktop a random one (or, given a secret, the
         # one derived from it), a remote VM the one derived from the secret and its URL (see
@@ -230,7 +231,7 @@ class VMPool:
         if isinstance(vms, int):
             if vms < 1:
                 raise ValueError(f"--vms must be at least 1, got {vms}.")
-            self.local = launch_local_vms(vms, screen=self.screen, token=token)
+            self.local = launch_local_vms(vms, screen=self.screen, token=token, limits=limits)
             vms, tokens = [vm.url for vm in self.local], [vm.token for vm in self.local]
         else:
             tokens = [vm_token(token, u) if token else None for u in vms]
@@ -324,7 +325,7 @@ class VMPool:
                 return False
             stop_vms([local])
             try:
-                (vm,) = launch_local_vms(1, screen=self.screen, token=self._secret)
+                (vm,) = launch_local_vms(1, screen=self.screen, token=self._secret, limits=self.limits)
             except Exception as e:  # noqa: BLE001 -- the slot stays down, the run goes on without it
                 self._mark_down(i, self._generation[i], f"restart failed: {e}")
                 return False
@@ -410,7 +411,7 @@ class VMPool:
         if self.local is not None and bad:
             stop_vms([self.local[i] for i in bad])
             try:
-                fresh = launch_local_vms(len(bad), screen=self.screen, token=self._secret)
+                fresh = launch_local_vms(len(bad), screen=self.screen, token=self._secret, limits=self.limits)
             except Exception as e:  # noqa: BLE001 -- reset never raises: the slots stay down
                 for i in bad:
                     self._mark_down(i, self._generation[i], f"restart failed: {e}")
@@ -505,7 +506,7 @@ def _log_tail(path: str, n: int = 600) -> str:
         return ""
 
 
-def launch_local_vms(n: int, screen: tuple[int, int] = (1280, 720), token: str | None = None,
+def launch_local_vms(n: int, screen: tuple[int, int] = (1280, 720), token: str | None = None, limits: str = "",
                      timeout: float = 90) -> list[LocalVM]:
     """Start n local desktops (`vm_server.py --xvfb`, each with its own display, HOME and port)
     and wait until all answer /health. They start in parallel: 8 take about as long as one.
@@ -514,7 +515,8 @@ def launch_local_vms(n: int, screen: tuple[int, int] = (1280, 720), token: str |
     one vm.rules.vm_token derives from it and the desktop's URL, as for remote VMs. We bind each
     port here and hand the socket over (--listen-fd), so no other process can take the port
     before the server starts, and the token travels through a pipe (--token-fd): it is in no argv
-    and no environment, where `ps` or a process on the desktop could read it."""
+    and no environment, where `ps` or a process on the desktop could read it. `limits`: each
+    desktop's bounds (vm_server.py --limits, vm/limits.py; "" = the defaults)."""
     if shutil.which("Xvfb") is None:
         raise VMError("Xvfb is not installed, so no local desktop can start; run `bash setup.sh`.")
     server = Path(__file__).resolve().with_name("vm_server.py")
@@ -528,7 +530,7 @@ def launch_local_vms(n: int, screen: tuple[int, int] = (1280, 720), token: str |
         os.close(w)
         log = tempfile.NamedTemporaryFile(prefix=f"vm_server-{url.rsplit(':', 1)[1]}-", suffix=".log", delete=False)
         cmd = [sys.executable, str(server), "--xvfb", "--listen-fd", str(sock.fileno()), "--token-fd", str(r),
-               "--screen", f"{screen[0]}x{screen[1]}"]
+               "--screen", f"{screen[0]}x{screen[1]}", *(["--limits", limits] if limits else [])]
         # VM_SERVER_PARENT: the server exits when we do, even when we are SIGKILLed and atexit never runs.
         env = {k: v for k, v in os.environ.items() if k != "VM_TOKEN"} | {"VM_SERVER_PARENT": str(os.getpid())}
         try:

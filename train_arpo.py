@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
@@ -61,6 +62,7 @@ from model import Generation, encode_chat, generate, load_policy, sync_weights, 
 from plumbing import ckpt, dist, logs, progress, rundir
 from plumbing.rundir import arg
 from qwen_vl import TURN_START
+from vm.limits import parse as parse_limits
 
 PROG = "train_arpo.py"
 
@@ -518,7 +520,7 @@ def main(argv=None) -> None:
         print(f"run folder: {run}; loading {args.model}", flush=True)
         policy = make_policy(args, state)
         print(f"starting {args.vms} desktop(s) ..." if args.vms.isdigit() else f"connecting to {args.vms} ...", flush=True)
-        pool, _, _ = rundir.open_desktops(args.vms, args.token, args.vm_timeout, screen_size(args))
+        pool, _, _ = rundir.open_desktops(args.vms, args.token, args.vm_timeout, screen_size(args), args.desktop_limits)
     try:
         if args.eval_only:  # standard + hard success rates of the policy, into eval_it<N>.json
             with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
@@ -526,7 +528,10 @@ def main(argv=None) -> None:
                                                        args, save_to=folder), args, run,
                                ckpt.next_iteration(state[0]) if state else 0)
             return
-        train(*setup(args, pool, policy, run, state, tasks))
+        try:
+            train(*setup(args, pool, policy, run, state, tasks))
+        except OSError as e:  # the run folder's disk is full: one sentence, the last checkpoint stands
+            ckpt.stop_if_disk_full(e, run, PROG)
     finally:
         pool.close()
 
@@ -543,6 +548,8 @@ class Args:
     token: str = arg("", "secret each remote VM's token is derived from (default: $VM_TOKEN); local desktops make their own")
     vm_timeout: float = arg(60.0, "seconds one VM call may take before that VM drops out of the iteration")
     screen: str = arg("1280x720", "screen size of local desktops")
+    desktop_limits: str = arg("", "each local desktop's bounds, e.g. memory=1g,pids=512,cpus=1,disk=256m,tmp=256m "
+                                  "(the defaults; any subset; docs/vm.md); as root, a desktop cannot take more")
     tasks: str = arg("tasks/", "a task file or a folder of *.json task files")
     task_ids: str = arg("", "comma-separated task ids to use (default: every task)")
     group_size: int = arg(8, "rollouts per task = one GRPO group (ARPO: 8); fewer desktops than a group play it "
@@ -643,7 +650,10 @@ def check_args(args: Args) -> None:
         (parse_settle(args.settle) is None, SETTLE_HELP),
         *vllm_engine.flag_errors(args.engine, args.temperature, args.eval_temperature),
     ], PROG)
-
+    try:
+        parse_limits(args.desktop_limits)
+    except ValueError as e:
+        sys.exit(f"{PROG}: --desktop-limits: {e}.")
 
 
 def screen_size(args: Args) -> tuple[int, int] | None:

@@ -66,6 +66,7 @@ from env import SETTLE_HELP, VMError, VMPool, parse_settle
 from model import Generation, encode_chat, explore_messages, generate, load_policy, sync_weights
 from plumbing import ckpt, dist, logs, progress, rundir
 from plumbing.rundir import arg
+from vm.limits import parse as parse_limits
 
 PROG = "train_explore.py"
 
@@ -456,7 +457,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
     # The desktops first: an unreachable VM should leave no run folder behind.
     print(f"starting {args.vms} desktop(s) ..." if args.vms.isdigit() else f"connecting to {args.vms} ...", flush=True)
-    pool, _, screen = rundir.open_desktops(args.vms, args.token, args.vm_timeout)
+    pool, _, screen = rundir.open_desktops(args.vms, args.token, args.vm_timeout, limits=args.desktop_limits)
     try:
         if args.eval_only:
             eval_only(pool, args, state)
@@ -467,7 +468,10 @@ def main(argv=None) -> None:
             print(f"run folder: {run}", flush=True)
             rundir.seed_all(args.seed)
             tr, start, distill_metrics = setup(args, pool, run, state, screen)
-        train(tr, start, distill_metrics)
+        try:
+            train(tr, start, distill_metrics)
+        except OSError as e:  # the run folder's disk is full: one sentence, the last checkpoint stands
+            ckpt.stop_if_disk_full(e, run, PROG)
     finally:
         pool.close()
 
@@ -501,6 +505,8 @@ class Args:
     settle: str = arg("watch", "after each action: 'watch' (the server answers once the screen has settled) or "
                                "seconds of a fixed sleep (the release: 1)")
     vm_timeout: float = arg(30.0, "seconds a VM call may take before that VM drops out")
+    desktop_limits: str = arg("", "each local desktop's bounds, e.g. memory=1g,pids=512,cpus=1,disk=256m,tmp=256m "
+                                  "(the defaults; any subset; docs/vm.md); as root, a desktop cannot take more")
     temperature: float = arg(1.0, "sampling temperature (paper: 1.0)")
     top_p: float = arg(1.0, "nucleus sampling: keep the smallest token set with this much probability (1 = off)")
     max_new_tokens: int = arg(128, "answer length cap (paper: 128)")
@@ -592,6 +598,10 @@ def check_args(a: Args) -> None:
         R.parse_reward_flags(a.rewards)
     except ValueError as e:
         sys.exit(f"--rewards: {e}")
+    try:
+        parse_limits(a.desktop_limits)
+    except ValueError as e:
+        sys.exit(f"{PROG}: --desktop-limits: {e}.")
 
 
 def resolve_args(argv=None) -> tuple:

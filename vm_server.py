@@ -92,13 +92,27 @@ def _desktop(name: str = "desktop"):
     """vm/desktop.py (the --xvfb desktop) or vm/sandbox.py (its bubblewrap), imported only when a --xvfb
     server needs it: a VM serving its own display runs without either file."""
     try:
-        from vm import desktop, sandbox
+        from vm import desktop, limits, sandbox
     except ModuleNotFoundError as e:
-        if e.name not in ("vm.desktop", "vm.sandbox"):
+        if e.name not in ("vm.desktop", "vm.limits", "vm.sandbox"):
             raise
         sys.exit(f"vm_server: --xvfb needs {e.name.replace('.', '/')}.py beside vm_server.py; copy it too, or serve "
                  "an existing display without --xvfb.")
-    return {"desktop": desktop, "sandbox": sandbox}[name]
+    return {"desktop": desktop, "limits": limits, "sandbox": sandbox}[name]
+
+
+def reap_always(every: float = 0.2) -> None:
+    """Reap finished children (and the orphans we adopt as a subreaper) all the time, not only
+    during requests: an agent that makes orphans fast would otherwise fill the desktop's process
+    table with zombies between two requests. Only between requests (the request lock free): reaping
+    beside a running setup command would steal its exit status."""
+    while True:
+        time.sleep(every)
+        if Handler.lock.acquire(blocking=False):
+            try:
+                reap()
+            finally:
+                Handler.lock.release()
 
 
 def reset(desk: Desktop) -> dict[str, float]:
@@ -510,6 +524,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds a client has to send each whole request, counted from the previous answer")
     p.add_argument("--allow-exec", default="", help="comma-separated extra programs setup/evaluate may run")
     p.add_argument("--verbose", action="store_true", help="log every request")
+    p.add_argument("--limits", default="", help="--xvfb: the desktop's bounds, comma-separated name=value of memory, "
+                   "pids, cpus, disk, tmp (e.g. memory=1g,pids=512,cpus=1,disk=256m,tmp=256m; docs/vm.md); "
+                   "the ones not given keep their defaults")
+    p.add_argument("--reset-fd", type=int, help=argparse.SUPPRESS)  # the launcher's socket for a reset's kill
     args = p.parse_args(argv)
     token = read_token(args)
     if args.token_for:
@@ -525,6 +543,10 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 < args.request_timeout <= 3600:
         sys.exit(f"vm_server: --request-timeout must be in (0, 3600] seconds, got {args.request_timeout:g}.")
     allow = DEFAULT_ALLOW | {a for a in args.allow_exec.split(",") if a}
+    try:
+        limits = _desktop("limits").parse(args.limits) if args.xvfb else None
+    except ValueError as e:
+        sys.exit(f"vm_server: --limits: {e}.")
     # Inside the sandbox bubblewrap hands us the folder it made for the desktop (see sandbox.launch).
     sandbox_tmp = os.environ.pop("VM_SERVER_SANDBOX", "")
 
@@ -545,7 +567,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_sandbox:  # the desktop and this server again, inside bubblewrap; we wait and clean up
             inner = ["--xvfb", "--screen", args.screen, "--request-timeout", repr(args.request_timeout),
                      *(["--allow-exec", args.allow_exec] if args.allow_exec else []), *(["--verbose"] if args.verbose else [])]
-            sys.exit(_desktop("sandbox").launch(inner, sock, token))
+            sys.exit(_desktop("sandbox").launch(inner, sock, token, limits))
         try:
             user = pwd.getpwuid(os.getuid()).pw_name
         except KeyError:  # a uid without a passwd entry
@@ -555,12 +577,14 @@ def main(argv: list[str] | None = None) -> None:
     # PR_SET_CHILD_SUBREAPER (36): programs that double-fork (GLib's app launching does) are
     # re-parented to us instead of init, so /reset and exit still find them.
     prctl(36, 1)
+    threading.Thread(target=reap_always, daemon=True).start()
     desk = None
     try:
         server = Server(sock)
         if args.xvfb:
             try:
-                desk = _desktop().local_desktop((int(m[1]), int(m[2])), allow, sandbox_tmp or None)
+                resets = socket.socket(fileno=args.reset_fd) if args.reset_fd is not None else None
+                desk = _desktop().local_desktop((int(m[1]), int(m[2])), allow, sandbox_tmp or None, resets)
             except RuntimeError as e:  # a session part that never came up (see desktop._wait)
                 sys.exit(f"vm_server: {e}; check that `bash setup.sh` ran on this machine.")
         elif not os.environ.get("DISPLAY"):

@@ -26,6 +26,7 @@ Crash safety, the whole story:
   checkpoint never landed), and with the checkpoint's own line if the kill came before it was
   logged, so every iteration appears exactly once. The same goes for the trajectory folders.
 """
+import errno
 import json
 import os
 import random
@@ -186,6 +187,29 @@ def save_checkpoint(run: str, state: dict, write_extra=None, metrics: dict | Non
         if name.startswith("ckpt.tmp-"):
             shutil.rmtree(os.path.join(run, name), ignore_errors=True)
     os.makedirs(tmp)
+    try:
+        _write_folder(tmp, state, write_extra, metrics)
+    except Exception as e:  # a full disk, say: the half-written folder goes, the last one stays
+        st = os.statvfs(run)  # torch's and safetensors' writers do not say ENOSPC: ask the disk
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, OSError) and st.f_bavail * st.f_frsize < 1 << 20:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), run) from e
+        raise
+    final, old = os.path.join(run, "ckpt"), os.path.join(run, "ckpt.old")
+    if os.path.exists(final) and not os.path.exists(os.path.join(final, "COMPLETE")):
+        shutil.rmtree(final)  # not ours (we only ever rename complete folders to ckpt): never keep it
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    # else ckpt.old, if there, is the only complete checkpoint (a kill came between the renames):
+    # it stays until the new one is in place.
+    os.rename(tmp, final)
+    _fsync_dir(run)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_folder(tmp: str, state: dict, write_extra, metrics: dict | None) -> None:
+    """A checkpoint's files, each on disk (fsync'd) before COMPLETE says the folder is whole."""
     if write_extra is not None:
         write_extra(tmp)
     if metrics is not None:
@@ -200,17 +224,7 @@ def save_checkpoint(run: str, state: dict, write_extra=None, metrics: dict | Non
         f.write(str(state.get("next_iteration", "")))
         f.flush()
         os.fsync(f.fileno())
-    final, old = os.path.join(run, "ckpt"), os.path.join(run, "ckpt.old")
-    if os.path.exists(final) and not os.path.exists(os.path.join(final, "COMPLETE")):
-        shutil.rmtree(final)  # not ours (we only ever rename complete folders to ckpt): never keep it
-    if os.path.exists(final):
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    # else ckpt.old, if there, is the only complete checkpoint (a kill came between the renames):
-    # it stays until the new one is in place.
-    os.rename(tmp, final)
-    _fsync_dir(run)
-    shutil.rmtree(old, ignore_errors=True)
+
 
 def latest_checkpoint(run: str) -> str | None:
     """The folder of the newest complete checkpoint, or None (a fresh run)."""
@@ -316,4 +330,20 @@ def trim_distilled(run: str, next_iteration: int) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
+
+
+def stop_if_disk_full(err: OSError, run: str, prog: str) -> None:
+    """A write of the run folder failed. If its disk is full (ENOSPC, EDQUOT), stop in one sentence:
+    what is on disk is the last complete checkpoint (a checkpoint is written aside and renamed, so
+    a full disk leaves the previous one whole), and `--resume` continues from it. Any other error
+    is raised as it was."""
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        raise err
+    path = latest_checkpoint(run)
+    where = "no checkpoint yet: --resume starts it over"
+    if path is not None:
+        with open(os.path.join(path, "COMPLETE")) as f:
+            where = f"its last complete checkpoint, iteration {f.read().strip() or '?'}"
+    sys.exit(f"{prog}: the disk of {run} is full ({err.strerror.lower()}); the run stopped at {where}: free some "
+             f"space, then `python {prog} --resume {run}` continues from there.")
 

@@ -139,14 +139,14 @@ def local_vms(vms: str) -> tuple[str, int]:
     return (str(len(mine)) if len(urls) == 1 and urls[0].isdigit() else ",".join(urls[mine.start:mine.stop])), mine.start
 
 
-def open_desktops(vms: str, token: str, timeout: float, screen=(1280, 720)) -> tuple:
+def open_desktops(vms: str, token: str, timeout: float, screen=(1280, 720), limits: str = "") -> tuple:
     """This rank's VMs (all of them in one process) -> (VMPool, live VM indices, screen (w, h) of
     the first live one), or one sentence when the VMs cannot start or none answers /health. The
     pool numbers its VMs among all ranks' (VMPool.first: its first VM's number)."""
     vms, first = local_vms(vms)
     try:
         pool = VMPool(vms, token=token or os.environ.get("VM_TOKEN") or None, timeout=timeout, screen=screen,
-                      first=first)
+                      first=first, limits=limits)
     except Exception as e:  # noqa: BLE001 -- a bad --vms or a desktop that cannot start: one sentence
         sys.exit(f"cannot start the VMs ({str(e).rstrip('.')}); check --vms.")
     health = pool.map("health", timeout=min(10.0, timeout))

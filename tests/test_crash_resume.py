@@ -410,3 +410,49 @@ def test_the_vm_token_never_reaches_the_run_folder(tmp_path):
             assert b"s3cret-token" not in open(os.path.join(root, f), "rb").read(), f
     assert json.load(open(os.path.join(run, "args.json")))["token"] == ""
     assert ckpt.load_checkpoint(run)[0]["args"] == {"token": "", "lr": 1.0}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem for the run folder needs root")
+def test_a_full_disk_stops_the_run_in_one_sentence_and_resume_continues(desktops, tmp_path):
+    """The run folder on a filesystem of its own, 10 MB (a tmpfs; another program or a huge run
+    fills a real disk the same way): the trainer stops with one sentence once a write finds it
+    full, after its last complete checkpoint; given room again, `--resume` continues from it, and
+    every iteration is logged exactly once."""
+    import ctypes
+    small = tmp_path / "small"
+    small.mkdir()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mount(b"tmpfs", str(small).encode(), b"tmpfs", 0, b"size=10m") == 0, ctypes.get_errno()
+    try:
+        tasks = tmp_path / "tasks"
+        tasks.mkdir()
+        (tasks / "notes.json").write_text(json.dumps({
+            "id": "notes-there", "instruction": "Look at the notes.", "setup": [], "max_steps": 2,
+            "evaluator": {"conj": "and", "checks": [{"type": "file_exists", "path": "notes.txt"}]}}))
+        run = str(small / "arpo")
+        argv = ["--vms", ",".join(desktops), "--group-size", 2, "--model", "tiny", "--iterations", 40, "--max-steps", 2,
+                "--max-pixels", 12544, "--max-new-tokens", 8, "--tasks", tasks, "--settle", 0.1, "--run-name", run]
+        p = start("train_arpo.py", [str(a) for a in argv])
+        out = output_within(p, 600)
+        assert p.returncode != 0, out[-2000:]
+        last = out.strip().splitlines()[-1]
+        assert last.startswith(f"train_arpo.py: the disk of {run} is full") and "--resume" in last, out[-2000:]
+        assert "Traceback" not in out, out[-3000:]
+        done = json.loads(open(os.path.join(run, "ckpt", "COMPLETE")).read() or "0")  # the last complete one
+        assert done >= 1 and f"iteration {done}" in last
+        # room again: the resume continues from that checkpoint, to the end
+        assert libc.mount(b"tmpfs", str(small).encode(), b"tmpfs", 32, b"size=200m") == 0, ctypes.get_errno()  # MS_REMOUNT
+        p = start("train_arpo.py", ["--resume", run, "--iterations", str(done + 2)])
+        out = output_within(p, 600)
+        assert p.returncode == 0, out[-3000:]
+        assert f"resumed {run} at iteration {done}" in out
+        its = [json.loads(line)["iteration"] for line in open(os.path.join(run, "metrics.jsonl"))]
+        assert its == list(range(done + 2)), its
+    finally:
+        libc.umount2(str(small).encode(), 2)
+
+
+def output_within(p: subprocess.Popen, seconds: float) -> str:
+    p.wait(timeout=seconds)
+    p.log.seek(0)
+    return p.log.read()

@@ -42,7 +42,7 @@ from dataclasses import replace
 
 from PIL import ImageGrab
 
-from vm.procs import Desktop, kill_tree, prctl, spawn
+from vm.procs import Desktop, descendants, kill_tree, prctl, reap, spawn
 from vm.settle import watcher
 
 # -------------------------------------------------------------------------------------------------
@@ -397,8 +397,9 @@ def reset_desktop(desk: Desktop) -> dict[str, float]:
     session again. -> seconds per phase. A reset desktop looks exactly like a fresh one
     (tests/test_vm_server.py checks the pixels and HOME's bytes)."""
     t = [time.monotonic()]
-    kill_tree(keep={desk.xvfb.pid})
+    kill_all(desk)
     t.append(time.monotonic())
+    clear_scratch(desk)
     restore_home(desk)
     t.append(time.monotonic())
     _wait(lambda: _wm_gone(_x(desk.display)), "the last window manager's exit")  # its last requests are done
@@ -409,12 +410,51 @@ def reset_desktop(desk: Desktop) -> dict[str, float]:
     return {k: round(b - a, 3) for k, a, b in zip(("kill", "home", "root", "session"), t, t[1:])}
 
 
-def make_tmp() -> str:
+def kill_all(desk: Desktop) -> None:
+    """Every program of the desktop but Xvfb and this server, gone. In the sandbox as root, at once:
+    the launcher outside kills every process of the desktop's cgroup but those, with forks stopped
+    first (vm/limits.py), so a program that ignores SIGTERM and takes a new PID every few
+    milliseconds cannot outrun it. Otherwise one process at a time, as a real VM's reset does
+    (vm/procs.py: kill_tree)."""
+    if desk.resets is None:
+        kill_tree(keep={desk.xvfb.pid})
+        return
+    f = desk.resets.makefile("rwb", buffering=0)
+    f.write(b"reset %d %d\n" % (os.getpid(), desk.xvfb.pid))
+    answer = f.readline()
+    if not answer.startswith(b"ok"):
+        raise RuntimeError(f"the launcher could not reset the desktop: {answer.decode(errors='replace').strip() or 'gone'}")
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and [p for p in descendants(os.getpid()) if p != desk.xvfb.pid]:
+        time.sleep(0.005)  # SIGKILLed: gone within moments; reaped below
+    reap()
+
+
+def clear_scratch(desk: Desktop) -> None:
+    """The sandbox's /tmp, /var/tmp and /dev/shm and the desktop's XDG_RUNTIME_DIR, emptied as HOME
+    is restored: a file there is memory (tmpfs) an episode must not leave to the next. The X
+    server's socket and lock in /tmp stay."""
+    run = desk.env.get("XDG_RUNTIME_DIR")
+    for folder in (*desk.scratch, *([run] if run and desk.scratch else [])):
+        for e in os.scandir(folder) if os.path.isdir(folder) else []:
+            if folder == "/tmp" and (e.name == ".X11-unix" or re.fullmatch(r"\.X\d+-lock", e.name)):
+                continue
+            if e.is_dir(follow_symlinks=False):
+                remove_tree(e.path)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(e.path)
+
+
+def make_tmp(mount=None) -> str:
     """The desktop's folder: template/ (a fresh HOME), home/ (the HOME in use), run/
     (XDG_RUNTIME_DIR), Xauthority (the display's cookie). Made on the host, before the sandbox,
     which gets home/ and run/ writable and the rest read-only: the agent can read its display's
-    cookie but not change the one the server's own X clients (wmctrl, xdotool) read."""
-    tmp = tempfile.mkdtemp(prefix="vm_server-")
+    cookie but not change the one the server's own X clients (wmctrl, xdotool) read. `mount(folder)`,
+    if given, mounts the folder's own filesystem first (vm/limits.py: a sized tmpfs)."""
+    tmp = tempfile.mkdtemp(prefix=f"vm_server-{os.getpid()}-")  # the launcher's PID: see limits.sweep
+    if mount is not None:
+        mount(tmp)
     for rel, text in template_files().items():
         os.makedirs(os.path.dirname(os.path.join(tmp, "template", rel)), exist_ok=True)
         with open(os.path.join(tmp, "template", rel), "w") as f:
@@ -432,9 +472,12 @@ def make_tmp() -> str:
     return tmp
 
 
-def local_desktop(screen: tuple[int, int], allow: frozenset, tmp: str | None = None) -> Desktop:
+def local_desktop(screen: tuple[int, int], allow: frozenset, tmp: str | None = None, resets=None) -> Desktop:
     """--xvfb: a display, a HOME copied from a fresh template, and a session on it. `tmp` is the
-    folder make_tmp() made (by the launcher outside the sandbox); None makes one here."""
+    folder make_tmp() made (by the launcher outside the sandbox: then /tmp, /var/tmp and /dev/shm
+    are the sandbox's own, emptied by a reset); None makes one here. `resets`: the launcher's
+    socket for a reset's kill (kill_all), or None."""
+    scratch = ("/tmp", "/var/tmp", "/dev/shm") if tmp else ()
     missing = [p for p in ("Xvfb", "openbox", "tint2", "pcmanfm", "wmctrl", "mousepad") if not shutil.which(p)]
     if missing:
         sys.exit(f"vm_server: {', '.join(missing)} not installed; install the desktop with `bash setup.sh`.")
@@ -457,7 +500,7 @@ def local_desktop(screen: tuple[int, int], allow: frozenset, tmp: str | None = N
     # /dev/null/... can never exist; /dev/null reads as empty.
     env.update(XUSERFILESEARCHPATH=f"{os.devnull}/%N", XAPPLRESDIR=os.devnull, XENVIRONMENT=os.devnull)
     os.environ.update(DISPLAY=display, XAUTHORITY=auth)  # for pyautogui and ImageGrab in this process
-    desk = Desktop(screen, home, env, allow, xvfb, tmp, display)
+    desk = Desktop(screen, home, env, allow, xvfb, tmp, display, resets, scratch)
     restore_home(desk)
     start_session(desk)
     return desk

@@ -27,6 +27,8 @@ class Desktop:
     xvfb: subprocess.Popen | None = None   # None: a real VM's existing display
     tmp: str | None = None    # --xvfb: holds template/, home/, run/; removed at exit
     display: str = ""
+    resets: object = None     # in the sandbox, as root: the launcher's socket that kills for a reset (vm/limits.py)
+    scratch: tuple = ()       # in the sandbox: its own /tmp, /var/tmp, /dev/shm, emptied by a reset
 
 
 def prctl(option: int, arg: int) -> None:

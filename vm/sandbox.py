@@ -32,9 +32,11 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from vm import FILES
+from vm import limits as L
 from vm.desktop import ENV_KEEP, make_tmp, remove_tree
 from vm.procs import descendants
 
@@ -50,7 +52,7 @@ SYSTEM = ("/usr", "/etc", "/var", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "
 NOBODY = 65534  # the host user the desktop runs as when root starts the server
 
 
-def bwrap_argv(bwrap: str, tmp: str, command: list[str], nested: bool = True) -> list[str]:
+def bwrap_argv(bwrap: str, tmp: str, command: list[str], nested: bool = True, tmp_bytes: int | None = None) -> list[str]:
     """The bubblewrap command line that runs `command` confined to the desktop folder `tmp`.
 
     Files: the host's SYSTEM folders read-only, what the server runs from (the Python prefix and
@@ -76,12 +78,14 @@ def bwrap_argv(bwrap: str, tmp: str, command: list[str], nested: bool = True) ->
             cmd += ["--symlink", os.readlink(p), p]
         elif os.path.isdir(p):
             cmd += ["--ro-bind", p, p]
+    size = ["--size", str(tmp_bytes)] if tmp_bytes else []  # each tmpfs at most this (vm/limits.py)
     cmd += ["--ro-bind", "/sys", "/sys",
             "--dev", "/dev",     # null, zero, random, tty, a private pts and shm; no disks
+            "--perms", "1777", *size, "--tmpfs", "/dev/shm",  # shared memory: sized like /tmp
             "--proc", "/proc"]   # the processes of our own PID namespace only
     empty = ["/tmp"] + (["/var/tmp"] if os.path.isdir("/var/tmp") and not os.path.islink("/var/tmp") else [])
     for d in empty:  # private, gone with the sandbox
-        cmd += ["--perms", "1777", "--tmpfs", d]
+        cmd += ["--perms", "1777", *size, "--tmpfs", d]
     made = set(empty)
 
     def visible(path: str) -> bool:  # already there: inside a SYSTEM folder, not under a fresh tmpfs
@@ -140,13 +144,15 @@ def _bwrap_help(bwrap: str) -> str:
     return subprocess.run([bwrap, "--help"], capture_output=True, text=True).stdout
 
 
-def launch(argv: list[str], sock: socket.socket, token: str | None) -> int:
-    """`vm_server.py --xvfb` outside the sandbox: make the desktop's folder, run the server with
-    `argv` inside bubblewrap, wait for it, then remove the folder. The server gets the listening
-    socket `sock` (bound here, on the host's network) and the token through a pipe, so the token
-    is in no argv or environment a process of the desktop could read. SIGTERM, SIGHUP and Ctrl-C
-    end the sandbox (bwrap's --die-with-parent and the PID namespace take every process in it); a
-    kill -9 of this launcher does too (only the folder is then left)."""
+def launch(argv: list[str], sock: socket.socket, token: str | None, limits: L.Limits | None = None) -> int:
+    """`vm_server.py --xvfb` outside the sandbox: bound the desktop (vm/limits.py: this process and
+    all it starts in the desktop's cgroups, its folder on a sized tmpfs), make the desktop's folder,
+    run the server with `argv` inside bubblewrap, serve its resets' kills, wait for it, then remove
+    it all. The server gets the listening socket `sock` (bound here, on the host's network) and the
+    token through a pipe, so the token is in no argv or environment a process of the desktop could
+    read. SIGTERM, SIGHUP and Ctrl-C end the sandbox (bwrap's --die-with-parent and the PID
+    namespace take every process in it); a kill -9 of this launcher does too (only the folder, and
+    its mount and cgroups as root, are then left: the next desktop's launcher does not reuse them)."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         sys.exit("vm_server: --xvfb runs each desktop inside a bubblewrap sandbox and `bwrap` is not installed; "
@@ -156,7 +162,19 @@ def launch(argv: list[str], sock: socket.socket, token: str | None) -> int:
     if root and shutil.which("setpriv") is None:
         sys.exit("vm_server: started as root, the sandbox runs the desktop as the user nobody through `setpriv`, "
                  "which is not installed; install util-linux, or pass --no-sandbox to run the desktop unconfined.")
-    tmp, fds = make_tmp(), []
+    limits = limits or L.parse("")
+    L.oom_first()  # this launcher and everything it starts: the OOM killer's first choice, before the trainer
+    why, box = L.available(), None
+    if why is None:
+        L.sweep(remove_tree)  # what a SIGKILLed launcher before us left
+        box = L.Box(f"desktop-{os.getpid()}", limits)
+        box.join(os.getpid())
+        print(f"vm_server: limits: memory {limits.memory >> 20} MB, {limits.pids} processes, {limits.cpus:g} CPU, "
+              f"disk {limits.disk >> 20} MB, /tmp {limits.tmp >> 20} MB", file=sys.stderr, flush=True)
+    else:
+        print(f"vm_server: limits: /tmp, /var/tmp, /dev/shm {limits.tmp >> 20} MB each; memory, processes, CPU and "
+              f"the disk of HOME are not bounded ({why}: no cgroups)", file=sys.stderr, flush=True)
+    tmp, fds, resets = make_tmp(box.mount_disk if box else None), [], None
     try:
         if root:  # the sandbox's user writes HOME and XDG_RUNTIME_DIR, and reads the cookie
             for d in ("home", "run", "Xauthority"):
@@ -164,7 +182,7 @@ def launch(argv: list[str], sock: socket.socket, token: str | None) -> int:
         # Without the inner user namespace where the machine forbids unprivileged ones (then the
         # agent cannot make one either).
         for nested in ((True, False) if root else (False,)):
-            probe = subprocess.run(bwrap_argv(bwrap, tmp, ["true"], nested), capture_output=True, text=True)
+            probe = subprocess.run(bwrap_argv(bwrap, tmp, ["true"], nested, limits.tmp), capture_output=True, text=True)
             if probe.returncode == 0:
                 break
         else:
@@ -178,8 +196,13 @@ def launch(argv: list[str], sock: socket.socket, token: str | None) -> int:
             os.write(w, token.encode())
             os.close(w)
             extra, fds = extra + ["--token-fd", str(r)], fds + [r]
+        if box is not None:  # the server asks us for its resets' kills through this socket
+            resets, inner_end = socket.socketpair()
+            fd = inner_end.detach()  # a plain descriptor: closed below once the server holds it
+            extra, fds = extra + ["--reset-fd", str(fd)], fds + [fd]
+            threading.Thread(target=serve_resets, args=(box, resets), daemon=True).start()
         script = os.path.join(ROOT, "vm_server.py")
-        proc = subprocess.Popen(bwrap_argv(bwrap, tmp, [sys.executable, script, *argv, *extra], nested),
+        proc = subprocess.Popen(bwrap_argv(bwrap, tmp, [sys.executable, script, *argv, *extra], nested, limits.tmp),
                                 stdin=subprocess.DEVNULL, pass_fds=fds,
                                 env={k: v for k, v in os.environ.items() if k in ENV_KEEP})
         for fd in fds[1:]:
@@ -201,6 +224,8 @@ def launch(argv: list[str], sock: socket.socket, token: str | None) -> int:
     finally:
         for fd in fds[1:]:
             os.close(fd)
+        if box is not None:
+            box.close()  # whatever the sandbox left, its disk and its cgroups
         remove_tree(tmp)
 
 
@@ -211,3 +236,21 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
     except (OSError, IndexError):
         return False
+
+
+def serve_resets(box: L.Box, conn: socket.socket) -> None:
+    """The launcher's side of the server's resets: each request `reset <server pid> <X server pid>`
+    (PIDs in the sandbox's namespace) kills every process of the desktop but those, the sandbox's
+    own and this launcher (vm/limits.py: Box.kill), and answers `ok <killed>`. Ends with the server."""
+    f = conn.makefile("rwb", buffering=0)
+    for line in f:
+        words = line.split()
+        if len(words) != 3 or words[0] != b"reset" or not all(w.isdigit() for w in words[1:]):
+            continue
+        try:
+            keep = L.keep_set(box, os.getpid(), int(words[1]), int(words[2]))
+            killed = box.kill(keep)
+            f.write(b"ok %d\n" % killed)
+        except OSError as e:
+            f.write(b"error %s\n" % str(e).encode()[:200])
+

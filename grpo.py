@@ -254,6 +254,7 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
         old = None if single else _old_logps(model, batches, extra, gap)  # [(B, T)]
         ref = _reference_logps(model, batches, beta, ref_fn)  # [(B, T) or None]
     # ALGO: what each step's loss is a mean over (sequences or target tokens), over ALL ranks' samples
+    # (_units(b, agg): b's sequences, or its target tokens, whichever `agg` averages over)
     units = dist.all_sum([sum(_units(batches[i], agg) for i in step) for step in steps])
     done = []
     optimizer.zero_grad(set_to_none=True)

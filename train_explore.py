@@ -263,7 +263,8 @@ def update(tr: Trainer, samples: list[grpo.Sample], it: int, on_micro_batch=None
 def lr_at(it: int, a: Args) -> float:
     """The actor's learning rate at iteration `it` (0-based, over the whole run): grpo.scheduled_lr
     within each generation (each has its own optimizer) over the generation's actor updates (the
-    first generation's first one is at --update-actor-delay), towards 0 at its last iteration.
+    first generation's first one is at --update-actor-delay); a linear or cosine --lr-schedule decays
+    towards 0 at the generation's last iteration.
     The paper trains at a constant lr (the default); a small model trained from scratch at a high
     lr moves fast early and needs the decay to keep what it learned by the last iteration, which is
     the model a generation hands on (models/E<g>)."""

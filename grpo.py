@@ -123,8 +123,8 @@ class ReplayBuffer:
         """If the group failed alike (std < std_below and mean < mean_below), replace its lowest
         scorer (the first of them on a tie) with a stored success so GRPO sees a non-zero
         advantage. ARPO's code replaces the first member, its paper a random one: the lowest keeps
-        a partial success the group may hold (departure 5). -> (new lists, the index replaced or
-        None)."""
+        a partial success the group may hold (departure 5). -> (trajectories, scores, the index
+        replaced or None): new lists, the caller's stay as they were."""
         trajectories, scores = list(trajectories), [float(s) for s in scores]
         if not scores:
             return trajectories, scores, None
@@ -269,8 +269,9 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
                 dev = logps.device
                 loss, m = grpo_loss(logps, logps.detach() if single else old[i].to(dev),
                                     b["advantages"].to(dev), b["completion_mask"].to(dev),
-                                    None if ref[i] is None else ref[i].to(dev), eps_low, eps_high, beta, agg,
-                                    dual_clip, b["weights"].to(dev))  # ALGO: the clipped surrogate, aggregated
+                                    ref_logps=None if ref[i] is None else ref[i].to(dev), eps_low=eps_low,
+                                    eps_high=eps_high, beta=beta, agg=agg, dual_clip=dual_clip,
+                                    seq_weights=b["weights"].to(dev))  # ALGO: the clipped surrogate, aggregated
                 w = _units(b, agg) / step_units if step_units > 0 else 0.0  # ALGO: its share of the step's mean
                 (loss * w * dist.grad_scale(model)).backward()
                 if on_micro_batch is not None:

@@ -312,7 +312,8 @@ def replay(successes: grpo.ReplayBuffer | None, fresh: list[Episode], task_ids: 
             new, _, k = successes.inject(tid, members or [None] * len(by_group[g]), by_group[g])
             if k is not None and members:
                 # The stored success joins this group: its own reward, normalised against today's
-                # members. Its sampler log-probs are an older policy's: dropped (logp_gap compares like with like).
+                # members. Its sampler log-probs are an older policy's: dropped, and the logp_gap metric skips
+                # the micro-batch it lands in (it compares like with like; metrics only).
                 ep = replace(from_dict(new[k]), group=g, replayed=True, logprobs=[])
                 injections.append({"task": tid, "group": g, "replaced_vm": members[k].vm, "from_iteration": ep.iteration,
                                    "from_vm": ep.vm, "score": ep.score, "reward": ep.reward})
@@ -360,7 +361,7 @@ def episode_samples(policy, ep: Episode, args, advantage: float = 0.0) -> list[g
     """ALGO: a trajectory as training sequences, every answer in the context it was sampled in: the
     conversation re-encoded, the sampled answer ids verbatim, the sampler's log-probs alongside.
 
-    With at most --max-images steps (ARPO: 15 and 15) that is ONE sequence, target_mask over every
+    With at most --max-images steps (ARPO: 15 steps, 15 images) that is ONE sequence, target_mask over every
     assistant turn, as ARPO trains. Past that, answer i saw only screenshots i-K+1..i (K = max
     images): the first K answers still share one sequence, and every later answer is a sequence of
     its own, its prompt exactly as sampled and only its answer a target. Each piece's weight is its

@@ -314,30 +314,12 @@ def replay(successes: grpo.ReplayBuffer | None, fresh: list[Episode], task_ids: 
                 # The stored success joins this group: its own reward, normalised against today's
                 # members. Its sampler log-probs are an older policy's: dropped, and the logp_gap metric skips
                 # the micro-batch it lands in (it compares like with like; metrics only).
-                ep = replace(from_dict(new[k]), group=g, replayed=True, logprobs=[])
+                ep = replace(from_dict(new[k]), group=g, replayed=True, logprobs=[])  # (stored as plain data: to_dict)
                 injections.append({"task": tid, "group": g, "replaced_vm": members[k].vm, "from_iteration": ep.iteration,
                                    "from_vm": ep.vm, "score": ep.score, "reward": ep.reward})
                 members = members[:k] + [ep] + members[k + 1:]
         to_train += members
     return to_train, injections
-
-
-def to_dict(e: Episode) -> dict:
-    """An episode as plain data, for the replay buffer and checkpoints: screenshots as PNG bytes
-    (much smaller than the pixels), the task as a dict without its scripted solution (the test
-    suite's, never part of what the policy learns from); unpickling needs no class of ours."""
-    def png(img):
-        if isinstance(img, bytes):
-            return img
-        buf = BytesIO()
-        img.save(buf, format="PNG", compress_level=1)
-        return buf.getvalue()
-    d = {f.name: getattr(e, f.name) for f in fields(Episode)}
-    return {**d, "task": {**asdict(e.task), "solution": []}, "screenshots": [png(s) for s in e.screenshots]}
-
-
-def from_dict(d: dict) -> Episode:
-    return Episode(**{**d, "task": Task(**d["task"])})
 
 
 def advantages(episodes: list[Episode], a: Args) -> list[float]:
@@ -367,7 +349,7 @@ def episode_samples(policy, ep: Episode, args, advantage: float = 0.0) -> list[g
     its own, its prompt exactly as sampled and only its answer a target. Each piece's weight is its
     share of the trajectory's target tokens, so under seq-mean-token-mean the pieces count as one
     sequence and the loss is the one the whole trajectory would give."""
-    shots = [as_image(s) for s in ep.screenshots]
+    shots = [as_image(s) for s in ep.screenshots]  # (a replayed episode's are PNG bytes)
     n, K = len(ep.assistant), args.max_images
     lps = ep.logprobs if len(ep.logprobs) == n and all(lp is not None for lp in ep.logprobs) else None
     im_start = policy.tokenizer.convert_tokens_to_ids(TURN_START)  # a turn's first token
@@ -387,11 +369,6 @@ def episode_samples(policy, ep: Episode, args, advantage: float = 0.0) -> list[g
         p.advantage = advantage  # ALGO: the trajectory's one advantage on every answer of it
         p.weight = sum(p.target_mask) / total if total else 1.0 / len(pieces)  # ALGO: the pieces count as one
     return pieces
-
-
-def as_image(x) -> Image.Image:
-    """A stored screenshot (PNG bytes, from the replay buffer) or a live one, as a PIL image."""
-    return Image.open(BytesIO(x)).convert("RGB") if isinstance(x, bytes) else x
 
 
 def update(tr, samples: list[grpo.Sample], it: int, on_micro_batch=None) -> dict:
@@ -538,8 +515,31 @@ def main(argv=None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# After the loop: what it calls by name. The flags (with ARPO's defaults) and their checks,
-# checkpoints, task selection and evaluation, loading a run's tasks and policy
+# After the loop: what it calls by name. An episode as stored (the replay buffer, checkpoints),
+# the flags (with ARPO's defaults) and their checks, checkpoints, task selection and evaluation,
+# loading a run's tasks and policy
+
+def to_dict(e: Episode) -> dict:
+    """An episode as plain data, for the replay buffer and checkpoints: screenshots as PNG bytes
+    (much smaller than the pixels), the task as a dict without its scripted solution (the test
+    suite's, never part of what the policy learns from); unpickling needs no class of ours."""
+    def png(img):
+        if isinstance(img, bytes):
+            return img
+        buf = BytesIO()
+        img.save(buf, format="PNG", compress_level=1)
+        return buf.getvalue()
+    d = {f.name: getattr(e, f.name) for f in fields(Episode)}
+    return {**d, "task": {**asdict(e.task), "solution": []}, "screenshots": [png(s) for s in e.screenshots]}
+
+
+def from_dict(d: dict) -> Episode:
+    return Episode(**{**d, "task": Task(**d["task"])})
+
+
+def as_image(x) -> Image.Image:
+    """A stored screenshot (PNG bytes, from the replay buffer) or a live one, as a PIL image."""
+    return Image.open(BytesIO(x)).convert("RGB") if isinstance(x, bytes) else x
 
 
 @dataclass

@@ -223,7 +223,7 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
     steps of `mini_batch_size` samples, or into `optimizer_steps` steps (ARPO: 2), or one step, and
     each step is accumulated over micro-batches of `micro_batch_size` (memory only: the gradient is
     the whole step's); `epochs` repeats the steps. Old log-probs are fixed before the first step
-    (departure 3); every log-prob is scored at the sampling `temperature`. beta > 0 adds the KL to a
+    (departure 3, this file's docstring); every log-prob is scored at the sampling `temperature`. beta > 0 adds the KL to a
     reference: `ref_fn(batch)` (a frozen copy, reference_fn) or, for a LoRA model, the same weights
     with the adapter off. `on_micro_batch(n)` is called after each micro-batch (a progress bar).
     metrics["logp_gap"]: the trainer's old log-probs against the sampler's (Sample.old_logps).

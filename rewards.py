@@ -96,8 +96,8 @@ class Buffer:
     click_text: torch.Tensor | None = None  # (N, E) E(OCR text under the click); 0 where no hit
     click_hit: torch.Tensor | None = None  # (N,) bool
     actions: list | None = None  # (N,) the actions that ran (Action or its dict; None: malformed)
-    windows_before: list | None = None  # (N,) X window ids open before the step (GET /windows)
-    windows_after: list | None = None  # (N,) X window ids open after it
+    windows_before: list | None = None  # (N,) the windows open before the step, {X window id: title} (GET /windows)
+    windows_after: list | None = None  # (N,) the same after it
 
     def __post_init__(self):
         self.format_ok = torch.as_tensor(self.format_ok, dtype=torch.float32).reshape(len(self.episode))  # (N,)

@@ -373,7 +373,7 @@ def episode_samples(policy, ep: Episode, args, advantage: float = 0.0) -> list[g
 
 def update(tr, samples: list[grpo.Sample], it: int, on_micro_batch=None) -> dict:
     """ALGO: the GRPO update in ARPO's schedule: the batch, shuffled (seeded, the same on a resume),
-    in --optimizer-steps steps, dual clip, log-probs at the sampling temperature (grpo.update_policy).
+    in --optimizer-steps steps (or steps of --mini-batch samples), dual clip, log-probs at the sampling temperature (grpo.update_policy).
     -> its metrics ({} when no rank had a sample)."""
     a = tr.args
     return grpo.update_policy(tr.policy, tr.optimizer, samples, micro_batch_size=a.micro_batch, eps_low=a.eps_low,

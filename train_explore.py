@@ -133,8 +133,8 @@ def episode(desk: rollout.Desktop, steps: int, settle, reset: bool, windows: boo
                     raise
                 error, after = str(e), desk.screenshot()  # the VM refused the action (bad key name, ...)
             open_after = {w["id"]: w["title"] for w in desk.windows()} if windows else None
-            # The step is kept even when malformed: its reward is 0, and below the buffer's mean that
-            # is a negative advantage, which is how GRPO teaches the format.
+            # The step is kept even when malformed: its reward is 0, usually below the buffer's mean,
+            # so a negative advantage, which is how GRPO teaches the format.
             out.append(Step(desk.id, t, before, after, text, parsed, gen, error, open_before, open_after))
             if error is None:
                 cursor = cursor_after(parsed.action if parsed else None, cursor)

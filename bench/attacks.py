@@ -32,44 +32,10 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from conftest import proc_comm as comm, proc_descendants, proc_stat as stat  # noqa: E402
 LIMITS = "memory=400m,pids=160,cpus=0.5,disk=48m,tmp=32m"
 TERMINAL = (74, 46)  # the Terminal's icon on an --xvfb desktop (vm/desktop.py: desktop_icons)
-
-
-def children() -> dict[int, list[int]]:
-    out = {}
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/stat", "rb") as f:
-                out.setdefault(int(f.read().rsplit(b")", 1)[1].split()[1]), []).append(int(p))
-        except (OSError, IndexError):
-            continue
-    return out
-
-
-def tree(pid: int) -> list[int]:
-    kids, todo, out = children(), [pid], []
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += kids.get(p, [])
-    return out[1:]
-
-
-def comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def stat(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return []
 
 
 def mem_available() -> int:
@@ -85,7 +51,7 @@ class Desk:
         self.home = re.search(r" home (\S+)", open(vm.log).read())[1]
 
     def procs(self) -> list[int]:
-        return tree(self.launcher)
+        return proc_descendants(self.launcher)
 
     def type(self, line: str, timeout: float = 60) -> str:
         """A fresh episode: reset, open the Terminal, type `line; echo $? > ~/rc`. -> ~/rc's text."""

@@ -40,7 +40,7 @@ SECRET = secrets.token_hex(8)  # this session's trainer secret: each server's to
 # -------------------------------------------------------------------------------------------------
 # /proc: which processes a server, a trainer or a desktop left behind (tests and bench/ share these)
 
-def _stat(pid: int | str) -> list[str]:
+def proc_stat(pid: int | str) -> list[str]:
     """The fields of /proc/<pid>/stat after "pid (comm)": [state, ppid, pgrp, ...]; [] if gone."""
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
@@ -48,14 +48,22 @@ def _stat(pid: int | str) -> list[str]:
         return []
 
 
+def proc_comm(pid: int | str) -> str:
+    """The process's name (/proc/<pid>/comm), or "" if it is gone."""
+    try:
+        return open(f"/proc/{pid}/comm").read().strip()
+    except OSError:
+        return ""
+
+
 def proc_alive(pid: int) -> bool:
     """Running or sleeping: not gone, not a zombie (Z) or dead (X)."""
-    return _stat(pid)[:1] not in ([], ["Z"], ["X"])
+    return proc_stat(pid)[:1] not in ([], ["Z"], ["X"])
 
 
 def proc_children(pid: int) -> list[int]:
     """The direct children of `pid` (zombies included: a test asks who was started, not who runs)."""
-    return [int(n) for n in filter(str.isdigit, os.listdir("/proc")) if _stat(n)[1:2] == [str(pid)]]
+    return [int(n) for n in filter(str.isdigit, os.listdir("/proc")) if proc_stat(n)[1:2] == [str(pid)]]
 
 
 def proc_descendants(pid: int) -> list[int]:
@@ -72,7 +80,7 @@ def proc_descendants(pid: int) -> list[int]:
 def proc_group(pgid: int) -> list[int]:
     """The live members of process group `pgid` (a vm_server and its Xvfb, session, apps)."""
     return [int(n) for n in filter(str.isdigit, os.listdir("/proc"))
-            if (f := _stat(n))[2:3] == [str(pgid)] and f[0] != "Z"]
+            if (f := proc_stat(n))[2:3] == [str(pgid)] and f[0] != "Z"]
 
 
 def kill_x_server(pid: int) -> int:

@@ -36,7 +36,7 @@ from functools import partial
 
 import pytest
 
-from conftest import wait_for
+from conftest import proc_comm as comm, wait_for
 
 import rollout  # noqa: E402
 import train_arpo as T  # noqa: E402
@@ -47,13 +47,6 @@ from vm.desktop import desktop_icons  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMITS = "memory=400m,pids=160,cpus=0.5,disk=48m,tmp=32m"
 pytestmark = pytest.mark.skipif(L.available() is not None, reason=f"per-desktop bounds need root ({L.available()})")
-
-
-def comm(pid: int) -> str:
-    try:
-        return open(f"/proc/{pid}/comm").read().strip()
-    except OSError:
-        return ""
 
 
 class Agent:

@@ -39,7 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import ROOT, SERVER, ServedDesktop, proc_descendants, wait_for
+from conftest import ROOT, SERVER, ServedDesktop, proc_comm as comm, proc_descendants, wait_for
 from conftest import mouse, x_env
 
 sys.path.insert(0, ROOT)
@@ -47,13 +47,6 @@ from vm.desktop import desktop_icons  # noqa: E402
 from env import VMClient, VMError, VMPool  # noqa: E402
 
 READY = re.compile(r"vm_server: serving (\S+) display (\S+) screen \S+ home (\S+)")
-
-
-def comm(pid: int) -> str:
-    try:
-        return open(f"/proc/{pid}/comm").read().strip()
-    except OSError:
-        return ""
 
 
 class Desk:

@@ -326,13 +326,9 @@ def test_arpo_survives_three_random_kills(desktops, tmp_path):
     # Long enough that every seeded kill lands inside the run: with 7 iterations a fast run once
     # ended before a kill drawn late in its window, and the kill missed.
     n = 30
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
     # A task the random tiny model always "solves": every episode is a success, so the replay
     # buffer fills (2 per iteration, 8 kept) and has something to lose in a crash.
-    (tasks / "notes.json").write_text(json.dumps({
-        "id": "notes-there", "instruction": "Look at the notes.", "setup": [], "max_steps": 2,
-        "evaluator": {"conj": "and", "checks": [{"type": "file_exists", "path": "notes.txt"}]}}))
+    tasks = always_solved(tmp_path)
     run = str(tmp_path / "arpo")
     # --mini-batch 2: the whole group in one optimizer step, so optimizer steps count iterations below
     fresh = ["--vms", ",".join(desktops), "--group-size", 2, "--model", "tiny", "--iterations", n, "--max-steps", 2,
@@ -424,11 +420,7 @@ def test_a_full_disk_stops_the_run_in_one_sentence_and_resume_continues(desktops
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.mount(b"tmpfs", str(small).encode(), b"tmpfs", 0, b"size=10m") == 0, ctypes.get_errno()
     try:
-        tasks = tmp_path / "tasks"
-        tasks.mkdir()
-        (tasks / "notes.json").write_text(json.dumps({
-            "id": "notes-there", "instruction": "Look at the notes.", "setup": [], "max_steps": 2,
-            "evaluator": {"conj": "and", "checks": [{"type": "file_exists", "path": "notes.txt"}]}}))
+        tasks = always_solved(tmp_path)
         run = str(small / "arpo")
         argv = ["--vms", ",".join(desktops), "--group-size", 2, "--model", "tiny", "--iterations", 40, "--max-steps", 2,
                 "--max-pixels", 12544, "--max-new-tokens", 8, "--tasks", tasks, "--settle", 0.1, "--run-name", run]
@@ -450,6 +442,16 @@ def test_a_full_disk_stops_the_run_in_one_sentence_and_resume_continues(desktops
         assert its == list(range(done + 2)), its
     finally:
         libc.umount2(str(small).encode(), 2)
+
+
+def always_solved(folder):
+    """A task folder with one task every episode solves (notes.txt is in every fresh HOME)."""
+    tasks = folder / "tasks"
+    tasks.mkdir()
+    (tasks / "notes.json").write_text(json.dumps({
+        "id": "notes-there", "instruction": "Look at the notes.", "setup": [], "max_steps": 2,
+        "evaluator": {"conj": "and", "checks": [{"type": "file_exists", "path": "notes.txt"}]}}))
+    return tasks
 
 
 def output_within(p: subprocess.Popen, seconds: float) -> str:

@@ -69,11 +69,15 @@ def proc_children(pid: int) -> list[int]:
 def proc_descendants(pid: int) -> list[int]:
     """Every process below `pid`, zombies included: a sandboxed desktop's Xvfb, session and apps sit
     two levels of bubblewrap below the server's launcher, not among its children."""
+    kids: dict[int, list[int]] = {}  # one pass over /proc, not one per process of the tree
+    for n in filter(str.isdigit, os.listdir("/proc")):
+        if len(f := proc_stat(n)) > 1:
+            kids.setdefault(int(f[1]), []).append(int(n))
     found, todo = [], [pid]
     while todo:
-        kids = proc_children(todo.pop())
-        found += kids
-        todo += kids
+        below = kids.get(todo.pop(), [])
+        found += below
+        todo += below
     return found
 
 

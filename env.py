@@ -100,6 +100,9 @@ class VMClient:
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
 
+    def close(self) -> None:
+        self.session.close()
+
     def _call(self, method: str, path: str, body: Any = None, retries: int = 0,
               timeout: float | None = None) -> requests.Response:
         where, timeout = self.url + path, timeout or self.timeout
@@ -132,7 +135,7 @@ class VMClient:
         for attempt in range(2):
             r = self._call("GET", "/screenshot" + query, retries=2, timeout=timeout)
             try:
-                return _decode(r.content)  # a truncated body fails here and is fetched again
+                return decode_image(r.content)  # a truncated body fails here and is fetched again
             except Exception as e:  # noqa: BLE001 -- PIL raises several types for a bad image
                 err = VMError(f"{self.url}/screenshot returned an image that does not decode ({e}).")
         raise err
@@ -161,7 +164,7 @@ class VMClient:
             return r.json()
         info = json.loads(r.headers.get("X-Settle", "{}"))
         try:
-            return ActResult(_decode(r.content), info)
+            return ActResult(decode_image(r.content), info)
         except Exception:  # noqa: BLE001 -- a body cut short; the action must not run twice, the screen can be read again
             return ActResult(self.screenshot(screenshot, quality, timeout=timeout), info)
 
@@ -184,7 +187,7 @@ class ActResult:
     settle: dict         # {"seconds", "until", "first_change"}, the server's X-Settle header
 
 
-def _decode(data: bytes) -> Image.Image:
+def decode_image(data: bytes) -> Image.Image:
     img = Image.open(BytesIO(data))
     img.load()  # decode now, so a truncated body fails here
     return img if img.mode == "RGB" else img.convert("RGB")
@@ -214,8 +217,10 @@ class VMPool:
     secret each VM's own token is derived from (vm.rules.vm_token; `python vm_server.py --token-for
     URL` prints a remote VM's); local desktops without one get random tokens."""
 
-    def __init__(self, vms: int | str | list[str], token: str | None = None, timeout: float = 30,
-                 screen: tuple[int, int] = (1280, 720), first: int = 0, limits: str = ""):
+    def __init__(self, vms: int | str | list[str] = (), token: str | None = None, timeout: float = 30,
+                 screen: tuple[int, int] = (1280, 720), first: int = 0, limits: str = "", clients: list | None = None):
+        if clients:  # clients of another kind with VMClient's calls (osworld_env.OSWorldClient), remote
+            vms = [c.url for c in clients]
         if isinstance(vms, str) and vms.strip().isdigit():
             vms = int(vms)
         if isinstance(vms, str):
@@ -238,7 +243,7 @@ class VMPool:
         if not vms:
             raise ValueError("no VMs given: pass a number of local desktops or a list of URLs.")
         self.urls = list(vms)
-        self.clients = [VMClient(u, t, timeout) for u, t in zip(self.urls, tokens)]
+        self.clients = list(clients) if clients else [VMClient(u, t, timeout) for u, t in zip(self.urls, tokens)]
         self.alive = [True] * len(self.urls)
         self.why_down: list[str | None] = [None] * len(self.urls)
         # The call still running on each VM. A VM whose last call outlived its deadline gets no new
@@ -423,6 +428,8 @@ class VMPool:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         stop_vms(self.local or [])
+        for c in self.clients:
+            c.close()
 
     def __enter__(self):
         return self
@@ -597,6 +604,7 @@ class Task:
     infeasible: bool = False
     apps: tuple[str, ...] = ()
     solution: list[dict] = field(default_factory=list)
+    domain: str = ""  # OSWorld's domain of the task (osworld_env.load_tasks); "" for ours
 
 
 # A task file is checked against the server's own schema of steps and checks (vm.tasks.STEP_FIELDS,

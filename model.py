@@ -121,16 +121,56 @@ def explore_messages(image: Image.Image) -> list[dict]:
                                          {"type": "text", "text": EXPLORE_PROMPT}]}]
 
 
+# ARPO's prompt (`--prompt arpo`, the default with OSWorld's VMs), as ARPO's agent sends it
+# (verl/trainer/gui_agent.py: UI-TARS-1.5's computer-use prompt with box tokens and no call_user),
+# after its own system turn, whose typo is what the model saw there.
+ARPO_SYSTEM = "Your are a helpful assistant."
+ARPO_PROMPT = """You are a GUI agent. You are given a task and your action history, with screenshots. You need to perform the next action to complete the task.
+
+## Output Format
+```
+Thought: ...
+Action: ...
+```
+
+## Action Space
+
+click(start_box='<|box_start|>(x1,y1)<|box_end|>')
+left_double(start_box='<|box_start|>(x1,y1)<|box_end|>')
+right_single(start_box='<|box_start|>(x1,y1)<|box_end|>')
+drag(start_box='<|box_start|>(x1,y1)<|box_end|>', end_box='<|box_start|>(x3,y3)<|box_end|>')
+hotkey(key='')
+type(content='xxx') # Use escape characters \\', \\\", and \\n in content part to ensure we can parse the content in normal python string format. If you want to submit your input, use \\n at the end of content. 
+scroll(start_box='<|box_start|>(x1,y1)<|box_end|>', direction='down or up or right or left')
+wait() #Sleep for 5s and take a screenshot to check for any changes.
+finished(content='xxx') # Use escape characters \\', \\", and \\n in content part to ensure we can parse the content in normal python string format.
+
+## Note
+- Use English in `Thought` and `Action` part.
+- Write a small plan and finally summarize your next action (with its target element) in one sentence in `Thought` part.
+
+## User Instruction
+{instruction}
+"""
+PROMPTS = ("uitars", "arpo")
+
+
 def uitars_messages(instruction: str, screenshots: list, thoughts_actions: list,
-                    max_images: int = 15) -> list[dict]:
+                    max_images: int = 15, prompt: str = "uitars") -> list[dict]:
     """UI-TARS-1.5 multi-turn prompt: instruction, then (screenshot, answer) pairs.
 
     screenshots[i] was seen before answer thoughts_actions[i]. One more screenshot than answers
     is a prompt for the next step; equal counts is a whole trajectory (for training). Only the
     last `max_images` screenshots are kept; the user turns of older ones are dropped, their
-    answers stay as text.
+    answers stay as text. prompt "arpo": ARPO's system turn and prompt instead of the family's
+    system turn and UITARS_PROMPT, the same turns after them (ARPO's agent rewrites the answers
+    in the history with box tokens; here they stay the ids the model sampled).
     """
-    messages = [{"role": "user", "content": UITARS_PROMPT + instruction}]
+    if prompt == "arpo":
+        messages = [{"role": "system", "content": ARPO_SYSTEM},
+                    {"role": "user", "content": ARPO_PROMPT.format(instruction=instruction)}]
+    else:
+        messages = [{"role": "user", "content": UITARS_PROMPT + instruction}]
     first_kept = max(0, len(screenshots) - max_images)
     for i, shot in enumerate(screenshots):
         if i >= first_kept:

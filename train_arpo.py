@@ -5,6 +5,7 @@
     python train_arpo.py --resume runs/<name>                             # continue a run
     python train_arpo.py --select-tasks 16 ...                            # ARPO's task selection first
     python train_arpo.py --eval-only --resume runs/<name>                 # standard + hard success rates
+    python train_arpo.py --vms osworld:docker:8 --osworld-tasks META.json # OSWorld's VMs and tasks (docs/osworld.md)
 
 One iteration (`iteration`, which `main`'s loop `train` calls): one task per group of
 --group-size rollouts -> every rollout an `episode` on a desktop of its own (reset, the task's
@@ -20,7 +21,8 @@ the episode), their checks, task selection, evaluation, loading. The policy is a
 `policy_fn(observations) -> answers` (default: model_policy), so a scripted one can stand in.
 
 Where this departs from ARPO (its paper and released code), on purpose:
-1. Desktops are local Xvfb desktops or remote `vm_server.py`s; tasks, tasks/*.json. A VM that fails
+1. Desktops are local Xvfb desktops or remote `vm_server.py`s; tasks, tasks/*.json; or OSWorld's
+   own VMs and task files (--vms osworld:..., --osworld-tasks; osworld_env.py). A VM that fails
    drops its episode as the environment's failure; only an action the VM refuses is the model's.
 2. No lockstep (rollout.py): sampled tokens are not reproducible across runs (the task order is).
    The screen settles by the server's watch (--settle watch) or a fixed sleep (ARPO: --settle 0.5).
@@ -58,7 +60,7 @@ import grpo
 import rollout
 from actions import MIN_PIXELS, parse_action, smart_resize
 from env import SETTLE_HELP, Task, TaskError, VMError, VMPool, load_tasks, parse_settle
-from model import Generation, encode_chat, generate, load_policy, sync_weights, uitars_messages
+from model import PROMPTS, Generation, encode_chat, generate, load_policy, sync_weights, uitars_messages
 from plumbing import ckpt, dist, logs, progress, rundir
 from plumbing.rundir import arg
 from qwen_vl import TURN_START
@@ -160,7 +162,7 @@ def observe(e: Episode, img: Image.Image, args) -> Observation:
     h, w = smart_resize(img.height, img.width, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
     # The history: earlier answers as the sampled ids themselves, so this prompt and the training
     # sequence built from the same episode later hold the very same tokens.
-    msgs = uitars_messages(e.task.instruction, e.screenshots, e.assistant, max_images=args.max_images)
+    msgs = uitars_messages(e.task.instruction, e.screenshots, e.assistant, max_images=args.max_images, prompt=args.prompt)
     return Observation(e.task, e.vm, len(e.assistant), msgs, img.size, (w, h), e.job)
 
 
@@ -356,7 +358,7 @@ def episode_samples(policy, ep: Episode, args, advantage: float = 0.0) -> list[g
     pieces = []
     # Piece ends: the first min(n, K) answers together, then one piece per later answer.
     for end in [min(n, K)] + list(range(K + 1, n + 1)):  # answers [0, end) in context
-        msgs = uitars_messages(ep.task.instruction, shots[:end], ep.assistant[:end], max_images=K)
+        msgs = uitars_messages(ep.task.instruction, shots[:end], ep.assistant[:end], max_images=K, prompt=args.prompt)
         enc = encode_chat(policy, msgs, add_generation_prompt=False)
         first_target = 0 if end <= K else end - 1  # the first answer this piece trains
         if first_target:  # earlier answers are context here: only the last assistant turn is a target
@@ -498,7 +500,8 @@ def main(argv=None) -> None:
         print(f"run folder: {run}; loading {args.model}", flush=True)
         policy = make_policy(args, state)
         print(f"starting {args.vms} desktop(s) ..." if args.vms.isdigit() else f"connecting to {args.vms} ...", flush=True)
-        pool, _, _ = rundir.open_desktops(args.vms, args.token, args.vm_timeout, screen_size(args), args.desktop_limits)
+        pool, _, _ = rundir.open_desktops(args.vms, args.token, args.vm_timeout, screen_size(args), args.desktop_limits,
+                                          osworld_cache=args.osworld_cache)
     try:
         if args.eval_only:  # standard + hard success rates of the policy, into eval_it<N>.json
             with dist.unsharded(policy.model):  # FSDP2: each rank decodes alone, with whole weights
@@ -553,6 +556,12 @@ class Args:
                                   "(the defaults; any subset; docs/vm.md); as root, a desktop cannot take more")
     tasks: str = arg("tasks/", "a task file or a folder of *.json task files")
     task_ids: str = arg("", "comma-separated task ids to use (default: every task)")
+    osworld_tasks: str = arg("", "OSWorld's task list instead of --tasks: {domain: [id, ...]} (its test_all.json, "
+                                 "ARPO's 128, your own); docs/osworld.md")
+    osworld_examples: str = arg("", "OSWorld's examples folder, <domain>/<id>.json (default: examples/ beside the list)")
+    osworld_cache: str = arg("cache", "OSWorld's download cache, a folder per VM (pre-seed it for an offline run)")
+    prompt: str = arg("uitars", "the prompt and its layout: uitars (UI-TARS-1.5's) or arpo (ARPO's; the default "
+                                "with --vms osworld:...)")
     group_size: int = arg(8, "rollouts per task = one GRPO group (ARPO: 8); fewer desktops than a group play it "
                              "in turns; 1 trains nothing (a group of one has advantage 0), a smoke test only")
     groups: int | None = arg(None, "tasks (groups) per iteration, played in turns on the desktops; under torchrun "
@@ -649,6 +658,9 @@ def check_args(args: Args) -> None:
         (args.lr_warmup < 0 or args.epochs < 1, "--lr-warmup must be 0 or more and --epochs at least 1"),
         (screen_size(args) is None, "--screen must be WIDTHxHEIGHT, e.g. 1280x720"),
         (parse_settle(args.settle) is None, SETTLE_HELP),
+        (args.prompt not in PROMPTS, f"--prompt must be one of {', '.join(PROMPTS)}"),
+        (args.vms.startswith("osworld:") and args.settle == "watch",
+         "--settle watch needs the project's own desktops; OSWorld's VMs take seconds (ARPO: 0.5)"),
         *vllm_engine.flag_errors(args.engine, args.temperature, args.eval_temperature),
     ], PROG)
     try:
@@ -667,6 +679,13 @@ def resolve_args(argv=None) -> tuple:
     -> (args, (checkpoint state, folder) or None, the flags given now)."""
     args, given = rundir.parse_args(Args, argv, PROG)
     args, state = ckpt.resume_args(Args, args, given, PROG, marker="group_size", old_values=OLD_VALUES)
+    osworld = args.vms.startswith("osworld:")
+    if osworld and state is None:  # ARPO's setting on OSWorld, where a flag does not say otherwise
+        import osworld_env
+        for name, value in (("screen", "x".join(map(str, osworld_env.SCREEN))), ("settle", str(osworld_env.SETTLE)),
+                            ("vm_timeout", osworld_env.VM_TIMEOUT), ("prompt", "arpo")):
+            if name not in given:
+                setattr(args, name, value)
     check_args(args)
     return args, state, given
 
@@ -719,6 +738,11 @@ def evaluate(pool: VMPool, tasks: list[Task], policy_fn, args, save_to: str | No
         per_task = {tid: sum(s) / len(s) if s else None for tid, s in per_task.items()}
         all_s = [e[key] for e in eps]
         out[proto] = {"overall": sum(all_s) / len(all_s) if all_s else None, "per_task": per_task}
+        domains = {t.domain for t in tasks} - {""}  # OSWorld's tasks: the mean per domain, as OSWorld reports
+        if domains:
+            of = {t.id: t.domain for t in tasks}
+            out[proto]["per_domain"] = {d: (lambda s: sum(s) / len(s) if s else None)(
+                [e[key] for e in eps if of[e["task"]] == d]) for d in sorted(domains)}
     out["details"] = eps
     steps = [ok for e in eps for ok in e["format_ok"]]
     out["format_rate"] = sum(steps) / len(steps) if steps else None  # share of answers that parsed
@@ -749,7 +773,11 @@ def selected_tasks(pool: VMPool, tasks: list[Task], policy_fn, args: Args, run: 
 
 def load_task_list(args: Args, ids: list[str] | None = None) -> list[Task]:
     try:
-        tasks = load_tasks(args.tasks)
+        if args.osworld_tasks:  # OSWorld's task files as they are (osworld_env.load_tasks)
+            import osworld_env
+            tasks = osworld_env.load_tasks(args.osworld_tasks, args.osworld_examples)
+        else:
+            tasks = load_tasks(args.tasks)
     except TaskError as e:
         raise SystemExit(str(e))
     want = ids if ids is not None else [s.strip() for s in args.task_ids.split(",") if s.strip()]
@@ -757,7 +785,7 @@ def load_task_list(args: Args, ids: list[str] | None = None) -> list[Task]:
         by_id = {t.id: t for t in tasks}
         missing = [i for i in want if i not in by_id]
         if missing:
-            raise SystemExit(f"unknown task id(s) {missing} in {args.tasks}; check --task-ids.")
+            raise SystemExit(f"unknown task id(s) {missing} in {args.osworld_tasks or args.tasks}; check --task-ids.")
         tasks = [by_id[i] for i in want]
     return tasks
 

@@ -397,7 +397,7 @@ def trajectory_html(run: str, it: int, vm: int, traj: dict, kind: str, default: 
     fin, head = traj["final"], [f"vm {vm}", f"{len(traj['steps'])} steps"]
     task = fin or next((s for s in traj["steps"] if s.get("task")), {})
     if task.get("task"):
-        head.append(f'task <b>{esc(task["task"])}</b>')
+        head.append(f'task <b>{esc(task["task"])}</b>' + (f' ({esc(task["domain"])})' if task.get("domain") else ""))
     rewards = [_num(s.get("reward")) for s in traj["steps"] if _num(s.get("reward")) is not None]
     if rewards:
         head.append(f"reward sum {_fmt(sum(rewards))}")
@@ -447,7 +447,10 @@ def evals_html(run: str) -> str:
         std, hard = d.get("standard"), d.get("hard")
         if isinstance(std, dict) and isinstance(hard, dict):  # ARPO --eval-only
             per_std, per_hard = std.get("per_task") or {}, hard.get("per_task") or {}
-            rows = [[t, per_std.get(t), per_hard.get(t)] for t in per_std] + [["overall", std.get("overall"), hard.get("overall")]]
+            dom_std, dom_hard = std.get("per_domain") or {}, hard.get("per_domain") or {}  # OSWorld's tasks
+            rows = ([[t, per_std.get(t), per_hard.get(t)] for t in per_std]
+                    + [[f"domain {d}", dom_std.get(d), dom_hard.get(d)] for d in dom_std]
+                    + [["overall", std.get("overall"), hard.get("overall")]])
             parts.append(f"<h3>{esc(name)}: success rate, {esc(d.get('episodes'))} episodes ({esc(d.get('lost'))} lost), "
                          f"temperature {esc(d.get('temperature'))}</h3>" + _grid(["task", "standard", "hard"], rows))
         elif isinstance(d.get("successes"), dict):  # ARPO --select-tasks

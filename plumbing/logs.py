@@ -61,8 +61,8 @@ def arpo_metrics(it: int, task_ids, fresh, out: rollout.Rollout, first_vm: int, 
     environment's failures (nothing is retried in training, so it equals `env_failures`);
     `env_errors` says what failed where (first_vm: this rank's first VM's number)."""
     parts = dist.gather({
-        "fresh": [{"reward": e.reward, "score": e.score, "format_ok": e.format_ok, "steps": len(e.actions)}
-                  for e in fresh],
+        "fresh": [{"reward": e.reward, "score": e.score, "format_ok": e.format_ok, "steps": len(e.actions),
+                   "domain": e.task.domain} for e in fresh],
         "batch": [{"task": e.task.id, "group": e.group, "vm": e.vm, "replayed": e.replayed,
                    "from_iteration": e.iteration, "reward": e.reward, "advantage": a,
                    "target_tokens": int(sum(sum(p.target_mask) for p in ps)), "steps": len(e.actions),
@@ -84,6 +84,9 @@ def arpo_metrics(it: int, task_ids, fresh, out: rollout.Rollout, first_vm: int, 
         "success_rate": mean([e["score"] > success_threshold for e in fresh]),
         "format_rate": mean([ok for e in fresh for ok in e["format_ok"]]),  # share of steps whose answer parsed
         "steps_mean": mean([e["steps"] for e in fresh]),
+        # OSWorld's tasks have a domain (chrome, os, ...): success per domain, as OSWorld reports
+        **{f"success/{d}": mean([e["score"] > success_threshold for e in fresh if e["domain"] == d])
+           for d in sorted({e["domain"] for e in fresh} - {""})},
         "batch": batch, "groups": every["groups"],
         "flat_groups": flat_groups([b["group"] for b in batch], [b["advantage"] for b in batch]),
         "replay_injections": every["injections"], "n_injections": len(every["injections"]), "replay_size": replay_size,
@@ -125,7 +128,8 @@ def save_episodes(run: str, it: int, eps: list, clear: bool = True) -> None:
         steps = [{"step": s, "task": e.task.id, "thought": e.thoughts[s] if s < n else "",
                   "text": e.texts[s] if s < n else "", "format_ok": e.format_ok[s] if s < n else None,
                   "action": e.actions[s] if s < n else None} for s in range(len(e.screenshots))]
-        steps.append({"final": True, "task": e.task.id, "instruction": e.task.instruction, "group": e.group,
+        steps.append({"final": True, "task": e.task.id, "instruction": e.task.instruction,
+                      **({"domain": e.task.domain} if e.task.domain else {}), "group": e.group,
                       "end": e.end, "error": e.error, "score": e.score, "score_standard": e.score_standard,
                       "format_penalty": e.reward - e.score, "reward": e.reward, "vm": e.vm})
         rundir.save_trajectory(run, it, e.job, steps, list(e.screenshots) + [None])
@@ -136,6 +140,8 @@ def eval_table(result: dict) -> str:
     rows = [f"{'task':32s} standard  hard"]
     for tid in result["standard"]["per_task"]:
         rows.append(f"{tid:32s} {fmt(result['standard']['per_task'][tid])}   {fmt(result['hard']['per_task'][tid])}")
+    for d in result["standard"].get("per_domain", {}):  # OSWorld's tasks
+        rows.append(f"{'domain ' + d:32s} {fmt(result['standard']['per_domain'][d])}   {fmt(result['hard']['per_domain'][d])}")
     rows.append(f"{'overall':32s} {fmt(result['standard']['overall'])}   {fmt(result['hard']['overall'])}"
                 f"   ({result['episodes']} episodes, {result['lost']} lost to VM failures)")
     return "\n".join(rows)

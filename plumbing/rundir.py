@@ -130,6 +130,16 @@ def public_args(args) -> dict:
 def local_vms(vms: str) -> tuple[str, int]:
     """This rank's share of --vms (a number of local desktops, or URLs): a contiguous slice, and
     its VM offset, the index of its first VM among all ranks' (trajectories and metrics name VMs by it)."""
+    if vms.startswith("osworld:"):  # OSWorld's VMs (osworld_env.py): the same slicing, one entry a VM
+        import osworld_env
+        try:
+            specs = osworld_env.expand(vms)
+        except ValueError as e:
+            sys.exit(f"--vms: {e}.")
+        mine = dist.shard_range(len(specs))
+        if not mine:
+            sys.exit(f"--vms {vms}: {len(specs)} VM(s) for {dist.size()} ranks leaves rank {dist.rank()} without one.")
+        return osworld_env.join(specs[mine.start:mine.stop]), mine.start
     urls = [u.strip() for u in vms.split(",") if u.strip()]
     n = int(urls[0]) if len(urls) == 1 and urls[0].isdigit() else len(urls)
     mine = dist.shard_range(n)
@@ -139,14 +149,23 @@ def local_vms(vms: str) -> tuple[str, int]:
     return (str(len(mine)) if len(urls) == 1 and urls[0].isdigit() else ",".join(urls[mine.start:mine.stop])), mine.start
 
 
-def open_desktops(vms: str, token: str, timeout: float, screen=(1280, 720), limits: str = "") -> tuple:
+def open_desktops(vms: str, token: str, timeout: float, screen=(1280, 720), limits: str = "",
+                  osworld_cache: str = "cache") -> tuple:
     """This rank's VMs (all of them in one process) -> (VMPool, live VM indices, screen (w, h) of
     the first live one), or one sentence when the VMs cannot start or none answers /health. The
-    pool numbers its VMs among all ranks' (VMPool.first: its first VM's number)."""
+    pool numbers its VMs among all ranks' (VMPool.first: its first VM's number). `osworld:...` VMs
+    are OSWorld's (osworld_env.py), their downloads cached under `osworld_cache`."""
     vms, first = local_vms(vms)
     try:
-        pool = VMPool(vms, token=token or os.environ.get("VM_TOKEN") or None, timeout=timeout, screen=screen,
-                      first=first, limits=limits)
+        if vms.startswith("osworld:"):
+            import osworld_env
+            clients = osworld_env.open_clients(vms, osworld_cache, screen, timeout)
+            pool = VMPool(clients=clients, timeout=timeout, screen=screen, first=first)
+        else:
+            pool = VMPool(vms, token=token or os.environ.get("VM_TOKEN") or None, timeout=timeout, screen=screen,
+                          first=first, limits=limits)
+    except SystemExit:
+        raise
     except Exception as e:  # noqa: BLE001 -- a bad --vms or a desktop that cannot start: one sentence
         sys.exit(f"cannot start the VMs ({str(e).rstrip('.')}); check --vms.")
     health = pool.map("health", timeout=min(10.0, timeout))

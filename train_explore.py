@@ -591,6 +591,8 @@ def check_args(a: Args) -> None:
         (not 0 <= a.eval_same_hash < 64, "--eval-same-hash must be in 0..63 (bits of a 64-bit hash)"),
         (a.lora_rank < 0 or a.beta < 0, "--lora-rank and --beta must be >= 0"),
         (parse_settle(a.settle) is None, SETTLE_HELP),
+        (a.vms.startswith("osworld:"), "--vms osworld:... is for train_arpo.py: ScreenExplorer counts windows "
+                                       "through the project's own server, which OSWorld's VMs do not run"),
         (a.engine == "vllm" and a.beta > 0 and a.lora_rank == 0, "--engine vllm with full fine-tuning and --beta > 0 "
                                                                   "would hold three model copies; use LoRA or --beta 0"),
         *vllm_engine.flag_errors(a.engine, a.temperature),

@@ -307,3 +307,35 @@ def test_an_evaluator_that_raises_drops_the_episode(desktop_env_without_vm):
     client.env.action_history = []
     with pytest.raises(VMError, match="OSWorld's evaluator raised KeyError"):
         client.evaluate({})
+
+
+# ------------------------------------------------------------------------------------------------
+# The command line
+
+BLOCK = """import sys
+class NotInstalled:  # desktop_env as on a machine without requirements-osworld.txt
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'desktop_env':
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NotInstalled())
+sys.path.insert(0, sys.argv[1])
+sys.argv = sys.argv[2:]
+import runpy
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+def test_without_osworlds_client_the_run_stops_with_one_sentence(tmp_path):
+    meta = write_examples(tmp_path)
+    done = subprocess.run([sys.executable, "-c", BLOCK, ROOT, os.path.join(ROOT, "train_arpo.py"), "--vms",
+                           "osworld:attach:127.0.0.1:9", "--osworld-tasks", meta, "--model", "tiny",
+                           "--runs-dir", str(tmp_path / "runs")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "pip install -r requirements-osworld.txt" in done.stderr.strip().splitlines()[-1]
+    assert not os.listdir(tmp_path / "runs")  # no half-made run folder
+
+
+def test_screenexplorer_refuses_osworlds_vms(tmp_path):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "train_explore.py"), "--vms", "osworld:docker:1",
+                           "--runs-dir", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode != 0 and "is for train_arpo.py" in done.stderr and "Traceback" not in done.stderr

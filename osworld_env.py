@@ -309,12 +309,21 @@ class OSWorldClient:
 
 
 def open_clients(vms: str, cache_dir: str, screen=SCREEN, timeout: float = VM_TIMEOUT) -> list[OSWorldClient]:
-    """One client per VM of `vms`, their VMs started in parallel (a boot takes minutes)."""
+    """One client per VM of `vms`, their VMs started in parallel (a boot takes minutes). If one
+    cannot start, the ones that did are closed (a container or cloud VM is not left running) and
+    its error is raised."""
     specs = expand(vms)
     require()
     with ThreadPoolExecutor(max_workers=min(16, len(specs))) as ex:
-        return list(ex.map(lambda s: OSWorldClient(s[0], s[1], os.path.join(cache_dir, f"vm{s[2]}"), screen, timeout),
-                           [(k, w, i) for i, (k, w) in enumerate(specs)]))
+        futures = [ex.submit(OSWorldClient, k, w, os.path.join(cache_dir, f"vm{i}"), screen, timeout)
+                   for i, (k, w) in enumerate(specs)]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for f in futures:
+            if f.exception() is None:
+                f.result().close()
+        raise failed[0]
+    return [f.result() for f in futures]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -148,6 +148,33 @@ def test_the_code_of_each_action_by_hand():
     assert typed[-2:] == ["pyautogui.click(9, 9)", f"type_text({hexed('hi' + chr(10))})"]
 
 
+def test_arpos_mapping_from_answers_to_code_by_hand():
+    """ARPO's rules for UI-TARS answers on OSWorld, through the project's parser and this mapping,
+    on a 1920x1080 VM whose screenshot the model saw at 1288x728 (a --max-pixels below ARPO's):
+    coordinates scale from the image to the screen; finished() is DONE and call_user() FAIL (no
+    code runs, the episode ends); a type ending in a newline presses Enter (pyautogui writes it);
+    hotkey keys split on spaces; an answer that does not parse is no action (a format failure)."""
+    from actions import parse_action
+    screen, seen = (1920, 1080), (1288, 728)
+
+    def code(text):
+        p = parse_action(text, "uitars", screen, seen)
+        return None if p is None else (p.action.type if p.action.type in ("done", "fail", "wait")
+                                       else osworld_env.pyautogui_code(p.action))
+    assert code("Thought: the icon.\nAction: click(start_box='<|box_start|>(644,364)<|box_end|>')") == \
+        "pyautogui.click(960, 540, clicks=1, interval=0.05, button='left')"
+    assert code("Action: left_double(start_box='(0,0)')") == "pyautogui.click(0, 0, clicks=2, interval=0.05, button='left')"
+    assert code("Action: right_single(start_box='(1287,727)')") == \
+        "pyautogui.click(1919, 1079, clicks=1, interval=0.05, button='right')"
+    assert code("Action: hotkey(key='ctrl shift t')").startswith(f"keys = [{hexed('ctrl')}, {hexed('shift')}, {hexed('t')}]")
+    assert code("Action: type(content='ls -la\\n')").endswith(f"type_text({hexed('ls -la' + chr(10))})")
+    assert code("Action: scroll(start_box='(644,364)', direction='down')") == "pyautogui.moveTo(960, 540); pyautogui.scroll(-5)"
+    assert code("Action: finished(content='done')") == "done"
+    assert code("Action: call_user()") == "fail"
+    assert code("Action: wait()") == "wait"
+    assert code("Thought: hmm\nAction: clack(start_box='(1,2)')") is None
+
+
 def test_no_model_text_becomes_code():
     # Whatever the text, the code's only string literals are hex digits and the fixed ones above.
     evil = "'); import os; os.system('touch /tmp/pwned'); ('\"\"\" \\x27 {command} \n"

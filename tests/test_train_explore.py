@@ -170,14 +170,16 @@ def test_distillation_across_a_generation_boundary_and_no_world_model(speaker, t
     ok(run("--vms", 2, "--model", speaker, "--generations", 1, "--iterations-per-generation", 1, "--steps", 2,
            "--run-name", rd, *common, *FAST))
     m0 = metrics(rd)[0]
-    assert m0["actor/updated"] == 1 and m0["actor/tokens"] > 0 and m0["actor/grad_norm"] > 0
+    traj = [json.loads(x) for f in sorted((rd / "trajectories" / "it000000").glob("*.jsonl")) for x in f.read_text().splitlines()]
+    valid = sorted((s["reward"] for s in traj if s["valid"]), reverse=True)
+    assert m0["actor/updated"] == 1 and m0["actor/tokens"] > 0
+    if valid[0] > valid[-1]:  # 4 clicks that all changed nothing tie at 0: every advantage is 0, no gradient
+        assert m0["actor/grad_norm"] > 0
     assert m0["reward/image_world_model"] == 0.0 and m0["wm/loss"] is None
-    assert weights_differ(speaker, rd / "models" / "E1") > 0  # the update really moved the weights
+    assert weights_differ(speaker, rd / "models" / "E1") > 0  # the optimizer stepped (AdamW's decay at least)
     data = [json.loads(x) for x in (rd / "distill" / "gen1.jsonl").read_text().splitlines()]
     assert data and all((rd / "distill" / d["image"]).exists() for d in data)
     # The kept steps are the best ceil(0.3 * valid) of generation 1 (one iteration: ranked within it).
-    traj = [json.loads(x) for f in sorted((rd / "trajectories" / "it000000").glob("*.jsonl")) for x in f.read_text().splitlines()]
-    valid = sorted((s["reward"] for s in traj if s["valid"]), reverse=True)
     assert [d["reward"] for d in data] == valid[:-(-3 * len(valid) // 10)]
 
     # Resumed with a second generation: E2 starts from the base model fine-tuned on gen1's data.

@@ -77,3 +77,23 @@ def test_train_arpo_runs_an_iteration_on_osworld(server, tmp_path):
     m = [json.loads(line) for line in (run / "osw" / "metrics.jsonl").read_text().splitlines()]
     assert len(m) == 1 and m[0]["episodes"] == 2 and m[0]["dropped"] == 0
     assert "success/os" in m[0]  # the domain's success rate
+
+
+def test_a_setup_that_fails_drops_the_episode_and_the_run_goes_on(server, tmp_path):
+    """A config step OSWorld's setup controller cannot run (it raises) is the environment's
+    failure: the episode is dropped, not scored, and the next one on the same VM plays."""
+    import train_arpo as T
+    from env import Task, VMPool
+    broken = {**S.INFEASIBLE, "id": "local-os-broken-setup", "config": [{"type": "no_such_step", "parameters": {}}]}
+    tasks = [Task(broken["id"], broken["instruction"], [{"type": "osworld", "task": broken}], {"osworld": "infeasible"},
+                  infeasible=True, domain="os"),
+             *[t for t in osworld_env.load_tasks(S.write_tasks(str(tmp_path))) if t.infeasible]]
+    client = osworld_env.OSWorldClient("attach", f"127.0.0.1:{server.port}", str(tmp_path / "cache"), (1280, 720), 120)
+    pool = VMPool(clients=[client], timeout=120, screen=(1280, 720))
+    try:
+        eps, out = T.play_tasks(pool, tasks, lambda obs: [S.SOLUTIONS[S.INFEASIBLE["id"]][0] for _ in obs],
+                                T.Args(settle="0.5", prompt="arpo"))
+    finally:
+        pool.close()
+    assert eps[0].end == "dropped" and "OSWorld's setup of local-os-broken-setup raised" in eps[0].error
+    assert (eps[1].end, eps[1].score) == ("fail", 1.0) and len(out.failures) == 1

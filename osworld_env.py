@@ -36,6 +36,7 @@ Departures from ARPO's code (verl/trainer/gui_agent.py), each deliberate:
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import inspect
@@ -338,6 +339,7 @@ def _text(s: str) -> str:
     return f"bytes.fromhex('{s.encode('utf-8').hex()}').decode('utf-8')"
 
 
+@functools.cache  # read once: every typed text sends it
 def _type_text_source() -> str:
     from vm import act
     return inspect.getsource(act.type_text)

@@ -733,16 +733,15 @@ def evaluate(pool: VMPool, tasks: list[Task], policy_fn, args, save_to: str | No
     eps, lost = play_shared(pool, [t for t in tasks for _ in range(n)], policy_fn, args, save)
     out = {"episodes": len(eps), "lost": lost, "episodes_per_task": n, "temperature": args.eval_temperature,
            "seconds": time.perf_counter() - t0}
+    def mean(s):
+        return sum(s) / len(s) if s else None
+    domain = {t.id: t.domain for t in tasks}  # OSWorld's tasks have one: the mean per domain, as OSWorld reports
     for proto, key in (("standard", "score_standard"), ("hard", "score_hard")):
-        per_task = {t.id: [e[key] for e in eps if e["task"] == t.id] for t in tasks}
-        per_task = {tid: sum(s) / len(s) if s else None for tid, s in per_task.items()}
-        all_s = [e[key] for e in eps]
-        out[proto] = {"overall": sum(all_s) / len(all_s) if all_s else None, "per_task": per_task}
-        domains = {t.domain for t in tasks} - {""}  # OSWorld's tasks: the mean per domain, as OSWorld reports
-        if domains:
-            of = {t.id: t.domain for t in tasks}
-            out[proto]["per_domain"] = {d: (lambda s: sum(s) / len(s) if s else None)(
-                [e[key] for e in eps if of[e["task"]] == d]) for d in sorted(domains)}
+        out[proto] = {"overall": mean([e[key] for e in eps]),
+                      "per_task": {t.id: mean([e[key] for e in eps if e["task"] == t.id]) for t in tasks}}
+        if any(domain.values()):
+            out[proto]["per_domain"] = {d: mean([e[key] for e in eps if domain[e["task"]] == d])
+                                        for d in sorted(set(domain.values()) - {""})}
     out["details"] = eps
     steps = [ok for e in eps for ok in e["format_ok"]]
     out["format_rate"] = sum(steps) / len(steps) if steps else None  # share of answers that parsed

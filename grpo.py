@@ -94,7 +94,8 @@ class ReplayBuffer:
     (train_arpo.py: an episode as plain data); it must pickle, for checkpoints.
 
     Call order per iteration: inject into each new group first, then add its members, so an
-    injected success always comes from an earlier iteration. Departure 5 (module docstring).
+    injected success always comes from an earlier iteration. Which member an injection replaces, and
+    why: departure 5 of this file's docstring.
     """
 
     def __init__(self, capacity_per_task: int = 8, success_threshold: float = 0.1, seed: int = 0):
@@ -268,7 +269,7 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
                     gap.note(logps, b)
                 dev = logps.device
                 loss, m = grpo_loss(logps, logps.detach() if single else old[i].to(dev),
-                                    b["advantages"].to(dev), b["completion_mask"].to(dev),
+                                    b["advantages"].to(dev), b["target_mask"].to(dev),
                                     ref_logps=None if ref[i] is None else ref[i].to(dev), eps_low=eps_low,
                                     eps_high=eps_high, beta=beta, agg=agg, dual_clip=dual_clip,
                                     seq_weights=b["weights"].to(dev))  # ALGO: the clipped surrogate, aggregated
@@ -288,7 +289,8 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
 def grpo_loss(logps, old_logps, advantages, mask, ref_logps=None, eps_low: float = 0.2,
               eps_high: float = 0.28, beta: float = 0.0, agg: str = "seq-mean-token-mean",
               dual_clip: float | None = None, seq_weights=None):
-    """Clipped GRPO surrogate. logps, old_logps, ref_logps, mask: (B, T); advantages (B,) or (B, T).
+    """Clipped GRPO surrogate. logps, old_logps, ref_logps, mask: (B, T), mask = the batch's
+    target_mask (1 on the tokens the policy produced); advantages (B,) or (B, T).
 
     per token: -min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A)
                + beta * (exp(ref - logps) - (ref - logps) - 1),        ratio = exp(logps - old_logps)
@@ -381,7 +383,7 @@ def _unwrap(policy_or_model):
 
 def _units(batch: dict, agg: str) -> float:
     """What the loss is a mean over: (the weights of) sequences with a target token, or target tokens."""
-    n_tok = batch["completion_mask"].sum(1)  # (B,)
+    n_tok = batch["target_mask"].sum(1)  # (B,)
     if agg == "seq-mean-token-mean":
         return float(((n_tok > 0).float() * batch["weights"]).sum())
     return float(n_tok.sum())
@@ -457,7 +459,7 @@ class _LogpGap:
 
     def note(self, trainer_old: torch.Tensor, b: dict) -> None:
         if b["old_logps"] is not None:
-            on = b["completion_mask"].bool()  # (B, T)
+            on = b["target_mask"].bool()  # (B, T)
             on[:, 0] = False  # per_token_logps leaves position 0 out
             d = (trainer_old.detach().float().cpu() - b["old_logps"])[on].abs()  # (N_target,)
             self.sum, self.n = self.sum + float(d.sum()), self.n + d.numel()
@@ -526,7 +528,7 @@ def per_token_logps(model, batch: dict, temperature: float | None = None) -> tor
     its adapters sit inside the body's Linear layers.
     """
     dev = next(model.parameters()).device
-    target = batch["completion_mask"].bool().to(dev)  # (B, T)
+    target = batch["target_mask"].bool().to(dev)  # (B, T)
     target[:, 0] = False  # the first token has no context to be predicted from
     keep = torch.zeros_like(target)  # (B, T)
     keep[:, :-1] = target[:, 1:]  # position t - 1 predicts token t
@@ -611,7 +613,8 @@ def micro_batches(samples: Sequence[Sample], size: int) -> Iterator[list[Sample]
 
 
 def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
-    """Right-pad samples into one batch. Images of all samples are concatenated in sample order,
+    """Right-pad samples into one batch: input_ids, attention_mask and target_mask (each sample's
+    Sample.target_mask), all (B, T). Images of all samples are concatenated in sample order,
     which is the order the model's placeholder tokens appear in when reading the batch row-major.
 
     Also carries rewards (B,), advantages (B,), weights (B,), and old_logps (B, T) -- each sample's per-target
@@ -620,7 +623,7 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
     B, T = len(samples), max(len(s.input_ids) for s in samples)
     input_ids = torch.full((B, T), int(pad_id), dtype=torch.long)  # (B, T)
     attention_mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
-    completion_mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
+    target_mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
     carried = all(s.old_logps is not None for s in samples)
     old_logps = torch.zeros(B, T, dtype=torch.float32) if carried else None  # (B, T)
     for b, s in enumerate(samples):
@@ -630,9 +633,9 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
                              "build samples with step_sample or trajectory_sample.")
         input_ids[b, :n] = torch.tensor(s.input_ids, dtype=torch.long)  # (n,)
         attention_mask[b, :n] = 1
-        completion_mask[b, :n] = torch.tensor(s.target_mask, dtype=torch.long)  # (n,)
+        target_mask[b, :n] = torch.tensor(s.target_mask, dtype=torch.long)  # (n,)
         if carried:
-            on = completion_mask[b].bool()  # (T,)
+            on = target_mask[b].bool()  # (T,)
             if len(s.old_logps) != int(on.sum()):
                 raise ValueError(f"sample {b} has {int(on.sum())} target tokens but {len(s.old_logps)} old log-probs; "
                                  "pass one log-prob per completion token (Generation.logprobs).")
@@ -640,7 +643,7 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
-        "completion_mask": completion_mask,
+        "target_mask": target_mask,
         **qwen_vl.image_inputs(samples),  # pixel_values (sum N_patches, D), image_grid_thw (N_img, 3)
         "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),  # (B,)
         "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),  # (B,)
@@ -659,7 +662,7 @@ def distill_step(policy_or_model, optimizer, samples: Sequence[Sample], micro_ba
     """Experience-stream distillation: one SFT step, NLL averaged over all target tokens."""
     model, pad_id, _ = _unwrap(policy_or_model)
     batches = [collate(mb, pad_id) for mb in micro_batches(list(samples), micro_batch_size)]
-    total = sum(float(b["completion_mask"][:, 1:].sum()) for b in batches)
+    total = sum(float(b["target_mask"][:, 1:].sum()) for b in batches)
     if total == 0:
         return {"nll": 0.0, "tokens": 0.0, "grad_norm": 0.0}
     model.train()

@@ -311,6 +311,7 @@ def replay(successes: grpo.ReplayBuffer | None, fresh: list[Episode], task_ids: 
         members = [e for e in fresh if e.group == g]  # (none: another rank's group, or every VM failed)
         if successes is not None and by_group.get(g):
             # Another rank's group is drawn for too (with stand-ins), so every rank's buffer draws alike.
+            # -> the members with a stored success in place of member k (k None: none injected).
             new, _, k = successes.inject(tid, members or [None] * len(by_group[g]), by_group[g])
             if k is not None and members:
                 # The stored success joins this group: its own reward, normalised against today's

@@ -98,7 +98,7 @@ TASK_IDS = "calc-open,clock-open,terminal-open,editor-open"
 # every task; the second (a folder in the window it opened) is the one the task names.
 MULTI_TASK_IDS = "files-open-documents,files-open-downloads,files-open-pictures"
 SUCCESS = 0.1       # ARPO's success threshold (train_arpo --success-threshold)
-MULTI_ITERATIONS = 200  # arpo-multi's default budget (fewer if --minutes leaves less)
+MULTI_ITERATIONS = 400  # arpo-multi's default budget (fewer if --minutes leaves less)
 
 # ------------------------------------------------------------------------------------------------
 # Statistics (pure functions; tests/test_learning.py checks them by hand)
@@ -253,7 +253,7 @@ def run_seed(a, seed: int) -> dict:
     print(f"seed {seed}: eval before {before_eval['seconds']:.0f}s ({per_wave:.1f}s a wave); "
           f"training {iterations} iterations", flush=True)
     flags = ["--model", warm, "--task-ids", task_ids, *common_flags(a), "--iterations", str(iterations),
-             "--lr", str(a.lr), "--lr-warmup", str(max(1, iterations // 10)), "--lr-schedule", "linear",
+             "--lr", str(a.lr), "--lr-warmup", str(max(1, iterations // 10)), "--lr-schedule", a.lr_schedule,
              "--epochs", str(a.epochs), "--beta", str(a.beta), *(["--groups", str(a.groups)] if a.groups else []),
              "--format-penalty", str(a.format_penalty), "--format-penalty-on", a.format_penalty_on,
              "--seed", str(seed), "--runs-dir", out, "--run-name", "train",
@@ -395,7 +395,8 @@ def parse_args(argv=None):
                    help="arpo: one step a task; arpo-multi: two steps on two screens; explore: ScreenExplorer")
     p.add_argument("--seeds", type=int, default=2, help="independent runs (warm start, train, evals)")
     p.add_argument("--first-seed", type=int, default=0, help="seeds --first-seed .. + --seeds - 1 (develop on others)")
-    p.add_argument("--minutes", type=float, default=20.0, help="wall-time budget per seed; sets the iterations")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="wall-time budget per seed; caps the iterations (default: 20; arpo-multi 30)")
     p.add_argument("--out", default="", help="where the runs go (default: runs/learning/<method>)")
     p.add_argument("--vms", type=int, default=None, help="local desktops (default: 4; explore 8)")
     p.add_argument("--group-size", type=int, default=4, help="rollouts per task (one GRPO group)")
@@ -407,13 +408,16 @@ def parse_args(argv=None):
                         "(default: 120 for arpo; explore decides its own)")
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (warm-up 10%%, then linear decay; default 5e-4, arpo-multi 3e-4)")
+    p.add_argument("--lr-schedule", choices=["constant", "linear", "cosine"], default=None,
+                   help="train_arpo.py --lr-schedule after the 10%% warm-up (default: linear for arpo, "
+                        "constant (ARPO's) for arpo-multi)")
     p.add_argument("--epochs", type=int, default=1, help="train_arpo.py --epochs")
     p.add_argument("--beta", type=float, default=0.0, help="train_arpo.py --beta: KL to the warm start (a frozen copy)")
     p.add_argument("--format-penalty", type=float, default=None,
                    help="train_arpo.py --format-penalty: reward -= this when an answer did not parse "
                         "(default: 1.0)")
-    p.add_argument("--format-penalty-on", choices=["reward", "advantage"], default=None,
-                   help="train_arpo.py --format-penalty-on (default: reward, as ARPO, for arpo; advantage for arpo-multi)")
+    p.add_argument("--format-penalty-on", choices=["reward", "advantage"], default="reward",
+                   help="train_arpo.py --format-penalty-on (default: reward, as ARPO)")
     p.add_argument("--groups", type=int, default=None,
                    help="train_arpo.py --groups: tasks per iteration, in turns (default: one per --group-size desktops)")
     p.add_argument("--select-tasks", type=int, default=None,
@@ -430,6 +434,8 @@ def resolve(a):
     """Per-method defaults: the two methods never share seed folders, and explore gets
     iterations=None so learning_explore keeps its own default."""
     a.out = a.out or os.path.join(ROOT, "runs", "learning", a.method)
+    if a.minutes is None:  # arpo-multi: room for its 400 iterations (see its part of the docstring)
+        a.minutes = 30.0 if a.method == "arpo-multi" else 20.0
     if a.method == "arpo" and a.iterations is None:
         a.iterations = 120
     if a.method == "arpo-multi" and a.iterations is None:
@@ -440,8 +446,8 @@ def resolve(a):
         a.select_tasks = 0 if a.method == "arpo-multi" else 16
     if a.format_penalty is None:  # see the docstring (3.)
         a.format_penalty = 1.0
-    if a.format_penalty_on is None:  # arpo-multi: see its part of the docstring
-        a.format_penalty_on = "advantage" if a.method == "arpo-multi" else "reward"
+    if a.lr_schedule is None:  # arpo-multi: see its part of the docstring
+        a.lr_schedule = "constant" if a.method == "arpo-multi" else "linear"
     if a.lr is None and a.method != "explore":  # arpo-multi: see its part of the docstring
         a.lr = 3e-4 if a.method == "arpo-multi" else 5e-4
     if a.vms is None and a.method != "explore":  # explore: None keeps learning_explore's own default

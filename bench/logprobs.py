@@ -65,7 +65,7 @@ def naive_logps(model, batch):
                    mm_token_type_ids=(ids == model.config.image_token_id).int()).logits  # (B, T, V)
     logps = torch.log_softmax(logits, dim=-1)  # (B, T, V)
     picked = logps[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
-    return torch.nn.functional.pad(picked, (1, 0)) * batch["completion_mask"]  # (B, T)
+    return torch.nn.functional.pad(picked, (1, 0)) * batch["target_mask"]  # (B, T)
 
 
 def child(variant: str, mode: str) -> dict:

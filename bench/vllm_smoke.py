@@ -130,7 +130,7 @@ def gaps(policy, gens, temperature: float) -> tuple[float, float, list[float]]:
     batch["suppressed"] = policy.suppressed_ids()
     with torch.no_grad():
         ours = grpo.per_token_logps(policy.model, batch, temperature=temperature).float().cpu()  # (B, T)
-    on = batch["completion_mask"].bool()  # (B, T)
+    on = batch["target_mask"].bool()  # (B, T)
     d = (ours[on] - batch["old_logps"][on]).abs()  # (N,)
     return float(d.mean()), float(d.max()), ours[on].tolist()
 
@@ -230,7 +230,7 @@ def main() -> None:
     train["suppressed"] = lora.suppressed_ids()
     for _ in range(10):  # make the sampled answers likelier: an update that moves the log-probs
         lp = grpo.per_token_logps(lora.model, train, temperature=1.0)  # (B, T)
-        (-(lp.sum() / train["completion_mask"].sum())).backward()
+        (-(lp.sum() / train["target_mask"].sum())).backward()
         opt.step()
         opt.zero_grad()
     moved = float(np.mean(np.abs(np.array(gaps(lora, gens, 1.0)[2]) - np.array(old))))

@@ -284,7 +284,7 @@ def _sft_step(policy, opt, samples: list, short: int = 800) -> float:
             groups.append([])  # a new micro-batch: a long sample, or the lengths have grown by half
         groups[-1].append(s)
     batches = [grpo.collate(mb, policy.tokenizer.pad_token_id) for mb in groups]
-    total = sum(float(b["completion_mask"][:, 1:].sum()) for b in batches)
+    total = sum(float(b["target_mask"][:, 1:].sum()) for b in batches)
     opt.zero_grad(set_to_none=True)
     nll = 0.0
     for b in batches:

@@ -89,7 +89,7 @@ def test_generate_logprobs_update_save_load(name, lora_rank, tmp_path):
     batch = {**grpo.collate(samples, p.tokenizer.pad_token_id), "temperature": 0.7, "suppressed": p.suppressed_ids()}
     with torch.no_grad():
         lp = grpo.per_token_logps(p.model, batch)  # (B, T)
-    on = batch["completion_mask"].bool()
+    on = batch["target_mask"].bool()
     gap = (lp[on] - batch["old_logps"][on]).abs().max().item()
     assert gap < 1e-4, gap
     # Batched greedy decoding equals one prompt at a time (left padding with 3D rope positions).

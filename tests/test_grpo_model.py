@@ -51,7 +51,7 @@ def _naive_logps(model, batch):
     logits = model(input_ids=ids, attention_mask=batch["attention_mask"], **kw).logits  # (B, T, V)
     lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
     lp = F.pad(lp, (1, 0))  # (B, T): position 0 has no prediction
-    mask = batch["completion_mask"].clone()
+    mask = batch["target_mask"].clone()
     mask[:, 0] = 0
     return lp * mask
 
@@ -69,7 +69,7 @@ def test_step_sample_and_collate(policy):
     B, T = batch["input_ids"].shape
     assert (B, T) == (2, max(len(a.input_ids), len(b.input_ids)))
     assert batch["attention_mask"].sum(1).tolist() == [len(a.input_ids), len(b.input_ids)]
-    assert batch["completion_mask"].sum(1).tolist() == [6, 12]
+    assert batch["target_mask"].sum(1).tolist() == [6, 12]
     assert batch["pixel_values"].shape[0] == a.pixel_values.shape[0] + b.pixel_values.shape[0]
     assert batch["image_grid_thw"].shape == (2, 3) and batch["advantages"].shape == (2,)
 
@@ -83,7 +83,7 @@ def test_per_token_logps_matches_naive_on_padded_image_batch(policy):
         want = _naive_logps(m, batch)
     assert got.shape == batch["input_ids"].shape
     assert torch.allclose(got, want, atol=1e-5)
-    assert (got[batch["completion_mask"] == 0] == 0).all() and (got[batch["completion_mask"] == 1] < 0).all()
+    assert (got[batch["target_mask"] == 0] == 0).all() and (got[batch["target_mask"] == 1] < 0).all()
     # Each row equals that sample scored alone: padding and the image split do not leak.
     for i, s in enumerate([a, b]):
         with torch.no_grad():
@@ -260,7 +260,7 @@ def test_trainer_scores_the_sampling_temperature(policy):
     with torch.no_grad():
         b = {**collate(samples), "suppressed": policy.suppressed_ids()}
         lp = grpo.per_token_logps(policy.model, b, temperature=0.7)  # (B, T)
-    on = b["completion_mask"].bool()
+    on = b["target_mask"].bool()
     assert torch.allclose(lp[on], b["old_logps"][on], atol=1e-4)
 
 

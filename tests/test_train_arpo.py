@@ -240,7 +240,7 @@ def test_every_answer_is_trained_in_the_context_and_at_the_temperature_it_was_sa
         b = {**collate(samples), "temperature": 0.7, "suppressed": policy.suppressed_ids()}
         with torch.no_grad():
             lp = per_token_logps(policy.model, b)  # (B, T)
-        on = b["completion_mask"].bool()
+        on = b["target_mask"].bool()
         gaps.append(float((lp[on] - b["old_logps"][on]).abs().mean()))
     assert gaps[0] < 1e-4 and gaps[1] > 0.1, gaps
 

@@ -333,7 +333,11 @@ def advantages(episodes: list[Episode], a: Args) -> list[float]:
     broken answer into a positive advantage for every other member (scores [0, 0, 0, 0], one broken:
     rewards [0, 0, 0, -0.5] -> [+0.5, +0.5, +0.5, -1.5]), which reinforces whatever the failed
     members did; here that group gives [0, 0, 0, -0.5]: the format is still taught, and nothing a
-    failure did is rewarded."""
+    failure did is rewarded. Its cost: in that group the broken member's penalty is the only
+    gradient, on every token of it, most of them tokens every well-formed answer shares too; a run
+    whose policy had settled on one wrong answer (most groups flat) lost its format that way, for
+    good (docs/log.md, 2026-12-06). ARPO's way gives the well-formed members what the broken one
+    loses, so the tokens they share are held."""
     groups = [e.group for e in episodes]
     if a.format_penalty_on == "reward":
         return grpo.group_advantages([e.reward for e in episodes], groups, a.scale_rewards).tolist()  # (N,)

@@ -81,7 +81,10 @@ def test_per_method_defaults():
     assert (arpo.select_tasks, multi.select_tasks) == (16, 0) and arpo.settle == multi.settle == "watch"
     # the ARPO methods' lr, penalty and desktops; explore leaves them to bench/learning_explore.py (None)
     assert (arpo.lr, arpo.format_penalty, arpo.format_penalty_on, arpo.vms) == (5e-4, 1.0, "reward", 4)
-    assert (multi.lr, multi.format_penalty, multi.format_penalty_on, multi.vms) == (3e-4, 1.0, "advantage", 4)
+    assert (multi.lr, multi.format_penalty, multi.format_penalty_on, multi.vms) == (3e-4, 1.0, "reward", 4)
+    # arpo-multi keeps ARPO's constant lr for its 400 iterations, and 30 minutes a seed to run them (docstring)
+    assert (arpo.lr_schedule, multi.lr_schedule, multi.iterations) == ("linear", "constant", 400)
+    assert (arpo.minutes, multi.minutes, explore.minutes) == (20.0, 30.0, 20.0)
     assert arpo.warm_epochs == multi.warm_epochs == 16  # a sharp format before RL moves it (docstring)
     assert (explore.lr, explore.vms) == (None, None)
     assert L.seed_list(L.parse_args(["--seeds", "2", "--first-seed", "10"])) == [10, 11]
@@ -241,3 +244,59 @@ def test_smoke_arpo_multi_end_to_end(tmp_path):
         assert r[f"steps_{when}"]["all"]["n_second"] == sum(e["score_hard"] > L.SUCCESS for e in first)
     assert "per step (eval): first" in p.stdout
     assert Image.open(out / "learning_arpo_multi.png").size == (640, 360)
+
+
+# ------------------------------------------------------------------------------------------------
+# bench/learning_replica.py: its lookups by hand, against a real desktop, and a smoke run
+
+
+def test_replica_lookups_by_hand():
+    import learning_replica as R
+    dc = lambda x, y: {"type": "double_click", "x": x, "y": y}  # noqa: E731
+    assert R.icon_hit(dc(74, 346)) == W.FM_ICON and R.icon_hit(dc(74, 46)) == "Terminal"
+    # XCalc at (194, 246): picture x 170..217, y 222..271; label x 171..215 to y 294
+    assert R.icon_hit(dc(170, 222)) == R.icon_hit(dc(217, 271)) == R.icon_hit(dc(215, 294)) == "XCalc"
+    assert R.icon_hit(dc(169, 246)) is None and R.icon_hit(dc(216, 294)) is None and R.icon_hit(dc(194, 295)) is None
+    # File Manager's label is wider than its picture: x 24..123 at y 372..394
+    assert R.icon_hit(dc(24, 394)) == R.icon_hit(dc(123, 372)) == W.FM_ICON and R.icon_hit(dc(24, 371)) is None
+    assert R.icon_hit({"type": "click", "x": 74, "y": 346}) is None and R.icon_hit(None) is None
+    # Downloads' cell from x 668: picture 690..738 x 184..231, label 668..756 x 232..249
+    assert R.item_hit(dc(715, 215)) == R.item_hit(dc(690, 184)) == R.item_hit(dc(756, 249)) == "Downloads"
+    assert R.item_hit(dc(689, 215)) is None and R.item_hit(dc(739, 231)) is None and R.item_hit(dc(715, 250)) is None
+    assert R.item_hit(dc(757, 240)) is None and R.item_hit(dc(715, 183)) is None
+    assert R.item_hit(dc(621, 215)) == "Documents" and R.item_hit(dc(810, 215)) == "Pictures"
+    assert R.item_hit({"type": "click", "x": 715, "y": 215}) is None
+
+
+def test_replica_agrees_with_a_real_desktop(vm_desktop):
+    """Where the replica says a double-click opens something, a real desktop opens it, and where it
+    says nothing opens, nothing does: points on either side of its boxes' edges."""
+    import learning_replica as R
+    from env import VMClient, load_tasks
+    from vm.desktop import desktop_icons
+    vm = VMClient(vm_desktop.url, vm_desktop.token, timeout=60)
+    task = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}["files-open-downloads"]
+    dc = lambda x, y: {"type": "double_click", "x": x, "y": y}  # noqa: E731
+    # desktop icons: a window opens, or none does
+    fm, xcalc = desktop_icons((1280, 720))[W.FM_ICON], desktop_icons((1280, 720))["XCalc"]
+    for x, y in [fm, (fm[0] - 50, fm[1] + 40), (fm[0] - 51, fm[1] + 40), (fm[0] - 30, fm[1] + 25),
+                 (xcalc[0] + 23, xcalc[1] - 24), (xcalc[0] + 24, xcalc[1]), (xcalc[0], xcalc[1] + 49)]:
+        vm.reset()
+        vm.act(dc(x, y), settle="watch")
+        assert (len(vm.windows()) > 0) == (R.icon_hit(dc(x, y)) is not None), (x, y)
+    # the file manager's folders: the task's evaluator says Downloads opened, or not
+    for x, y in [(715, 215), (690, 184), (689, 200), (756, 249), (757, 240), (738, 231), (739, 215), (715, 250)]:
+        vm.reset()
+        for p in (fm, (x, y)):
+            vm.act(dc(*p), settle="watch")
+        assert vm.evaluate(task.evaluator)["score"] == (1.0 if R.item_hit(dc(x, y)) == "Downloads" else 0.0), (x, y)
+
+
+def test_smoke_replica(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "learning_replica.py"), "--seeds", "1", "--first-seed", "0",
+           "--iterations", "2", "--eval-episodes", "1", "--warm-epochs", "1", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = p.stdout.strip().splitlines()
+    assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-3000:]
+    assert re.fullmatch(r"learning_replica: seeds 1 gain min [+-]\d\.\d\d median [+-]\d\.\d\d, below 0\.25: [01]", lines[-1])
+    assert re.match(r"seed 0: before \d\.\d\d after \d\.\d\d gain [+-]\d\.\d\d parse \d\.\d\d \| after: documents", lines[-2])

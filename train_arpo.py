@@ -392,8 +392,9 @@ def update(tr, samples: list[grpo.Sample], it: int, on_micro_batch=None) -> dict
 
 def lr_at(it: int, a: Args) -> float:
     """The learning rate of iteration `it` (0-based): grpo.scheduled_lr over --iterations. ARPO
-    keeps lr constant without warm-up; a small model trained from scratch at a high lr needs the
-    decay to keep what it learned (it can learn a task and lose it again in the last iterations)."""
+    keeps lr constant without warm-up (--lr-schedule constant); a decay keeps what a small model
+    trained from scratch at a high lr learned from being lost again in the last iterations, at the
+    price of the updates left after it (bench/learning.py uses each, and says why)."""
     return grpo.scheduled_lr(a.lr, it, a.iterations, a.lr_warmup, a.lr_schedule)
 
 

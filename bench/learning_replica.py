@@ -1,24 +1,26 @@
-"""A replica of `bench/learning.py --method arpo-multi` for trying recipes: a seed in ~3 minutes.
+"""A replica of `bench/learning.py --method arpo-multi` for trying recipes: a seed in minutes.
 
     python bench/learning_replica.py --seeds 4 --first-seed 10                  # the bench's recipe
     python bench/learning_replica.py --seeds 4 --first-seed 10 --lr-schedule linear --iterations 200
 
 The screens an arpo-multi episode sees are real screenshots, taken once from a local desktop
 (learning_warm.first_screens: the reset desktop, and the screen after double-clicking each icon);
-an episode then looks its next screen up instead of playing it: a double-click inside an icon's
-cell opens that icon's screen, and on the file manager's screen a double-click on the task's
-folder is the success. Everything else is train_arpo.py's own: the prompt, the parse, the score
+an episode then looks its next screen up instead of playing it: a double-click on an icon's
+picture or label opens that icon's screen, and on the file manager's screen a double-click on the
+task's folder is the success (where a double-click opens something was probed on a real desktop). Everything else is train_arpo.py's own: the prompt, the parse, the score
 and the format penalty, replay, advantages, the training sequences and the update, with the flags
-bench/learning.py passes, and the same warm start. What it leaves out: whatever else an action
+bench/learning.py passes, and the same warm start; it trains exactly --iterations (the bench:
+those its --minutes leave room for). What it leaves out: whatever else an action
 does on a real desktop (a click elsewhere changes nothing here), what changes between screenshots
 (the clock, the HOME path in the file manager's location bar), the evaluator, and the desktops'
 waits (each step is one batched generate over every episode). So it answers "does this recipe
 learn the second step, and on how many seeds" in minutes; the real bench decides (docs/log.md
-has both, side by side).
+has its runs beside the bench's).
 
-Per seed: the eval at T=1 before and after training (--eval-episodes a task), with the parse rate
-and per task success, first step right, second step right when the first was. Last line:
-    learning_replica: seeds <n> gain min <g> median <m>, below 0.25: <k>
+Per seed: the success of an eval at T=1 before and after training (--eval-episodes a task); the
+parse rate, the lowest over both evals and each quarter of training, as the bench's; and after
+training, per task: success, first step right, second step right when the first was. Last line:
+    learning_replica: seeds <n> gain min <g> median <m>, below 0.25: <k>, parse below 0.85: <j>
 """
 from __future__ import annotations
 
@@ -38,15 +40,15 @@ import torch  # noqa: E402
 import grpo  # noqa: E402
 import train_arpo as T  # noqa: E402
 from env import load_tasks  # noqa: E402
-from learning import MULTI_TASK_IDS, SUCCESS, first_right  # noqa: E402
-from learning_warm import MAX_PIXELS, first_screens, warm_start_multi  # noqa: E402
+from learning import MULTI_TASK_IDS, SUCCESS  # noqa: E402
+from learning_warm import FM_ICON, MAX_PIXELS, first_screens, warm_start_multi  # noqa: E402
 from model import generate, load_policy  # noqa: E402
 from vm.desktop import desktop_icons  # noqa: E402
 
 SCREEN = (1280, 720)
 # Where a double-click opens something, in screen pixels, probed on a real desktop (pcmanfm 1.3.2,
 # one pixel at a time; tests/test_learning.py re-checks the edges). A desktop icon: its picture,
-# 48 px square about the icon's centre, and its label under it, as wide as its text.
+# 48 x 50 px about the icon's centre, and its label under it, as wide as its text.
 ICON_PICTURE, LABEL_ROWS = (-24, -24, 23, 25), (26, 48)  # (dx0, dy0, dx1, dy1) from the centre; label's dy
 ICON_LABEL = {"Terminal": (-34, 33), "Text Editor": (-43, 41), "Calculator": (-40, 39), "File Manager": (-50, 49),
               "Clock": (-23, 21), "Eyes": (-20, 19), "XCalc": (-23, 21)}  # the label's dx0, dx1
@@ -81,12 +83,19 @@ def item_hit(action: dict | None) -> str | None:
     return None
 
 
+def solved(opened: str | None, actions: list, task_id: str) -> bool:
+    """The replica's evaluator: the first action opened the file manager (`opened`: what icon_hit
+    said of it) and the second double-clicked the task's folder in its window."""
+    return opened == FM_ICON and len(actions) == 2 and item_hit(actions[1]) == FOLDER[task_id]
+
+
 def play(policy, args, screens, tasks: list, groups: list, iteration: int = 0, temperature: float = 1.0):
     """Episodes of tasks[k] (group groups[k]), step by step, every live episode in one generate.
     -> scored train_arpo.Episodes."""
     desk, after = screens
     eps = [T.Episode(t, k, g, iteration) for k, (t, g) in enumerate(zip(tasks, groups))]
     shown = [desk] * len(eps)
+    opened = [None] * len(eps)  # the icon each episode's first action opened
     for step in range(args.max_steps):
         live = [k for k, e in enumerate(eps) if e.end is None]
         if not live:
@@ -100,13 +109,12 @@ def play(policy, args, screens, tasks: list, groups: list, iteration: int = 0, t
             action = T.add_answer(eps[k], o, answer, args)
             label = icon_hit(action.to_dict() if action is not None else None)
             if step == 0 and label:  # the replica's desktop: the icon's window opens
-                shown[k] = after[label]
+                shown[k], opened[k] = after[label], label
             if eps[k].end is None and len(eps[k].assistant) >= args.max_steps:
                 eps[k].end = "max_steps"
-    for e in eps:
+    for e, first in zip(eps, opened):
         e.end = e.end or "max_steps"
-        won = len(e.actions) == 2 and first_right(e.actions[0]) and item_hit(e.actions[1]) == FOLDER[e.task.id]
-        T.score_episode(e, 1.0 if won else 0.0, args)
+        T.score_episode(e, 1.0 if solved(first, e.actions, e.task.id) else 0.0, args)
     return eps
 
 
@@ -120,7 +128,7 @@ def evaluate(policy, args, screens, tasks: list, n: int, seed: int) -> dict:
     per = {}
     for t in tasks:
         es = [e for e in eps if e.task.id == t.id]
-        first = [e for e in es if e.actions and first_right(e.actions[0])]
+        first = [e for e in es if e.actions and icon_hit(e.actions[0]) == FM_ICON]
         per[t.id] = (sum(e.score > SUCCESS for e in es) / len(es), len(first) / len(es),
                      sum(e.score > SUCCESS for e in first) / max(1, len(first)))
     return {"success": sum(e.score > SUCCESS for e in eps) / len(eps), "parse": sum(oks) / max(1, len(oks)), "per_task": per}
@@ -130,7 +138,8 @@ def run_seed(c, seed: int, screens) -> dict:
     """Warm start (the bench's), eval, train as train_arpo.iteration does, eval. -> the numbers."""
     t0 = time.perf_counter()
     ids = MULTI_TASK_IDS.split(",")
-    warm = os.path.join(c.out, f"seed{seed}", "warm_start")
+    # the warm start is kept for the next run of the same seed and recipe (its folder names both)
+    warm = os.path.join(c.out, f"seed{seed}", f"warm_start-{c.warm_epochs}x{c.warm_lr:g}")
     if not os.path.exists(os.path.join(warm, "config.json")):
         warm_start_multi(warm, seed, ids, c.warm_epochs, c.warm_lr, screens=screens)
     # The flags bench/learning.py gives train_arpo.py (common_flags and run_seed), as train_arpo parses them.
@@ -150,11 +159,13 @@ def run_seed(c, seed: int, screens) -> dict:
     tr.ref_fn = grpo.reference_fn(args.beta, 0, lambda: load_policy(warm, seed=seed, max_pixels=MAX_PIXELS))
     before = evaluate(policy, args, screens, tasks, c.eval_episodes, 1000 + seed)
     picker = {"epoch": 0, "pos": 0}
+    parsed = [[] for _ in range(4)]  # each quarter of training: did each fresh answer parse
     for it in range(args.iterations):  # train_arpo.iteration, with the replica's rollout
         grpo.set_lr(optimizer, T.lr_at(it, args))
         task_ids = T.pick_tasks(ids, picker, args.groups, seed)
         jobs = [by_id[t] for t in task_ids for _ in range(args.group_size)]
         fresh = play(policy, args, screens, jobs, [g for g in range(args.groups) for _ in range(args.group_size)], it)
+        parsed[4 * it // args.iterations] += [ok for e in fresh for ok in e.format_ok]
         to_train, _ = T.replay(buffer, fresh, task_ids, [(e.group, e.score) for e in fresh])
         for e in fresh:
             if e.score > buffer.success_threshold:
@@ -162,7 +173,8 @@ def run_seed(c, seed: int, screens) -> dict:
         adv = T.advantages(to_train, args)  # (N,)
         T.update(tr, [s for e, x in zip(to_train, adv) for s in T.episode_samples(policy, e, args, x)], it)
     after = evaluate(policy, args, screens, tasks, c.eval_episodes, 2000 + seed)
-    return {"seed": seed, "before": before, "after": after, "minutes": (time.perf_counter() - t0) / 60}
+    parse = min([before["parse"], after["parse"]] + [sum(q) / len(q) for q in parsed if q])
+    return {"seed": seed, "before": before, "after": after, "parse": parse, "minutes": (time.perf_counter() - t0) / 60}
 
 
 def main(argv=None) -> int:
@@ -185,16 +197,17 @@ def main(argv=None) -> int:
     c = p.parse_args(argv)
     os.makedirs(c.out, exist_ok=True)
     screens = first_screens(SCREEN)  # the real screens, once
-    gains = []
+    gains, parses = [], []
     for seed in range(c.first_seed, c.first_seed + c.seeds):
         r = run_seed(c, seed, screens)
         b, a = r["before"], r["after"]
         gains.append(a["success"] - b["success"])
+        parses.append(r["parse"])
         per = ", ".join(f"{t[11:]} {s:.2f} (first {f:.2f}, second | first {x:.2f})" for t, (s, f, x) in a["per_task"].items())
         print(f"seed {seed}: before {b['success']:.2f} after {a['success']:.2f} gain {gains[-1]:+.2f} parse "
-              f"{min(b['parse'], a['parse']):.2f} | after: {per} | {r['minutes']:.1f} min", flush=True)
+              f"{r['parse']:.2f} | after: {per} | {r['minutes']:.1f} min", flush=True)
     print(f"learning_replica: seeds {c.seeds} gain min {min(gains):+.2f} median {statistics.median(gains):+.2f}, "
-          f"below 0.25: {sum(g < 0.25 for g in gains)}")
+          f"below 0.25: {sum(g < 0.25 for g in gains)}, parse below 0.85: {sum(x < 0.85 for x in parses)}")
     return 0
 
 

@@ -11,6 +11,8 @@
   over icons and items, the two-click path on a real desktop (the file manager's icon, then the
   folder: the evaluator scores 1, another item 0), and the method's smoke with the per-step table
   recomputed from the evals it saved.
+- bench/learning_replica.py: its hit boxes and evaluator by hand, the same boxes against a real
+  desktop (a window opens, a folder opens, or nothing does), and its smoke.
 """
 from __future__ import annotations
 
@@ -266,6 +268,15 @@ def test_replica_lookups_by_hand():
     assert R.item_hit(dc(757, 240)) is None and R.item_hit(dc(715, 183)) is None
     assert R.item_hit(dc(621, 215)) == "Documents" and R.item_hit(dc(810, 215)) == "Pictures"
     assert R.item_hit({"type": "click", "x": 715, "y": 215}) is None
+    # solved: the file manager opened, then the task's folder; a first double-click inside the File
+    # Manager's grid cell but off its picture and label (44, 371) opens nothing, so the folder's
+    # place on the bare desktop solves nothing
+    fm, down = dc(74, 346), dc(715, 215)
+    assert R.solved(R.icon_hit(fm), [fm, down], "files-open-downloads")
+    assert not R.solved(R.icon_hit(dc(44, 371)), [dc(44, 371), down], "files-open-downloads")
+    assert not R.solved(R.icon_hit(fm), [fm, down], "files-open-pictures")
+    assert not R.solved(R.icon_hit(fm), [fm], "files-open-downloads")
+    assert not R.solved(R.icon_hit(dc(194, 246)), [dc(194, 246), down], "files-open-downloads")  # XCalc first
 
 
 def test_replica_agrees_with_a_real_desktop(vm_desktop):
@@ -298,5 +309,6 @@ def test_smoke_replica(tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = p.stdout.strip().splitlines()
     assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-3000:]
-    assert re.fullmatch(r"learning_replica: seeds 1 gain min [+-]\d\.\d\d median [+-]\d\.\d\d, below 0\.25: [01]", lines[-1])
+    assert re.fullmatch(r"learning_replica: seeds 1 gain min [+-]\d\.\d\d median [+-]\d\.\d\d, below 0\.25: [01], parse below 0\.85: [01]", lines[-1])
     assert re.match(r"seed 0: before \d\.\d\d after \d\.\d\d gain [+-]\d\.\d\d parse \d\.\d\d \| after: documents", lines[-2])
+    assert (tmp_path / "seed0" / "warm_start-1x0.006" / "config.json").exists()  # named by its recipe

@@ -61,7 +61,9 @@ The recipe differs from the one-step bench's in three ways:
   only gradient there is, -1 on every token of it, most of them the well-formed tokens every
   answer shares; once a seed had settled on one folder for every task, most groups were flat and
   those pushes broke the format, for good. On the reward, the well-formed members of such a group
-  gain what the broken one loses, so the shared tokens hold.
+  gain what the broken one loses, so the shared tokens hold; but before a task's first success
+  those gains are all that moves the policy, and in one seed they led it away from the file
+  manager's icon for good. Neither way is safe there (docs/log.md, 2026-12-06).
 docs/log.md has the runs behind each choice. The table adds per step, before -> after: how often
 the first action was right (a double-click on the file manager's icon) and how often the second
 was, among the episodes whose first was (the task's folder opened), so it shows what of the second

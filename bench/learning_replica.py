@@ -15,7 +15,7 @@ does on a real desktop (a click elsewhere changes nothing here), what changes be
 (the clock, the HOME path in the file manager's location bar), the evaluator, and the desktops'
 waits (each step is one batched generate over every episode). So it answers "does this recipe
 learn the second step, and on how many seeds" in minutes; the real bench decides (docs/log.md
-has its runs beside the bench's).
+has its runs beside the bench's, 2026-12-06).
 
 Per seed: the success of an eval at T=1 before and after training (--eval-episodes a task); the
 parse rate, the lowest over both evals and each quarter of training, as the bench's; and after
@@ -148,7 +148,8 @@ def run_seed(c, seed: int, screens) -> dict:
         "--max-steps", "2", "--max-images", "2", "--max-new-tokens", "48", "--max-pixels", str(MAX_PIXELS),
         "--temperature", "1.0", "--iterations", str(c.iterations), "--lr", str(c.lr),
         "--lr-warmup", str(max(1, c.iterations // 10)), "--lr-schedule", c.lr_schedule, "--beta", str(c.beta),
-        "--format-penalty", "1.0", "--format-penalty-on", c.format_penalty_on, "--seed", str(seed)])
+        "--format-penalty", str(c.format_penalty), "--format-penalty-on", c.format_penalty_on,
+        "--scale-rewards" if c.scale_rewards else "--no-scale-rewards", "--seed", str(seed)])
     torch.manual_seed(seed)
     by_id = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
     tasks = [by_id[i] for i in ids]
@@ -190,6 +191,9 @@ def main(argv=None) -> int:
     p.add_argument("--group-size", type=int, default=4, help="rollouts a group (the bench's: 4)")
     p.add_argument("--groups", type=int, default=1, help="groups (tasks) an iteration (the bench's: 1)")
     p.add_argument("--beta", type=float, default=0.0, help="KL to the warm start (the bench's: 0)")
+    p.add_argument("--format-penalty", type=float, default=1.0, help="train_arpo.py --format-penalty (the bench's: 1.0)")
+    p.add_argument("--scale-rewards", action=argparse.BooleanOptionalAction, default=True,
+                   help="train_arpo.py --scale-rewards: divide by the group's std (the bench's: yes)")
     p.add_argument("--eval-episodes", type=int, default=24, help="episodes a task in each eval (T=1)")
     p.add_argument("--warm-epochs", type=int, default=16, help="the warm start's epochs (the bench's: 16)")
     p.add_argument("--warm-lr", type=float, default=6e-3, help="the warm start's lr (the bench's)")

@@ -149,7 +149,9 @@ def run_seed(c, seed: int, screens) -> dict:
         "--temperature", "1.0", "--iterations", str(c.iterations), "--lr", str(c.lr),
         "--lr-warmup", str(max(1, c.iterations // 10)), "--lr-schedule", c.lr_schedule, "--beta", str(c.beta),
         "--format-penalty", str(c.format_penalty), "--format-penalty-on", c.format_penalty_on,
-        "--scale-rewards" if c.scale_rewards else "--no-scale-rewards", "--seed", str(seed)])
+        "--scale-rewards" if c.scale_rewards else "--no-scale-rewards",
+        "--skip-tied-groups", str(c.skip_tied_groups).lower(), "--optimizer-steps", str(c.optimizer_steps),
+        "--seed", str(seed)])
     torch.manual_seed(seed)
     by_id = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
     tasks = [by_id[i] for i in ids]
@@ -194,6 +196,10 @@ def main(argv=None) -> int:
     p.add_argument("--format-penalty", type=float, default=1.0, help="train_arpo.py --format-penalty (the bench's: 1.0)")
     p.add_argument("--scale-rewards", action=argparse.BooleanOptionalAction, default=True,
                    help="train_arpo.py --scale-rewards: divide by the group's std (the bench's: yes)")
+    p.add_argument("--skip-tied-groups", action=argparse.BooleanOptionalAction, default=False,
+                   help="train_arpo.py --skip-tied-groups: a group that scored alike teaches nothing (the bench's: no)")
+    p.add_argument("--optimizer-steps", type=int, default=2,
+                   help="train_arpo.py --optimizer-steps: each iteration's batch cut into that many steps (the bench's: 2)")
     p.add_argument("--eval-episodes", type=int, default=24, help="episodes a task in each eval (T=1)")
     p.add_argument("--warm-epochs", type=int, default=16, help="the warm start's epochs (the bench's: 16)")
     p.add_argument("--warm-lr", type=float, default=6e-3, help="the warm start's lr (the bench's)")

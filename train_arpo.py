@@ -38,7 +38,7 @@ Where this departs from ARPO (its paper and released code), on purpose:
 7. Evaluation reports OSWorld's "standard" rule (a timeout counts as FAIL) and "hard" (ARPO's
    OSWorld-Hard, and training's).
 8. Knobs ARPO does not have, off by default: --lr-warmup, --lr-schedule, --epochs, --sample-seed,
-   --no-scale-rewards (Dr. GRPO), --beta (KL to the start). A group is always --group-size
+   --no-scale-rewards (Dr. GRPO), --beta (KL to the start), --skip-tied-groups (DAPO's filter). A group is always --group-size
    rollouts (fewer desktops play it in turns). torchrun: each rank plays its own groups (docs/gpu.md).
 """
 from __future__ import annotations
@@ -353,13 +353,14 @@ def advantages(episodes: list[Episode], a: Args) -> list[float]:
 
 def tied_groups(episodes: list[Episode]) -> set:
     """ALGO: --skip-tied-groups. The groups whose members all scored the same on the task (after
-    replay): all failed, or all succeeded. They teach nothing about the task, so the update skips
-    them, their format penalty included (DAPO's filter, arXiv 2503.14476, drops a prompt whose
-    samples are all right or all wrong). Why one would: before a task's first success, ARPO's
-    reward-side penalty is the only gradient there is, and it pushes up whatever the well-formed
-    failures did. Why it is off (ARPO's way): on the two-step bench's replica it saved the seed that
-    drifted that way but learned less in most others (docs/log.md, 2026-12-06). With replay, a group
-    that failed alike is tied only until its task has a stored success."""
+    replay): all failed, or all succeeded. They teach nothing about the task, so they get advantage
+    0, their format penalty included, and stay in the batch as a flat group does (DAPO's filter,
+    arXiv 2503.14476, drops a prompt whose samples are all right or all wrong, and samples more to
+    fill the batch). Why one would: before a task's first success, ARPO's reward-side penalty is the
+    only gradient there is, and it pushes up whatever the well-formed failures did. Why it is off
+    (ARPO's way): on the two-step bench's replica it saved the seed that drifted that way but learned
+    less in most others (docs/log.md, 2026-12-06, "DAPO's filter on the two-step replica"). With
+    replay, a group that failed alike is tied only until its task has a stored success."""
     by_group: dict = {}
     for e in episodes:
         by_group.setdefault(e.group, []).append(e.score)

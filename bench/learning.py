@@ -431,7 +431,7 @@ def parse_args(argv=None):
                    help="train_arpo.py --format-penalty-on (default: reward, as ARPO)")
     p.add_argument("--skip-tied-groups", action=argparse.BooleanOptionalAction, default=False,
                    help="train_arpo.py --skip-tied-groups: a group that scored alike teaches nothing, its format "
-                        "penalty neither (default: no, as ARPO; tried for arpo-multi, docs/log.md)")
+                        "penalty neither (default: no, as ARPO; tried for arpo-multi: docs/log.md, 2026-12-06)")
     p.add_argument("--groups", type=int, default=None,
                    help="train_arpo.py --groups: tasks per iteration, in turns (default: one per --group-size desktops)")
     p.add_argument("--select-tasks", type=int, default=None,

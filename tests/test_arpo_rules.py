@@ -1,6 +1,6 @@
 """The rules of train_arpo.py with hand-computed numbers, on no desktop: OSWorld's scores and ARPO's
 reward for every ending, the advantages (GRPO, Dr. GRPO, the format penalty on the reward or on the
-advantage), flat groups, the lr schedule, the task order and groups, the flags, the console line.
+advantage), tied groups, flat groups, the lr schedule, the task order and groups, the flags, the console line.
 
     python -m pytest -q tests/test_arpo_rules.py      (~20 s; the tiny model for one real update)
 
@@ -184,20 +184,23 @@ def test_the_format_penalty_on_the_reward_or_on_the_advantage():
 
 
 def test_skip_tied_groups_zeroes_the_groups_that_scored_alike():
-    """The batch above (penalty 0.5) plus group 2, all four succeeded. --skip-tied-groups: group 1
-    (all failed, one broken) and group 2 (all succeeded) get 0 whichever side pays the penalty;
-    group 0 (scores differ) keeps the numbers of the test above. A replayed success in a group that
-    failed alike unties it: group 1 with member 0 scored 1 is group 0's case again."""
+    """The batch above (penalty 0.5) plus group 2: all four succeeded, the last with a broken answer
+    on the way (it can with --no-stop-on-format-error), rewards [1, 1, 1, 0.5], mean 0.875, std
+    sqrt(0.1875 / 3) = 0.25 -> [0.5, 0.5, 0.5, -1.5] unfiltered. --skip-tied-groups: group 1 (all
+    failed, one broken) and group 2 get 0 whichever side pays the penalty; group 0 (scores differ)
+    keeps the numbers of the test above. A replayed success in a group that failed alike unties it:
+    group 1 with member 0 scored 1 is group 0's case again."""
     batch = [T.Episode(task=None, vm=k, group=g, score=s, format_ok=[True, ok], reward=s - 0.5 * (not ok))
              for g, (scores, oks) in enumerate([([1, 0, 0, 0], [1, 1, 1, 0]), ([0, 0, 0, 0], [1, 1, 1, 0]),
-                                                 ([1, 1, 1, 1], [1, 1, 1, 1])])
+                                                 ([1, 1, 1, 1], [1, 1, 1, 0])])
              for k, (s, ok) in enumerate(zip(scores, map(bool, oks)))]
     assert T.tied_groups(batch) == {1, 2}
     got = T.advantages(batch, small_args(format_penalty=0.5, skip_tied_groups=True))
     assert got == pytest.approx([1.3908, -0.1987, -0.1987, -0.9934] + [0.0] * 8, abs=1e-4)
     got = T.advantages(batch, small_args(format_penalty=0.5, format_penalty_on="advantage", skip_tied_groups=True))
     assert got == pytest.approx([1.5, -0.5, -0.5, -1.0] + [0.0] * 8, abs=1e-4)
-    assert T.advantages(batch, small_args(format_penalty=0.5))[4:8] == pytest.approx([0.5, 0.5, 0.5, -1.5], abs=1e-4)
+    unfiltered = T.advantages(batch, small_args(format_penalty=0.5))
+    assert unfiltered[4:] == pytest.approx([0.5, 0.5, 0.5, -1.5] * 2, abs=1e-4)
     batch[4].score, batch[4].reward = 1.0, 1.0  # a stored success replayed into group 1
     got = T.advantages(batch, small_args(format_penalty=0.5, skip_tied_groups=True))
     assert T.tied_groups(batch) == {2} and got[4:8] == pytest.approx([1.3908, -0.1987, -0.1987, -0.9934], abs=1e-4)

@@ -641,7 +641,8 @@ def world_model_loss(wm, screen, action_vec, next_screen, text=None, next_text=N
 def train_world_model(wm: WorldModel, optimizer, feats, actions, next_feats, text=None, next_text=None,
                       epochs=3, batch_size=16, max_grad_norm=1.0) -> dict[str, float]:
     """ALGO: `epochs` passes over this iteration's transitions (valid steps only: pass those rows);
-    update_and_predict calls it after they were scored (or before, with train_first: it says why). Returns the first/last epoch's mean loss."""
+    update_and_predict calls it after they were scored (or before, with train_first: it says why).
+    Returns the first and the last epoch's mean loss."""
     dev = next(wm.parameters()).device
     s, s2 = feats.to(dev).float(), next_feats.to(dev).float()  # (N, D)
     a = encode_actions(actions, wm.screen).to(dev)  # (N, A)

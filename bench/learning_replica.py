@@ -55,7 +55,7 @@ ICON_LABEL = {"Terminal": (-34, 33), "Text Editor": (-43, 41), "Calculator": (-4
 # A folder in the file manager's window: cells 94 px apart from x = 574; a cell's picture spans
 # x + 22 .. x + 70 and y 184 .. 231, its label the whole cell, x .. x + 88, and y 232 .. 249.
 CELL_LEFT = {"Documents": 574, "Downloads": 668, "Pictures": 762}
-ICON_BOX, LABEL_BOX = (22, 184, 70, 231), (0, 232, 88, 249)  # (dx0, y0, dx1, y1), inclusive
+FOLDER_PICTURE, FOLDER_LABEL = (22, 184, 70, 231), (0, 232, 88, 249)  # (dx0, y0, dx1, y1), inclusive
 FOLDER = {"files-open-documents": "Documents", "files-open-downloads": "Downloads",
           "files-open-pictures": "Pictures"}
 
@@ -77,7 +77,7 @@ def item_hit(action: dict | None) -> str | None:
     if not action or action.get("type") != "double_click":
         return None
     for name, left in CELL_LEFT.items():
-        for dx0, y0, dx1, y1 in (ICON_BOX, LABEL_BOX):
+        for dx0, y0, dx1, y1 in (FOLDER_PICTURE, FOLDER_LABEL):
             if left + dx0 <= action["x"] <= left + dx1 and y0 <= action["y"] <= y1:
                 return name
     return None

@@ -38,8 +38,9 @@ Where this departs from ARPO (its paper and released code), on purpose:
 7. Evaluation reports OSWorld's "standard" rule (a timeout counts as FAIL) and "hard" (ARPO's
    OSWorld-Hard, and training's).
 8. Knobs ARPO does not have, off by default: --lr-warmup, --lr-schedule, --epochs, --sample-seed,
-   --no-scale-rewards (Dr. GRPO), --beta (KL to the start), --skip-tied-groups (DAPO's filter). A group is always --group-size
-   rollouts (fewer desktops play it in turns). torchrun: each rank plays its own groups (docs/gpu.md).
+   --no-scale-rewards (Dr. GRPO), --beta (KL to the start), --skip-tied-groups (DAPO's filter). A
+   group is always --group-size rollouts (fewer desktops play it in turns). torchrun: each rank
+   plays its own groups (docs/gpu.md).
 """
 from __future__ import annotations
 

@@ -38,9 +38,8 @@ Where this departs from ARPO (its paper and released code), on purpose:
 7. Evaluation reports OSWorld's "standard" rule (a timeout counts as FAIL) and "hard" (ARPO's
    OSWorld-Hard, and training's).
 8. Knobs ARPO does not have, off by default: --lr-warmup, --lr-schedule, --epochs, --sample-seed,
-   --no-scale-rewards (Dr. GRPO), --beta (KL to the start), --skip-tied-groups (DAPO's filter). A
-   group is always --group-size rollouts (fewer desktops play it in turns). torchrun: each rank
-   plays its own groups (docs/gpu.md).
+   --no-scale-rewards (Dr. GRPO), --beta (KL to the start). A group is always --group-size
+   rollouts (fewer desktops play it in turns). torchrun: each rank plays its own groups (docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -338,34 +337,13 @@ def advantages(episodes: list[Episode], a: Args) -> list[float]:
     gradient, on every token of it, most of them tokens every well-formed answer shares too; a run
     whose policy had settled on one wrong answer (most groups flat) lost its format that way, for
     good (docs/log.md, 2026-12-06). ARPO's way gives the well-formed members what the broken one
-    loses, so the tokens they share are held. --skip-tied-groups, either way: a group whose members
-    all scored the same on the task gets 0 (tied_groups)."""
+    loses, so the tokens they share are held."""
     groups = [e.group for e in episodes]
     if a.format_penalty_on == "reward":
-        adv = grpo.group_advantages([e.reward for e in episodes], groups, a.scale_rewards)  # (N,)
-    else:
-        adv = grpo.group_advantages([e.score for e in episodes], groups, a.scale_rewards)  # (N,)
-        adv = adv - torch.tensor([e.score - e.reward for e in episodes])  # ALGO: the broken one alone pays, (N,)
-    if a.skip_tied_groups:
-        tied = tied_groups(episodes)
-        adv = torch.where(torch.tensor([e.group in tied for e in episodes], dtype=torch.bool), 0.0, adv)  # (N,)
-    return adv.tolist()
-
-
-def tied_groups(episodes: list[Episode]) -> set:
-    """ALGO: --skip-tied-groups. The groups whose members all scored the same on the task (after
-    replay): all failed, or all succeeded. They teach nothing about the task, so they get advantage
-    0, their format penalty included, and stay in the batch as a flat group does (DAPO's filter,
-    arXiv 2503.14476, drops a prompt whose samples are all right or all wrong, and samples more to
-    fill the batch). Why one would: before a task's first success, ARPO's reward-side penalty is the
-    only gradient there is, and it pushes up whatever the well-formed failures did. Why it is off
-    (ARPO's way): on the two-step bench's replica it saved the seed that drifted that way but learned
-    less in most others (docs/log.md, 2026-12-06, "DAPO's filter on the two-step replica"). With
-    replay, a group that failed alike is tied only until its task has a stored success."""
-    by_group: dict = {}
-    for e in episodes:
-        by_group.setdefault(e.group, []).append(e.score)
-    return {g for g, s in by_group.items() if max(s) - min(s) < 1e-6}
+        return grpo.group_advantages([e.reward for e in episodes], groups, a.scale_rewards).tolist()  # (N,)
+    adv = grpo.group_advantages([e.score for e in episodes], groups, a.scale_rewards)  # (N,)
+    penalty = torch.tensor([e.score - e.reward for e in episodes])  # (N,) the format penalty, 0 if none
+    return (adv - penalty).tolist()  # ALGO: the broken trajectory alone pays it, (N,)
 
 
 def episode_samples(policy, ep: Episode, args, advantage: float = 0.0) -> list[grpo.Sample]:
@@ -619,8 +597,6 @@ class Args:
     format_penalty_on: str = arg("reward", "where the format penalty is paid: reward (ARPO: the group normalises "
                                            "score - penalty) or advantage (the group normalises the scores, then the "
                                            "broken trajectory alone loses the penalty from its advantage)")
-    skip_tied_groups: bool = arg(False, "a group whose members all scored the same on the task (after replay) gets "
-                                        "advantage 0, its format penalty too (DAPO's filter; ARPO: no)")
     lr: float = arg(1e-6, "AdamW learning rate (ARPO: 1e-6)")
     lr_warmup: int = arg(0, "iterations of linear learning-rate warm-up from lr / N (ARPO: none)")
     lr_schedule: str = arg("constant", "learning rate after the warm-up: constant (ARPO), linear or cosine "

@@ -266,8 +266,7 @@ def run_seed(a, seed: int) -> dict:
              "--lr", str(a.lr), "--lr-warmup", str(max(1, iterations // 10)), "--lr-schedule", a.lr_schedule,
              "--epochs", str(a.epochs), "--beta", str(a.beta), *(["--groups", str(a.groups)] if a.groups else []),
              "--format-penalty", str(a.format_penalty), "--format-penalty-on", a.format_penalty_on,
-             "--skip-tied-groups", str(a.skip_tied_groups).lower(), "--seed", str(seed),
-             "--runs-dir", out, "--run-name", "train",
+             "--seed", str(seed), "--runs-dir", out, "--run-name", "train",
              "--ckpt-every", str(max(1, iterations // 4))]
     if a.select_tasks:
         flags += ["--select-tasks", str(a.select_tasks)]
@@ -429,9 +428,6 @@ def parse_args(argv=None):
                         "(default: 1.0)")
     p.add_argument("--format-penalty-on", choices=["reward", "advantage"], default="reward",
                    help="train_arpo.py --format-penalty-on (default: reward, as ARPO)")
-    p.add_argument("--skip-tied-groups", action=argparse.BooleanOptionalAction, default=False,
-                   help="train_arpo.py --skip-tied-groups: a group that scored alike teaches nothing, its format "
-                        "penalty neither (default: no, as ARPO; tried for arpo-multi: docs/log.md, 2026-12-06)")
     p.add_argument("--groups", type=int, default=None,
                    help="train_arpo.py --groups: tasks per iteration, in turns (default: one per --group-size desktops)")
     p.add_argument("--select-tasks", type=int, default=None,

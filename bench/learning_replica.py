@@ -150,7 +150,7 @@ def run_seed(c, seed: int, screens) -> dict:
         "--lr-warmup", str(max(1, c.iterations // 10)), "--lr-schedule", c.lr_schedule, "--beta", str(c.beta),
         "--format-penalty", str(c.format_penalty), "--format-penalty-on", c.format_penalty_on,
         "--scale-rewards" if c.scale_rewards else "--no-scale-rewards",
-        "--skip-tied-groups", str(c.skip_tied_groups).lower(), "--optimizer-steps", str(c.optimizer_steps),
+        "--optimizer-steps", str(c.optimizer_steps),
         "--seed", str(seed)])
     torch.manual_seed(seed)
     by_id = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
@@ -196,8 +196,6 @@ def main(argv=None) -> int:
     p.add_argument("--format-penalty", type=float, default=1.0, help="train_arpo.py --format-penalty (the bench's: 1.0)")
     p.add_argument("--scale-rewards", action=argparse.BooleanOptionalAction, default=True,
                    help="train_arpo.py --scale-rewards: divide by the group's std (the bench's: yes)")
-    p.add_argument("--skip-tied-groups", action=argparse.BooleanOptionalAction, default=False,
-                   help="train_arpo.py --skip-tied-groups: a group that scored alike teaches nothing (the bench's: no)")
     p.add_argument("--optimizer-steps", type=int, default=2,
                    help="train_arpo.py --optimizer-steps: each iteration's batch cut into that many steps (the bench's: 2)")
     p.add_argument("--eval-episodes", type=int, default=24, help="episodes a task in each eval (T=1)")

@@ -183,30 +183,6 @@ def test_the_format_penalty_on_the_reward_or_on_the_advantage():
     assert got == pytest.approx([0.75, -0.25, -0.25, -0.75, 0.0, 0.0, 0.0, -0.5], abs=1e-6)
 
 
-def test_skip_tied_groups_zeroes_the_groups_that_scored_alike():
-    """The batch above (penalty 0.5) plus group 2: all four succeeded, the last with a broken answer
-    on the way (it can with --no-stop-on-format-error), rewards [1, 1, 1, 0.5], mean 0.875, std
-    sqrt(0.1875 / 3) = 0.25 -> [0.5, 0.5, 0.5, -1.5] unfiltered. --skip-tied-groups: group 1 (all
-    failed, one broken) and group 2 get 0 whichever side pays the penalty; group 0 (scores differ)
-    keeps the numbers of the test above. A replayed success in a group that failed alike unties it:
-    group 1 with member 0 scored 1 is group 0's case again."""
-    batch = [T.Episode(task=None, vm=k, group=g, score=s, format_ok=[True, ok], reward=s - 0.5 * (not ok))
-             for g, (scores, oks) in enumerate([([1, 0, 0, 0], [1, 1, 1, 0]), ([0, 0, 0, 0], [1, 1, 1, 0]),
-                                                 ([1, 1, 1, 1], [1, 1, 1, 0])])
-             for k, (s, ok) in enumerate(zip(scores, map(bool, oks)))]
-    assert T.tied_groups(batch) == {1, 2}
-    got = T.advantages(batch, small_args(format_penalty=0.5, skip_tied_groups=True))
-    assert got == pytest.approx([1.3908, -0.1987, -0.1987, -0.9934] + [0.0] * 8, abs=1e-4)
-    got = T.advantages(batch, small_args(format_penalty=0.5, format_penalty_on="advantage", skip_tied_groups=True))
-    assert got == pytest.approx([1.5, -0.5, -0.5, -1.0] + [0.0] * 8, abs=1e-4)
-    unfiltered = T.advantages(batch, small_args(format_penalty=0.5))
-    assert unfiltered[4:] == pytest.approx([0.5, 0.5, 0.5, -1.5] * 2, abs=1e-4)
-    batch[4].score, batch[4].reward = 1.0, 1.0  # a stored success replayed into group 1
-    got = T.advantages(batch, small_args(format_penalty=0.5, skip_tied_groups=True))
-    assert T.tied_groups(batch) == {2} and got[4:8] == pytest.approx([1.3908, -0.1987, -0.1987, -0.9934], abs=1e-4)
-    assert T.advantages([], small_args(skip_tied_groups=True)) == []
-
-
 def test_the_console_says_kl_n_a_when_no_kl_is_computed():
     """--beta 0 computes no KL: `kl n/a`, not a measured-looking 0.0000; with a beta, the number."""
     m = {"iteration": 3, "tasks": ["calc-open"], "reward_mean": 0.5, "reward_std": 0.5, "success_rate": 0.5,

@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer-steps", type=int, default=2,
                    help="train_arpo.py --optimizer-steps: each iteration's batch cut into that many steps (the bench's: 2)")
     p.add_argument("--eval-episodes", type=int, default=24, help="episodes a task in each eval (T=1)")
-    p.add_argument("--warm-epochs", type=int, default=16, help="the warm start's epochs (the bench's: 16)")
+    p.add_argument("--warm-epochs", type=int, default=32, help="the warm start's epochs (the bench's: 32)")
     p.add_argument("--warm-lr", type=float, default=6e-3, help="the warm start's lr (the bench's)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "learning", "replica"), help="where warm starts go")
     c = p.parse_args(argv)

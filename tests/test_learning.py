@@ -87,7 +87,7 @@ def test_per_method_defaults():
     # arpo-multi keeps ARPO's constant lr for its 400 iterations, and 30 minutes a seed to run them (docstring)
     assert (arpo.lr_schedule, multi.lr_schedule, multi.iterations) == ("linear", "constant", 400)
     assert (arpo.minutes, multi.minutes, explore.minutes) == (20.0, 30.0, 20.0)
-    assert arpo.warm_epochs == multi.warm_epochs == 16  # a sharp format before RL moves it (docstring)
+    assert (arpo.warm_epochs, multi.warm_epochs) == (16, 32)  # a sharp format before RL moves it (docstring)
     assert (explore.lr, explore.vms) == (None, None)
     assert L.seed_list(L.parse_args(["--seeds", "2", "--first-seed", "10"])) == [10, 11]
 

@@ -54,11 +54,11 @@ The recipe differs from the one-step bench's in four ways:
   seed in eight learned too little; with 32 its replica met both conditions in 8 seeds of 8.
 - The peak lr is 3e-4, not 5e-4: at 5e-4 the format drifted while the lr was high.
 - The lr stays at that peak after the 10% warm-up (--lr-schedule constant, as ARPO's), for up to
-  400 iterations (fewer where --minutes 30 a seed leaves less). The second step is learned only after the first, and following
-  the instruction there (the same window for every task, a different folder each) takes hundreds
-  of updates at the peak lr: with a linear decay over 200 iterations most of the lr was spent by
-  then, and most seeds settled on "one of the task folders, whatever the instruction", which
-  scores just above the bar.
+  400 iterations (fewer where --minutes 30 a seed leaves less). The second step is learned only
+  after the first, and following the instruction there (the same window for every task, a
+  different folder each) takes hundreds of updates at the peak lr: with a linear decay over 200
+  iterations most of the lr was spent by then, and most seeds settled on "one of the task folders,
+  whatever the instruction", which scores just above the bar.
 - The format penalty is ARPO's, on the reward (--format-penalty-on reward). Paid on the advantage
   instead (train_arpo.py's other choice), a group that failed alike gives its broken member the
   only gradient there is, -1 on every token of it, most of them the well-formed tokens every

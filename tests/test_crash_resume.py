@@ -237,6 +237,16 @@ def opt_steps(sd: dict) -> int:
     return int(max(float(v["step"]) for v in sd["state"].values())) if sd["state"] else 0
 
 
+def read_stamp(run: str) -> str | None:
+    """The newest checkpoint's COMPLETE stamp, or None. The trainer may be swapping ckpt -> ckpt.old
+    between latest_checkpoint's look and this read (a CI run once caught it): then the next poll."""
+    done = ckpt.latest_checkpoint(run)
+    try:
+        return open(os.path.join(done, "COMPLETE")).read() if done else None
+    except FileNotFoundError:
+        return None
+
+
 def crash_and_resume(script: str, fresh: list[str], run: str, seed: int, kills: int, between=None,
                      before_kill=None) -> dict:
     """Run `script` to its end through `kills` SIGKILLs at seeded random moments, then a last run to
@@ -256,8 +266,7 @@ def crash_and_resume(script: str, fresh: list[str], run: str, seed: int, kills: 
         p = start(script, argv)
         t0, kill_at, first_new, deadline = time.time(), None, None, time.time() + 300
         while p.poll() is None and time.time() < deadline:
-            done = ckpt.latest_checkpoint(run)
-            stamp = open(os.path.join(done, "COMPLETE")).read() if done else None
+            stamp = read_stamp(run)
             if stamp is not None and stamp != str(before and before["next_iteration"]) and first_new is None:
                 first_new = snapshot(run, live=True)
             if attempt < kills and kill_at is None:

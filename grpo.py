@@ -121,9 +121,9 @@ class ReplayBuffer:
 
     def inject(self, task_id, trajectories: list, scores: Sequence[float], std_below: float = 0.05,
                mean_below: float = 0.2) -> tuple[list, list[float], int | None]:
-        """If the group failed alike (std < std_below and mean < mean_below), replace its lowest
-        scorer (the first of them on a tie) with a stored success so GRPO sees a non-zero
-        advantage. ARPO's code replaces the first member, its paper a random one: the lowest keeps
+        """If the group failed alike (std < std_below and mean < mean_below: ARPO's code's numbers),
+        replace its lowest scorer (the first of them on a tie) with a stored success so GRPO sees a
+        non-zero advantage. ARPO's code replaces the first member, its paper a random one: the lowest keeps
         a partial success the group may hold (departure 5). -> (trajectories, scores, the index
         replaced or None): new lists, the caller's stay as they were."""
         trajectories, scores = list(trajectories), [float(s) for s in scores]
@@ -166,7 +166,7 @@ class Sample:
     """One training sequence: a prompt + completion (ScreenExplorer step) or a whole multi-turn
     trajectory (ARPO). target_mask is 1 on the tokens the policy produced (the loss's tokens).
     old_logps, if given, has one log-prob per target token, in order (e.g. the sampler's
-    Generation.logprobs); update_policy only compares them with its own (logp_gap). weight: what
+    Answer.logprobs); update_policy only compares them with its own (logp_gap). weight: what
     this sequence counts for in the "seq-mean-token-mean" mean over sequences; a trajectory cut
     into pieces (ARPO past --max-images) gives each piece its share of the trajectory's target
     tokens, so the pieces together count as the one sequence they came from."""
@@ -181,13 +181,13 @@ class Sample:
     weight: float = 1.0
 
 
-def step_sample(prompt, completion_ids: Sequence[int], reward: float = 0.0, group: int | str = 0,
+def step_sample(prompt, answer_ids: Sequence[int], reward: float = 0.0, group: int | str = 0,
                 old_logps: Sequence[float] | None = None) -> Sample:
     """ScreenExplorer step: an Encoded prompt (model.encode_chat) followed by the sampled tokens,
     used verbatim (re-tokenising the text could give other ids than the ones sampled).
-    old_logps: the sampler's log-prob of each completion token (Generation.logprobs), optional."""
-    ids = list(prompt.input_ids) + [int(t) for t in completion_ids]
-    mask = [0] * len(prompt.input_ids) + [1] * len(completion_ids)
+    old_logps: the sampler's log-prob of each completion token (Answer.logprobs), optional."""
+    ids = list(prompt.input_ids) + [int(t) for t in answer_ids]
+    mask = [0] * len(prompt.input_ids) + [1] * len(answer_ids)
     olds = None if old_logps is None else [float(x) for x in old_logps]
     return Sample(ids, mask, prompt.pixel_values, prompt.image_grid_thw, float(reward), 0.0, group, olds)
 
@@ -248,12 +248,12 @@ def update_policy(policy_or_model, optimizer, samples: Sequence[Sample], micro_b
     extra = _matched(model, steps)  # FSDP2: the forwards a step adds to match the busiest rank's (else 0)
     # With one step in all, the weights that score the tokens are the ones old log-probs would come
     # from: old = the current log-probs, detached, and no second forward (exactly on-policy).
-    single = len(steps) == 1 and epochs == 1
+    single = len(steps) == 1 and epochs == 1  # ALGO: on-policy: old = the current log-probs
     gap = _LogpGap()
     model.train()  # gradient checkpointing only runs in train mode; dropout is 0 in our configs
     with torch.no_grad():
-        old = None if single else _old_logps(model, batches, extra, gap)  # [(B, T)]
-        ref = _reference_logps(model, batches, beta, ref_fn)  # [(B, T) or None]
+        old = None if single else _old_logps(model, batches, extra, gap)  # [(B, T)] ALGO: the ratio's old policy
+        ref = _reference_logps(model, batches, beta, ref_fn)  # [(B, T) or None] ALGO: the KL's reference
     # ALGO: what each step's loss is a mean over (sequences or target tokens), over ALL ranks' samples
     # (_units(b, agg): b's sequences, or its target tokens, whichever `agg` averages over)
     units = dist.all_sum([sum(_units(batches[i], agg) for i in step) for step in steps])
@@ -514,7 +514,7 @@ def per_token_logps(model, batch: dict, temperature: float | None = None) -> tor
     p = softmax(logits / temperature) without the ids in batch["suppressed"]: the distribution the
     tokens were sampled from (verl and ARPO divide by T when scoring the old, the new and the
     reference policy), so a run sampling at T != 1 trains the policy it sampled from, and the
-    sampler's Generation.logprobs are these numbers. temperature None: batch["temperature"] if the
+    sampler's Answer.logprobs are these numbers. temperature None: batch["temperature"] if the
     batch carries one (update_policy puts both there, as verl's meta_info does, so a ref_fn scores
     the same distribution), else 1; <= 0 (greedy) scores at 1. top-p is not reproduced (nor in
     verl): sample with top_p 1 when the ratio must be exact.
@@ -638,7 +638,7 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict:
             on = target_mask[b].bool()  # (T,)
             if len(s.old_logps) != int(on.sum()):
                 raise ValueError(f"sample {b} has {int(on.sum())} target tokens but {len(s.old_logps)} old log-probs; "
-                                 "pass one log-prob per completion token (Generation.logprobs).")
+                                 "pass one log-prob per completion token (Answer.logprobs).")
             old_logps[b, on] = torch.tensor(s.old_logps, dtype=torch.float32)  # (n_target,) into (T,)
     return {
         "input_ids": input_ids,

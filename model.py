@@ -155,11 +155,11 @@ finished(content='xxx') # Use escape characters \\', \\", and \\n in content par
 PROMPTS = ("uitars", "arpo")
 
 
-def uitars_messages(instruction: str, screenshots: list, thoughts_actions: list,
+def uitars_messages(instruction: str, screenshots: list, answers: list,
                     max_images: int = 15, prompt: str = "uitars") -> list[dict]:
     """UI-TARS-1.5 multi-turn prompt: instruction, then (screenshot, answer) pairs.
 
-    screenshots[i] was seen before answer thoughts_actions[i]. One more screenshot than answers
+    screenshots[i] was seen before answers[i]. One more screenshot than answers
     is a prompt for the next step; equal counts is a whole trajectory (for training). Only the
     last `max_images` screenshots are kept; the user turns of older ones are dropped, their
     answers stay as text. prompt "arpo": ARPO's system turn and prompt instead of the family's
@@ -175,8 +175,8 @@ def uitars_messages(instruction: str, screenshots: list, thoughts_actions: list,
     for i, shot in enumerate(screenshots):
         if i >= first_kept:
             messages.append({"role": "user", "content": [{"type": "image", "image": shot}]})
-        if i < len(thoughts_actions):
-            messages.append({"role": "assistant", "content": thoughts_actions[i]})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i]})
     return messages
 
 
@@ -340,10 +340,10 @@ class Policy:
 
 
 @dataclass
-class Generation:
+class Answer:
     text: str                   # the completion, special tokens removed
     prompt: Encoded             # what the model was given
-    completion_ids: list[int]   # sampled ids, up to and including the stop token, no padding
+    ids: list[int]              # sampled ids, up to and including the stop token, no padding
     # log-prob of each sampled id under the distribution it was drawn from: softmax(logits / T),
     # top-p renormalised, vision tokens removed; the same on the vLLM path (processed_logprobs),
     # and what grpo.per_token_logps gives at the same T when top_p is 1.
@@ -552,7 +552,7 @@ def save_policy(policy: Policy, path: str, state: dict | None = None) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Generation: one batched HF generate call, and the weight sync of a vLLM engine
+# Generation: one batched HF generate call (-> Answers), and the weight sync of a vLLM engine
 
 
 def _left_pad(policy: Policy, encs: list[Encoded]):
@@ -574,7 +574,7 @@ def _left_pad(policy: Policy, encs: list[Encoded]):
 
 @torch.no_grad()
 def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: int = 128,
-             temperature: float = 1.0, top_p: float = 1.0) -> list[Generation]:
+             temperature: float = 1.0, top_p: float = 1.0) -> list[Answer]:
     """Sample one completion per prompt, all N prompts in ONE generate call.
 
     temperature 0 means greedy. logprobs[i] is log pi(token_i | prefix) under the distribution the
@@ -619,9 +619,9 @@ def generate(policy: Policy, batch_messages: list[list[dict]], max_new_tokens: i
     for b, enc in enumerate(encs):
         ids = new[b].tolist()
         n = next((i + 1 for i, t in enumerate(ids) if t in stop), len(ids))  # keep the stop token
-        gens.append(Generation(
+        gens.append(Answer(
             text=policy.tokenizer.decode(ids[:n], skip_special_tokens=True), prompt=enc,
-            completion_ids=ids[:n], logprobs=logps[b, :n].tolist()))
+            ids=ids[:n], logprobs=logps[b, :n].tolist()))
     return gens
 
 

@@ -19,7 +19,7 @@ console line and view.py read that table. `all` is the paper's reward, `all,no_w
 ablation, and a term that is off by default joins by name (`all,windows`: + the windows a step
 opened, our example of a term that reads more than pixels). This follows the authors' release
 (niuzaisheng/ScreenExplorer), not its bugs. The file reads: the reward (Buffer, the terms, TERMS,
-reward), curiosity (update_and_predict), the features; then what they call by name: the screen
+reward), curiosity (predict_and_learn), the features; then what they call by name: the screen
 features' and OCR's details, the world model's network, the flags' parsing, the eval's measures.
 
 Where we depart from the paper / release, and why:
@@ -84,7 +84,7 @@ class Buffer:
     """What one buffer of N steps recorded, as every reward term gets it. A term reads the fields it
     needs; a field no term that is on needs may be None (the trainer computes the costly ones, OCR
     text, world-model guesses, window lists, only when a term that is on reads them: Term.reads)."""
-    episode: list  # (N,) the episode (desktop) of each step; one episode's steps in time order
+    episode_ids: list  # (N,) the episode each step belongs to (its desktop's id); one episode's steps in time order
     format_ok: torch.Tensor  # (N,) float 0/1, the format reward: the answer parsed and its action ran
     screen_before: torch.Tensor  # (N, D) s_t
     screen_after: torch.Tensor  # (N, D) s'_t
@@ -100,21 +100,21 @@ class Buffer:
     windows_after: list | None = None  # (N,) the same after it
 
     def __post_init__(self):
-        self.format_ok = torch.as_tensor(self.format_ok, dtype=torch.float32).reshape(len(self.episode))  # (N,)
+        self.format_ok = torch.as_tensor(self.format_ok, dtype=torch.float32).reshape(len(self.episode_ids))  # (N,)
 
     def episodes(self) -> list[list[int]]:
         """The rows of each episode's format-valid steps, in time order (a malformed step changed
         nothing, so it is left out of the sequences)."""
         rows: dict = {}
-        for k, t in enumerate(self.episode):
+        for k, t in enumerate(self.episode_ids):
             if self.format_ok[k] > 0:
                 rows.setdefault(t, []).append(k)
         return list(rows.values())
 
 
-def make_buffer(f: Features, episode: list, format_ok, **more) -> Buffer:
+def make_buffer(f: Features, episode_ids: list, format_ok, **more) -> Buffer:
     """A Buffer from step_features' output; `more`: predictions, actions, window lists."""
-    return Buffer(episode, format_ok, f.screen_before, f.screen_after, text_before=f.text_before, text_after=f.text_after,
+    return Buffer(episode_ids, format_ok, f.screen_before, f.screen_after, text_before=f.text_before, text_after=f.text_after,
                  intent=f.intent, click_text=f.click_text, click_hit=f.click_hit, **more)
 
 
@@ -150,7 +150,7 @@ def _require(x, what, flag):
 
 
 def _sequence(s: Buffer, before, after) -> torch.Tensor:
-    out = torch.zeros(len(s.episode))  # (N,)
+    out = torch.zeros(len(s.episode_ids))  # (N,)
     for rows in s.episodes():
         out[rows] = 1 - sequence_similarity(before[rows[0]], after[rows])  # (T,)
     return out
@@ -195,7 +195,7 @@ def intent_click(s: Buffer) -> torch.Tensor:
     hit = _require(s.click_hit, "click_hit", "intent_click") > 0  # (N,)
     c = cosine(_require(s.click_text, "click text embeddings", "intent_click"),
                _require(s.intent, "intent embeddings", "intent_click"))  # (N,)
-    return torch.where(hit, c, torch.zeros(len(s.episode)))  # ALGO: clicked on what it meant to
+    return torch.where(hit, c, torch.zeros(len(s.episode_ids)))  # ALGO: clicked on what it meant to
 
 
 def windows_opened(s: Buffer) -> torch.Tensor:
@@ -254,7 +254,7 @@ class Rewards:
 def reward(s: Buffer, flags: dict[str, bool]) -> Rewards:
     """ALGO: r_t = format_t * sum of the terms that are on (weights 1), for the N steps of `s`."""
     ok = s.format_ok > 0  # (N,)
-    parts = {name: torch.zeros(len(s.episode)) for name in TERMS}  # (N,) each
+    parts = {name: torch.zeros(len(s.episode_ids)) for name in TERMS}  # (N,) each
     for name in terms_on(flags):
         parts[name] = TERMS[name].fn(s).float().cpu() * ok  # a malformed step's screens are not its doing
     total = s.format_ok * sum(parts.values())  # ALGO: weights 1, summed, times the format reward
@@ -280,7 +280,7 @@ def scatter(r: Rewards, rows: list[int], n: int) -> Rewards:
 # Curiosity: the world model's guesses before it learns the buffer, then it learns
 
 
-def update_and_predict(wm: WorldModel, optimizer, f: Features, actions: list, format_ok, epochs=3,
+def predict_and_learn(wm: WorldModel, optimizer, f: Features, actions: list, format_ok, epochs=3,
                        batch_size=16, train_first=False):
     """ALGO: curiosity before learning: predict all N transitions with the world model as it stood
     before this iteration, then train it on the valid ones (`epochs` passes).
@@ -361,6 +361,8 @@ def step_features(before: list[Image.Image], after: list[Image.Image], intents: 
 # for why a fixed patch grid)
 
 
+# Ours: cells of 40 x 40 px, about one desktop icon or a menu entry's height on a 1280 x 720 screen
+# (smaller cells only add noise to a flat background); untuned beyond that.
 SCREEN_GRID = (32, 18)  # (cells across, cells down); 40 x 40 px cells on a 1280 x 720 screen
 _CELL = 8  # each cell is averaged from 8 x 8 pixels of the downsampled image (for its std)
 SCREEN_DIM = 2 * SCREEN_GRID[0] * SCREEN_GRID[1] + 1  # means + stds + global brightness = 1153
@@ -537,6 +539,8 @@ def click_text(action, boxes: list[OcrBox]) -> str | None:
 # The world model's network: (s_t, e_t, a_t) -> (s'_t, e'_t), and its training
 
 
+# Ours, untuned: the action vector's resolution (HEAT_GRID: 80 px cells at 1280 x 720) and its bag of
+# typed text (TEXT_BUCKETS: few collisions for the handful of key names and words a step types).
 HEAT_GRID = (16, 9)  # where the action lands, as a soft spot on a coarse grid
 TEXT_BUCKETS = 64  # hashed bag of typed-text trigrams and key names
 ACTION_DIM = len(ACTION_TYPES) + 6 + HEAT_GRID[0] * HEAT_GRID[1] + len(DIRECTIONS) + 1 + TEXT_BUCKETS
@@ -641,7 +645,7 @@ def world_model_loss(wm, screen, action_vec, next_screen, text=None, next_text=N
 def train_world_model(wm: WorldModel, optimizer, feats, actions, next_feats, text=None, next_text=None,
                       epochs=3, batch_size=16, max_grad_norm=1.0) -> dict[str, float]:
     """ALGO: `epochs` passes over this iteration's transitions (valid steps only: pass those rows);
-    update_and_predict calls it after they were scored (or before, with train_first: it says why).
+    predict_and_learn calls it after they were scored (or before, with train_first: it says why).
     Returns the first and the last epoch's mean loss."""
     dev = next(wm.parameters()).device
     s, s2 = feats.to(dev).float(), next_feats.to(dev).float()  # (N, D)

@@ -71,6 +71,8 @@ from PIL import Image
 from plumbing import progress
 from env import VMError, VMPool
 
+# Ours, untuned: GATHER is short next to a step's generate (about a second on a GPU), long next to
+# the gap between desktops that finished together; GRACE covers a VM's own retries.
 GATHER = 0.05  # seconds a batch waits for more observations after its first one (see run)
 GRACE = 5.0    # seconds past a call's own timeout before the stepper gives up on it
 

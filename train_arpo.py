@@ -60,7 +60,7 @@ import grpo
 import rollout
 from actions import MIN_PIXELS, parse_action, smart_resize
 from env import SETTLE_HELP, Task, TaskError, VMError, VMPool, load_tasks, parse_settle
-from model import PROMPTS, Generation, encode_chat, generate, load_policy, sync_weights, uitars_messages
+from model import PROMPTS, Answer, encode_chat, generate, load_policy, sync_weights, uitars_messages
 from plumbing import ckpt, dist, logs, progress, rundir
 from plumbing.rundir import arg
 from qwen_vl import TURN_START
@@ -75,13 +75,13 @@ PROG = "train_arpo.py"
 
 @dataclass
 class Episode:
-    """One rollout of one task on one VM. Step i: screenshots[i] was seen, assistant[i] answered."""
+    """One rollout of one task on one VM. Step i: screenshots[i] was seen, answers[i] answered."""
     task: Task
     vm: int                    # the desktop that played it (numbered among all ranks')
     group: int = 0
     iteration: int = 0
     screenshots: list = field(default_factory=list)   # PIL images (PNG bytes once stored for replay)
-    assistant: list = field(default_factory=list)     # per step: sampled token ids, or text (scripted)
+    answers: list = field(default_factory=list)       # per step: the answer's sampled token ids, or text (scripted)
     logprobs: list = field(default_factory=list)      # per step: the sampler's log-prob per id, or None (scripted)
     texts: list = field(default_factory=list)         # per step: the answer as text
     thoughts: list = field(default_factory=list)      # per step: the parsed Thought ("" if unparseable)
@@ -136,10 +136,10 @@ def episode(desk: rollout.Desktop, task: Task, args, group: int = 0, iteration: 
                     # not a valid action after all, so it counts as a format failure.
                     e.format_ok[-1] = False
                     e.actions[-1] = {**e.actions[-1], "refused": str(err)}
-                    e.end = "format" if args.stop_on_format_error else None
+                    e.end = "format" if args.stop_on_format_error else None  # ALGO: ARPO stops the episode
                     action = None
-            if e.end is None and len(e.assistant) >= min(args.max_steps, task.max_steps):
-                e.end = "max_steps"
+            if e.end is None and len(e.answers) >= min(args.max_steps, task.max_steps):
+                e.end = "max_steps"  # ALGO: the step budget (ARPO: 15)
             if e.end is None and action is None:
                 img = desk.screenshot()  # nothing ran, and the episode goes on: look again
         checks = None
@@ -162,19 +162,19 @@ def observe(e: Episode, img: Image.Image, args) -> Observation:
     h, w = smart_resize(img.height, img.width, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
     # The history: earlier answers as the sampled ids themselves, so this prompt and the training
     # sequence built from the same episode later hold the very same tokens.
-    msgs = uitars_messages(e.task.instruction, e.screenshots, e.assistant, max_images=args.max_images, prompt=args.prompt)
-    return Observation(e.task, e.vm, len(e.assistant), msgs, img.size, (w, h), e.job)
+    msgs = uitars_messages(e.task.instruction, e.screenshots, e.answers, max_images=args.max_images, prompt=args.prompt)
+    return Observation(e.task, e.vm, len(e.answers), msgs, img.size, (w, h), e.job)
 
 
 def add_answer(e: Episode, o: Observation, answer, args):
     """One answer into its episode, parsed in the image the model saw. -> the Action to run, or None."""
-    if isinstance(answer, Generation):  # the model: keep the sampled ids, parse in the image it saw
-        text, content, seen, lps = answer.text, list(answer.completion_ids), answer.prompt.image_sizes[-1], answer.logprobs
+    if isinstance(answer, Answer):  # the model: keep the sampled ids, parse in the image it saw
+        text, ids, seen, lps = answer.text, list(answer.ids), answer.prompt.image_sizes[-1], answer.logprobs
     else:                               # a scripted stand-in: text, in o.image_size coordinates
-        text, content, seen, lps = str(answer), str(answer), o.image_size, None
+        text, ids, seen, lps = str(answer), str(answer), o.image_size, None
     parsed = parse_action(text, "uitars", o.screen, seen)
     e.texts.append(text)
-    e.assistant.append(content)
+    e.answers.append(ids)
     e.logprobs.append(None if lps is None else [float(x) for x in lps])
     e.thoughts.append(parsed.thought if parsed else "")
     e.actions.append(parsed.action.to_dict() if parsed else None)
@@ -237,7 +237,7 @@ def play_tasks(pool: VMPool, tasks: list[Task], policy_fn, args, groups: list[in
 
 def model_policy(policy, args: Args, temperature: float):
     """The default policy_fn: one batched generate over all observations -> Generations."""
-    def policy_fn(observations: list[Observation]) -> list[Generation]:
+    def policy_fn(observations: list[Observation]) -> list[Answer]:
         return generate(policy, [o.messages for o in observations], max_new_tokens=args.max_new_tokens,
                         temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0)
     return policy_fn
@@ -294,7 +294,7 @@ def assign_tasks(tr: Trainer, pick, times: dict) -> tuple[list[str], list[Task],
     return task_ids, jobs, [g for g in mine for _ in range(a.group_size)], mine.start * a.group_size
 
 
-def replay(successes: grpo.ReplayBuffer | None, fresh: list[Episode], task_ids: list[str],
+def replay(replay_buffer: grpo.ReplayBuffer | None, fresh: list[Episode], task_ids: list[str],
            scores: list[tuple[int, float]]) -> tuple[list[Episode], list[dict]]:
     """ALGO: ARPO's replay. A group that failed alike (score std < 0.05 and mean < 0.2) gets one
     member replaced by a stored success of its task, which was stored in an EARLIER iteration (this
@@ -309,10 +309,10 @@ def replay(successes: grpo.ReplayBuffer | None, fresh: list[Episode], task_ids: 
     to_train, injections = [], []
     for g, tid in enumerate(task_ids):
         members = [e for e in fresh if e.group == g]  # (none: another rank's group, or every VM failed)
-        if successes is not None and by_group.get(g):
+        if replay_buffer is not None and by_group.get(g):
             # Another rank's group is drawn for too (with stand-ins), so every rank's buffer draws alike.
             # -> the members with a stored success in place of member k (k None: none injected).
-            new, _, k = successes.inject(tid, members or [None] * len(by_group[g]), by_group[g])
+            new, _, k = replay_buffer.inject(tid, members or [None] * len(by_group[g]), by_group[g])
             if k is not None and members:
                 # The stored success joins this group: its own reward, normalised against today's
                 # members. Its sampler log-probs are an older policy's: dropped, and the logp_gap metric skips
@@ -357,18 +357,18 @@ def episode_samples(policy, ep: Episode, args, advantage: float = 0.0) -> list[g
     share of the trajectory's target tokens, so under seq-mean-token-mean the pieces count as one
     sequence and the loss is the one the whole trajectory would give."""
     shots = [as_image(s) for s in ep.screenshots]  # (a replayed episode's are PNG bytes)
-    n, K = len(ep.assistant), args.max_images
+    n, K = len(ep.answers), args.max_images
     lps = ep.logprobs if len(ep.logprobs) == n and all(lp is not None for lp in ep.logprobs) else None
     im_start = policy.tokenizer.convert_tokens_to_ids(TURN_START)  # a turn's first token
     pieces = []
     # Piece ends: the first min(n, K) answers together, then one piece per later answer.
     for end in [min(n, K)] + list(range(K + 1, n + 1)):  # answers [0, end) in context
-        msgs = uitars_messages(ep.task.instruction, shots[:end], ep.assistant[:end], max_images=K, prompt=args.prompt)
+        msgs = uitars_messages(ep.task.instruction, shots[:end], ep.answers[:end], max_images=K, prompt=args.prompt)
         enc = encode_chat(policy, msgs, add_generation_prompt=False)
         first_target = 0 if end <= K else end - 1  # the first answer this piece trains
         if first_target:  # earlier answers are context here: only the last assistant turn is a target
             last_turn = max(i for i, t in enumerate(enc.input_ids) if t == im_start)
-            enc.target_mask = [0] * last_turn + enc.target_mask[last_turn:]
+            enc.target_mask = [0] * last_turn + enc.target_mask[last_turn:]  # ALGO: its last answer alone trains
         old = [x for lp in lps[first_target:end] for x in lp] if lps is not None else None
         pieces.append(grpo.trajectory_sample(enc, ep.reward, ep.group, old))
     total = sum(sum(p.target_mask) for p in pieces)
@@ -410,7 +410,7 @@ class Trainer:
     pool: VMPool
     policy: object
     optimizer: torch.optim.Optimizer
-    replay: grpo.ReplayBuffer | None
+    replay_buffer: grpo.ReplayBuffer | None
     policy_fn: object
     run: str | None = None
     tasks: list = field(default_factory=list)  # the training task list (after --select-tasks)
@@ -430,11 +430,11 @@ def iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
     fresh = [e for e in eps if e.end != "dropped"]
     # -- replay into the groups that failed alike, THEN store this iteration's successes (under
     # torchrun every rank keeps the same buffer: it sees every rank's scores and successes)
-    to_train, injections = replay(tr.replay, fresh, task_ids, dist.every([(e.group, e.score) for e in fresh]))
-    if tr.replay is not None:
-        won = [(e.task.id, to_dict(e), e.score) for e in fresh if e.score > tr.replay.success_threshold]
+    to_train, injections = replay(tr.replay_buffer, fresh, task_ids, dist.every([(e.group, e.score) for e in fresh]))
+    if tr.replay_buffer is not None:
+        won = [(e.task.id, to_dict(e), e.score) for e in fresh if e.score > tr.replay_buffer.success_threshold]
         for task_id, d, score in dist.every(won):
-            tr.replay.add(task_id, d, score)  # ALGO: kept if a success (score > --success-threshold)
+            tr.replay_buffer.add(task_id, d, score)  # ALGO: kept if a success (score > --success-threshold)
     # -- one advantage per trajectory, on every assistant token of it; the GRPO update
     adv = advantages(to_train, a)  # (N,)
     pieces = [episode_samples(tr.policy, e, a, x) for e, x in zip(to_train, adv)]  # each trajectory's sequences
@@ -446,7 +446,7 @@ def iteration(tr: Trainer, it: int, pick) -> tuple[dict, list[Episode]]:
             sync_weights(tr.policy)  # the generator samples the next rollout from the new weights
     times["time/iteration"] = time.perf_counter() - t0
     m = logs.arpo_metrics(it, task_ids, fresh, out, tr.pool.first, to_train, adv, pieces, upd, injections,
-                          len(tr.replay or []), a.success_threshold, times)
+                          len(tr.replay_buffer or []), a.success_threshold, times)
     return {**m, "actor/lr": lr}, eps
 
 
@@ -471,14 +471,14 @@ def setup(args: Args, pool: VMPool, policy, run: str, state, tasks: list) -> tup
     fine-tuning. -> (Trainer, the first iteration to run)."""
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)  # ARPO: AdamW, wd 0.01
-    buffer = grpo.ReplayBuffer(args.replay_capacity, args.success_threshold, seed=args.seed) if args.replay else None
+    replay_buffer = grpo.ReplayBuffer(args.replay_capacity, args.success_threshold, seed=args.seed) if args.replay else None
     picker, start = {"epoch": 0, "pos": 0}, 0
     if state is not None:
-        if buffer is not None and state[0]["replay"] is not None:
-            buffer.load_state_dict(state[0]["replay"])  # ARPO's own code starts it empty again
+        if replay_buffer is not None and state[0]["replay"] is not None:
+            replay_buffer.load_state_dict(state[0]["replay"])  # ARPO's own code starts it empty again
         picker = dict(state[0]["picker"])
         start = ckpt.resume(run, state, policy, optimizer)  # optimizer, metrics.jsonl and RNG states
-        print(f"resumed {run} at iteration {start} ({len(buffer or [])} stored successes)")
+        print(f"resumed {run} at iteration {start} ({len(replay_buffer or [])} stored successes)")
     dist.seed_ranks((args.seed if args.sample_seed is None else args.sample_seed) + start)  # torchrun: own samples
     policy_fn = model_policy(policy, args, args.temperature)
     if state is None and args.select_tasks > 0:
@@ -486,7 +486,7 @@ def setup(args: Args, pool: VMPool, policy, run: str, state, tasks: list) -> tup
             tasks = selected_tasks(pool, tasks, policy_fn, args, run)
     ref_fn = grpo.reference_fn(args.beta, args.lora_rank, lambda: load_policy(  # the run's start, also on a resume
         args.model, seed=args.seed, min_pixels=args.min_pixels, max_pixels=args.max_pixels))
-    return Trainer(args, pool, policy, optimizer, buffer, policy_fn, run, tasks, picker, ref_fn), start
+    return Trainer(args, pool, policy, optimizer, replay_buffer, policy_fn, run, tasks, picker, ref_fn), start
 
 
 def main(argv=None) -> None:
@@ -538,12 +538,19 @@ def to_dict(e: Episode) -> dict:
         buf = BytesIO()
         img.save(buf, format="PNG", compress_level=1)
         return buf.getvalue()
-    d = {f.name: getattr(e, f.name) for f in fields(Episode)}
+    d = {STORED_AS.get(f.name, f.name): getattr(e, f.name) for f in fields(Episode)}
     return {**d, "task": {**asdict(e.task), "solution": []}, "screenshots": [png(s) for s in e.screenshots]}
 
 
 def from_dict(d: dict) -> Episode:
+    d = {STORED_FIELD.get(k, k): v for k, v in d.items()}
     return Episode(**{**d, "task": Task(**d["task"])})
+
+
+# Episode fields stored under an older name (checkpoints' replay buffers keep their keys, so runs
+# written before the rename still resume): the answers were called "assistant".
+STORED_AS = {"answers": "assistant"}
+STORED_FIELD = {v: k for k, v in STORED_AS.items()}
 
 
 def as_image(x) -> Image.Image:
@@ -556,7 +563,8 @@ class Args:
     # desktops and tasks
     vms: str = arg("16", "number of local desktops to launch, or comma-separated URLs of running vm_server.py")
     token: str = arg("", "secret each remote VM's token is derived from (default: $VM_TOKEN); local desktops make their own")
-    vm_timeout: float = arg(60.0, "seconds one VM call may take before that VM drops out of the iteration")
+    vm_timeout: float = arg(60.0, "seconds one VM call may take before that VM drops out of the iteration (ours: "
+                                  "twice train_explore's 30, as a task's setup and evaluate run commands)")
     screen: str = arg("1280x720", "screen size of local desktops")
     desktop_limits: str = arg("", "each local desktop's bounds, e.g. memory=1g,pids=512,cpus=1,disk=256m,tmp=256m "
                                   "(the defaults; any subset; docs/vm.md); as root, a desktop cannot take more")
@@ -578,15 +586,17 @@ class Args:
                      "'tiny' = random weights")
     engine: str = arg("hf", "generation engine: hf (any device) or vllm (GPU, pip install vllm)")
     lora_rank: int = arg(0, "LoRA rank; 0 = full fine-tuning (ARPO)")
-    lora_alpha: int = arg(16, "LoRA alpha")
+    lora_alpha: int = arg(16, "LoRA alpha (ARPO trains the full model; 16 is ScreenExplorer's)")
     gradient_checkpointing: bool = arg(False, "trade compute for memory in the update")
     max_pixels: int = arg(2116800, "max pixels of a screenshot as the model sees it (ARPO: 2116800)")
     min_pixels: int = arg(MIN_PIXELS, "min pixels of a screenshot as the model sees it")
-    max_new_tokens: int = arg(256, "tokens one answer may take (Thought + Action)")
+    max_new_tokens: int = arg(256, "tokens one answer may take (Thought + Action; ours, untuned: twice "
+                                    "ScreenExplorer's 128 for UI-TARS's longer thoughts)")
     # rollout
     iterations: int = arg(100, "training iterations (each: one rollout of every group + one update)")
     max_steps: int = arg(15, "steps per episode at most (ARPO: 15); a task's own max_steps may lower it")
-    max_images: int = arg(15, "screenshots kept in the prompt (ARPO: 15); older ones stay as text")
+    max_images: int = arg(15, "screenshots kept in the prompt (ARPO: 15); older screenshots are dropped, "
+                                "their answers stay")
     temperature: float = arg(1.0, "sampling temperature in training; the update scores log-probs at it too (ARPO: 1.0)")
     top_p: float = arg(1.0, "nucleus sampling in training")
     stop_on_format_error: bool = arg(True, "an unparseable answer ends the episode, as in ARPO's code")
@@ -699,7 +709,7 @@ def resolve_args(argv=None) -> tuple:
 def checkpoint(tr: Trainer, next_it: int, metrics: dict | None = None) -> None:
     """ckpt.save plus ARPO's own state: the replay buffer, the task order, the task list."""
     ckpt.save(tr.run, tr.policy, tr.optimizer, next_it, tr.args, metrics, picker=dict(tr.picker),
-              tasks=[t.id for t in tr.tasks], replay=tr.replay.state_dict() if tr.replay is not None else None)
+              tasks=[t.id for t in tr.tasks], replay=tr.replay_buffer.state_dict() if tr.replay_buffer is not None else None)
 
 
 def play_shared(pool: VMPool, tasks: list[Task], policy_fn, args, save=None) -> tuple[list[Episode], int]:
@@ -750,7 +760,7 @@ def evaluate(pool: VMPool, tasks: list[Task], policy_fn, args, save_to: str | No
                                         for d in sorted(set(domain.values()) - {""})}
     out["details"] = eps
     steps = [ok for e in eps for ok in e["format_ok"]]
-    out["format_rate"] = sum(steps) / len(steps) if steps else None  # share of answers that parsed
+    out["format_rate"] = sum(steps) / len(steps) if steps else None  # answers that parsed and ran (format_ok)
     return out
 
 

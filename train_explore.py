@@ -11,10 +11,10 @@ One iteration (`iteration`, which `main`'s loop `train` calls): --steps steps on
 desktop, each an `episode` on its own (screenshot -> the exploration prompt -> the policy's
 answer, one batched generate for whatever is waiting (rollout.play) -> {"intent", "action"}
 parsed -> the action, and the screen once it settled) -> the format-valid steps' screen features
-(and OCR text) -> `curiosity`: the world model's guesses, then it learns the buffer -> `score`:
-every reward term that is on (rewards.py) -> advantages over the whole buffer, ONE group ->
-`update` (after --update-actor-delay iterations) -> the iteration's best steps kept for
-distillation -> log, checkpoint. Between generations (--generations G) the next starts again from
+(and OCR text) -> `predict_and_learn`: the world model's guesses (curiosity), then it learns the
+buffer -> `step_rewards`: every reward term that is on (rewards.py) -> advantages over the whole
+buffer, ONE group -> `update` (after --update-actor-delay iterations) -> the iteration's best
+steps kept for distillation -> log, checkpoint. Between generations (--generations G) the next starts again from
 the BASE model fine-tuned on every distilled step so far (`start_generation`). The file reads in
 that order; after `main` come what the loop calls by name: the flags (`Args`, with the paper's
 defaults: LoRA r 64, lr 4e-5, KL 0.04, clip 0.2 / 0.28, one optimizer step per 16 steps, the actor
@@ -63,7 +63,7 @@ import rewards as R
 import rollout
 from actions import MAX_PIXELS, MIN_PIXELS, Action, Parsed, cursor_after, parse_action
 from env import SETTLE_HELP, VMError, VMPool, parse_settle
-from model import Generation, encode_chat, explore_messages, generate, load_policy, sync_weights
+from model import Answer, encode_chat, explore_messages, generate, load_policy, sync_weights
 from plumbing import ckpt, dist, logs, progress, rundir
 from plumbing.rundir import arg
 from vm.limits import parse as parse_limits
@@ -84,7 +84,7 @@ class Step:
     after: Image.Image  # the screen once it settled after the action (--settle)
     text: str  # the model's answer (or the random baseline's action string)
     parsed: Parsed | None  # the answer's intent (.thought) and action; None: it did not parse, nothing ran
-    gen: object = None  # model.Generation (prompt + sampled ids), None for a stand-in policy
+    answer: object = None  # model.Answer (prompt + sampled ids), None for a stand-in policy
     error: str | None = None  # the VM refused the action (4xx): a format failure too, nothing ran
     windows_before: dict | None = None  # {X window id: title} open before the step (when asked for)
     windows_after: dict | None = None  # ... and after it
@@ -124,7 +124,7 @@ def episode(desk: rollout.Desktop, steps: int, settle, reset: bool, windows: boo
         # iterations, the eval before each episode; between resets this is an approximation).
         cursor = (before.width // 2, before.height // 2)
         for t in range(steps):
-            text, parsed, gen = parse_answer((yield Observation(desk.id, t, before, cursor)), before.size, cursor)
+            text, parsed, answer = parse_answer((yield Observation(desk.id, t, before, cursor)), before.size, cursor)
             error = None
             try:
                 after = desk.act(parsed.action, settle) if parsed else desk.screenshot()
@@ -135,7 +135,7 @@ def episode(desk: rollout.Desktop, steps: int, settle, reset: bool, windows: boo
             open_after = {w["id"]: w["title"] for w in desk.windows()} if windows else None
             # The step is kept even when malformed: its reward is 0, usually below the buffer's mean,
             # so a negative advantage, which is how GRPO teaches the format.
-            out.append(Step(desk.id, t, before, after, text, parsed, gen, error, open_before, open_after))
+            out.append(Step(desk.id, t, before, after, text, parsed, answer, error, open_before, open_after))
             if error is None:
                 cursor = cursor_after(parsed.action if parsed else None, cursor)
             before, open_before = after, open_after  # the after-screen is the next step's before-screen
@@ -147,10 +147,10 @@ def episode(desk: rollout.Desktop, steps: int, settle, reset: bool, windows: boo
 
 
 def parse_answer(answer, screen: tuple, cursor: tuple) -> tuple:
-    """-> (text, Parsed or None, Generation or None). The model's answer (a Generation) is parsed in
+    """-> (text, Parsed or None, Answer or None). The model's answer (a Answer) is parsed in
     the resized image it saw, its coordinates mapped to the screen; a stand-in's text (the random
     baseline, a test's script) is in screen pixels. None: a format failure."""
-    if isinstance(answer, Generation):
+    if isinstance(answer, Answer):
         return answer.text, parse_action(answer.text, "explore", screen, answer.prompt.image_sizes[0], cursor=cursor), answer
     return str(answer), parse_action(str(answer), "explore", screen, None, cursor=cursor), None
 
@@ -172,7 +172,7 @@ def play_steps(pool: VMPool, vms: set, policy_fn, steps: int, settle, reset: boo
 
 def model_policy(policy, a: Args, temperature: float):
     """The default policy_fn: one batched generate over all observations -> Generations."""
-    def policy_fn(observations: list[Observation]) -> list[Generation]:
+    def policy_fn(observations: list[Observation]) -> list[Answer]:
         return generate(policy, [explore_messages(o.image) for o in observations], a.max_new_tokens, temperature,
                         a.top_p if temperature > 0 else 1.0)
     return policy_fn
@@ -213,18 +213,18 @@ def step_features(tr: Trainer, steps: list[Step]) -> R.Features | None:
                            [s.parsed.action for s in steps], tr.tools if "text" in R.reads(tr.reward_flags) else None)
 
 
-def curiosity(tr: Trainer, f: R.Features | None, actions: list, a: Args) -> tuple:
+def predict_and_learn(tr: Trainer, f: R.Features | None, actions: list, a: Args) -> tuple:
     """ALGO: the world model's guesses of every step's after-screen as it stood before this buffer
     (the curiosity terms), then it learns the buffer (--wm-train-first: the release's order, the
     other way round). f, actions: every rank's format-valid steps. -> (screen guesses (V, D) or
     None, text guesses (V, E) or None, the world model's metrics)."""
     if "world_model" not in R.reads(tr.reward_flags) or not actions:
         return None, None, {"wm/loss": None, "wm/loss_first_epoch": None}
-    return R.update_and_predict(tr.wm, tr.wm_opt, f, actions, format_ok=[1] * len(actions), epochs=a.wm_epochs,
+    return R.predict_and_learn(tr.wm, tr.wm_opt, f, actions, format_ok=[1] * len(actions), epochs=a.wm_epochs,
                                 batch_size=a.wm_batch_size, train_first=a.wm_train_first)  # (V, D), (V, E)
 
 
-def score(tr: Trainer, buffer: list[Step], f: R.Features | None, pred_s=None, pred_t=None) -> R.Rewards:
+def step_rewards(tr: Trainer, buffer: list[Step], f: R.Features | None, pred_s=None, pred_t=None) -> R.Rewards:
     """ALGO: the exploration reward of each of the N steps: every term that is on, summed, times
     the format reward; a malformed step earns exactly 0 (only format-valid steps were featurised:
     f, and the world model's guesses pred_s, pred_t, are theirs). -> rewards.Rewards, (N,) each."""
@@ -243,7 +243,7 @@ def score(tr: Trainer, buffer: list[Step], f: R.Features | None, pred_s=None, pr
 def step_samples(buffer: list[Step], r: R.Rewards, adv: torch.Tensor) -> list[grpo.Sample]:
     """One training sequence per step: its prompt and the sampled answer ids, with its advantage.
     (The sampler's log-probs ride along only so the update can log actor/logp_gap.)"""
-    out = [grpo.step_sample(s.gen.prompt, s.gen.completion_ids, float(r.total[k]), old_logps=s.gen.logprobs)
+    out = [grpo.step_sample(s.answer.prompt, s.answer.ids, float(r.total[k]), old_logps=s.answer.logprobs)
            for k, s in enumerate(buffer)]
     for sample, x in zip(out, adv.tolist()):
         sample.advantage = x
@@ -302,7 +302,7 @@ def distill_rows(buffer: list[Step], r: R.Rewards, it: int, top: float, everyone
     in desktop then time order, as their trajectory files list them)."""
     ranked = sorted(everyone, key=lambda s: (s["vm"], s["step"]))
     kept = {(s["vm"], s["step"]) for s in top_steps([{**s, "iteration": it} for s in ranked], top)}
-    return [k for k, s in enumerate(buffer) if s.format_ok and s.gen is not None and (s.vm, s.step) in kept]
+    return [k for k, s in enumerate(buffer) if s.format_ok and s.answer is not None and (s.vm, s.step) in kept]
 
 
 def start_generation(g: int, run: str, a: Args) -> tuple:
@@ -382,9 +382,9 @@ def iteration(tr: Trainer, it: int, reset: bool) -> tuple:
         f = step_features(tr, valid)
     with rundir.timed(times, "world_model"), dist.same_rng(a.seed + it):  # (torchrun: one world model on every rank)
         f_all, actions_all, my_rows = dist.every_rows(f, [s.parsed.action for s in valid], R.Features)
-        pred_s, pred_t, wm_metrics = curiosity(tr, f_all, actions_all, a)  # on every rank's valid steps
+        pred_s, pred_t, wm_metrics = predict_and_learn(tr, f_all, actions_all, a)  # on every rank's valid steps
     with rundir.timed(times, "rewards"):
-        r = score(tr, buffer, f, *(None if p is None else p[my_rows] for p in (pred_s, pred_t)))  # (N,) each
+        r = step_rewards(tr, buffer, f, *(None if p is None else p[my_rows] for p in (pred_s, pred_t)))  # (N,) each
     # -- ALGO: GRPO with the whole buffer as ONE group: each step's reward against every step's (on
     # every rank: torchrun's buffers together, in rank order; each rank trains its own steps)
     total_all, my_steps = dist.cat(r.total)  # (N_all,), this rank's rows
@@ -392,7 +392,7 @@ def iteration(tr: Trainer, it: int, reset: bool) -> tuple:
     # -- the update, once the world model has warmed up (the ONLY condition: the release also
     # skipped it whenever the world model was off, so its no-world-model ablation never trained)
     upd = None
-    if it >= a.update_actor_delay:
+    if it >= a.update_actor_delay:  # ALGO: the actor waits for the world model (the release: 5 iterations)
         lr = grpo.set_lr(tr.optimizer, lr_at(it, a))
         samples = step_samples(buffer, r, adv)
         with rundir.timed(times, "update"), progress.bar(len(samples), "update") as bar:
@@ -430,7 +430,7 @@ def train(tr: Trainer, start: int, distill_metrics: dict) -> None:
         with rundir.timed(m, "save"):  # trajectories, distillation data, checkpoint, then the metrics line
             logs.save_steps(run, it, buffer, r, adv)
             everyone = dist.every([{"reward": float(r.total[k]), "vm": s.vm, "step": s.step}
-                                   for k, s in enumerate(buffer) if s.format_ok and s.gen is not None])
+                                   for k, s in enumerate(buffer) if s.format_ok and s.answer is not None])
             logs.save_distilled(run, tr.generation, it, buffer, r, distill_rows(buffer, r, it, a.distill_top, everyone))
             # Always at a generation's last iteration: the boundary (SFT) is redone from it.
             if (it + 1) % a.ckpt_every == 0 or (it + 1) % ipg == 0 or it + 1 == total:
@@ -505,7 +505,8 @@ class Args:
                               "local desktops")
     settle: str = arg("watch", "after each action: 'watch' (the server answers once the screen has settled) or "
                                "seconds of a fixed sleep (the release: 1)")
-    vm_timeout: float = arg(30.0, "seconds a VM call may take before that VM drops out")
+    vm_timeout: float = arg(30.0, "seconds a VM call may take before that VM drops out (ours: an exploration "
+                                  "step is one action; ARPO's 60 covers task setups)")
     desktop_limits: str = arg("", "each local desktop's bounds, e.g. memory=1g,pids=512,cpus=1,disk=256m,tmp=256m "
                                   "(the defaults; any subset; docs/vm.md); as root, a desktop cannot take more")
     temperature: float = arg(1.0, "sampling temperature (paper: 1.0)")
@@ -532,18 +533,20 @@ class Args:
                               "default, joined by name (all,<switch>): " + ", ".join(
                                   n for n, t in R.TERMS.items() if not t.default))
     wm_epochs: int = arg(3, "world-model epochs per iteration (paper: 3)")
-    wm_lr: float = arg(1e-3, "world-model learning rate")
-    wm_batch_size: int = arg(16, "world-model batch size")
-    wm_hidden: int = arg(256, "world-model hidden width")
+    wm_lr: float = arg(1e-3, "world-model learning rate (ours, untuned; the release's 4e-5 is for its 1B "
+                              "Llama world model, far too slow for a small MLP trained from scratch)")
+    wm_batch_size: int = arg(16, "world-model batch size (ours, untuned; the release: 2)")
+    wm_hidden: int = arg(256, "world-model hidden width (ours, untuned)")
     wm_train_first: bool = arg(False, "the release's order: train the world model on this buffer, then score it "
                                       "(default: score first, so a transition repeated across desktops keeps its "
                                       "surprise)")
     # experience-stream distillation
     generations: int = arg(1, "generations E1..EG; each after the first starts from the base model + SFT")
     iterations_per_generation: int | None = arg(None, "iterations per generation (default: --iterations)")
-    distill_top: float = arg(0.3, "fraction of each iteration's format-valid steps (best rewards) kept for SFT")
-    distill_epochs: int = arg(2, "SFT passes over all distilled data at the start of a generation")
-    distill_lr: float = arg(1e-4, "SFT learning rate")
+    distill_top: float = arg(0.3, "fraction of each iteration's format-valid steps (best rewards) kept for SFT "
+                                   "(ours, untuned: the paper gives no fraction)")
+    distill_epochs: int = arg(2, "SFT passes over all distilled data at the start of a generation (ours, untuned)")
+    distill_lr: float = arg(1e-4, "SFT learning rate (ours, untuned: the paper publishes no SFT recipe)")
     distill_batch: int = arg(16, "samples per SFT optimizer step")
     # eval
     eval_only: bool = arg(False, "run the policy without training and report exploration diversity: --model's, "
@@ -552,8 +555,9 @@ class Args:
     eval_random: bool = arg(True, "also run a random-action baseline on the same desktops")
     eval_save: bool = arg(True, "save every eval episode as a trajectory (screenshots + steps; view.py shows them)")
     eval_same_hash: int = arg(2, "screens whose 64-bit perceptual hashes (dHash) differ in at most this many bits "
-                                 "count as one")
-    eval_same_screen: float = arg(0.95, "the feature count of distinct screens: cosine >= this = the same screen")
+                                 "count as one (ours, untuned)")
+    eval_same_screen: float = arg(0.95, "the feature count of distinct screens: cosine >= this = the same screen "
+                                         "(ours, untuned)")
     # run
     run_name: str = arg("", "folder under --runs-dir; empty = a timestamp")
     runs_dir: str = arg("runs", "where run folders go")

@@ -40,7 +40,7 @@ What building an engine does to the trainer's process, and what we do about it (
 
 Where this departs from the papers: nothing algorithmic, this is plumbing. The engine runs in the
 trainer's own process, so a weight sync is a tensor copy, not a transfer over a socket. Its
-log-probs mean what HF generate's mean (model.Generation.logprobs): the sampling distribution,
+log-probs mean what HF generate's mean (model.Answer.logprobs): the sampling distribution,
 after temperature, top-p and the vision-token ban (vLLM's logprobs_mode="processed_logprobs";
 the default "raw_logprobs" would be the model's before temperature). Its context length is
 derived from the run's flags (needed_model_len); ARPO's release leaves vLLM at the model's own.
@@ -64,7 +64,7 @@ from PIL import Image
 from plumbing import dist
 import qwen_vl
 from model import encode_chats, image_parts, special_id
-from model import Generation, Policy, merged_weights
+from model import Answer, Policy, merged_weights
 
 VLLM_VERSION = "0.32.0"  # its wheel pins torch==2.13.0, the torch of requirements.txt
 INSTALL = f"pip install vllm=={VLLM_VERSION}"
@@ -150,7 +150,7 @@ def engine_args(policy: Policy, folder: str, max_model_len: int, max_images: int
         # (config/multimodal.py:706): say there is no video.
         limit_mm_per_prompt={"image": max_images, "video": 0}, enable_prefix_caching=True,
         # processed_logprobs: log-probs of the distribution sampled from (temperature, top-p,
-        # logit bias applied), the meaning Generation.logprobs has on the HF path too.
+        # logit bias applied), the meaning Answer.logprobs has on the HF path too.
         logprobs_mode="processed_logprobs",
         # torchrun: each rank its own engine on the GPU of its LOCAL_RANK (see the docstring)
         distributed_executor_backend="external_launcher" if world > 1 else None,
@@ -262,7 +262,7 @@ class VLLMEngine:
         self.threads = inside["threads"]  # what vLLM runs with (1 unless OMP_NUM_THREADS says otherwise)
         self.sync_weights(policy)  # the dummy weights replaced by the policy's
 
-    def generate(self, policy: Policy, batch_messages, max_new_tokens, temperature, top_p) -> list[Generation]:
+    def generate(self, policy: Policy, batch_messages, max_new_tokens, temperature, top_p) -> list[Answer]:
         from vllm import SamplingParams
         encs, prompts = engine_prompts(policy, batch_messages)
         params = [SamplingParams(**sampling_args(policy, max_new_tokens, temperature, top_p, seed))
@@ -275,7 +275,7 @@ class VLLMEngine:
             ids = list(c.token_ids)
             # processed log-probs (engine_args): the sampled token's under the sampling distribution
             lps = [lp[t].logprob for t, lp in zip(ids, c.logprobs or [])]
-            gens.append(Generation(text=c.text, prompt=enc, completion_ids=ids, logprobs=lps))
+            gens.append(Answer(text=c.text, prompt=enc, ids=ids, logprobs=lps))
         return gens
 
     def sync_weights(self, policy: Policy) -> None:

@@ -67,7 +67,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from PIL import ImageGrab
 
-from vm.procs import Desktop, app_windows, kill_tree, prctl, reap
+from vm.procs import DesktopState, app_windows, kill_tree, prctl, reap
 from vm.settle import watcher
 from vm.act import check_action, do_action
 from vm.rules import DEFAULT_ALLOW, MAX_BODY, BadRequest, check_object, vm_token
@@ -115,7 +115,7 @@ def reap_always(every: float = 0.2) -> None:
                 Handler.lock.release()
 
 
-def reset(desk: Desktop) -> dict[str, float]:
+def reset(desk: DesktopState) -> dict[str, float]:
     """Close every app started since the desktop came up, restore HOME, mouse to the centre.
     -> seconds per phase (see desktop.reset_desktop)."""
     import pyautogui
@@ -174,7 +174,7 @@ def screenshot(fmt: str = "png", quality: int = 80) -> tuple[bytes, dict]:
     return buf.getvalue(), {"Content-Type": "image/jpeg"}
 
 
-def handle(desk: Desktop, method: str, path: str, query: dict, body) -> tuple[int, object, dict]:
+def handle(desk: DesktopState, method: str, path: str, query: dict, body) -> tuple[int, object, dict]:
     """Route one authenticated request -> (status, JSON object or bytes, extra headers)."""
     routes = {"/health": "GET", "/screenshot": "GET", "/windows": "GET", "/action": "POST", "/reset": "POST",
               "/setup": "POST", "/evaluate": "POST"}
@@ -219,7 +219,7 @@ def settle_query(query: dict) -> str | float | None:
     raise BadRequest(f"'settle' must be watch or seconds in [0, {MAX_FIXED_SETTLE:g}] (e.g. 0.5).")
 
 
-def act(desk: Desktop, a: dict, how: str | float | None, image: tuple[str, int] | None) -> tuple[int, object, dict]:
+def act(desk: DesktopState, a: dict, how: str | float | None, image: tuple[str, int] | None) -> tuple[int, object, dict]:
     """Run one checked action, settle as asked, answer with the settled screen (`image`: its
     format and quality) or {"ok": true, "settle": ...}; either way the X-Settle header says how
     the settle went (see settle.Watcher.settle)."""
@@ -273,7 +273,7 @@ class Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # headers and body go out at once, no 40 ms delayed-ACK stall
     request_timeout = REQUEST_TIMEOUT  # from the previous answer (or the connection) to the whole request
     timeout = REQUEST_TIMEOUT       # sending an answer: at most this long
-    desk: Desktop = None
+    desk: DesktopState = None
     token: str | None = None
     names: frozenset = frozenset()  # local_names() of the server: Host values allowed without a token
     lock = threading.Lock()         # one mouse, one keyboard: one request at a time
@@ -596,7 +596,7 @@ def main(argv: list[str] | None = None) -> None:
         pyautogui.FAILSAFE = False
         pyautogui.PAUSE = 0.02  # a short breath after each input event, so apps see them in order
         if desk is None:
-            desk = Desktop(tuple(pyautogui.size()), os.path.expanduser("~"), dict(os.environ), allow,
+            desk = DesktopState(tuple(pyautogui.size()), os.path.expanduser("~"), dict(os.environ), allow,
                            display=os.environ["DISPLAY"])
         Handler.desk, Handler.token, Handler.verbose = desk, token, args.verbose
         Handler.request_timeout, Handler.names = args.request_timeout, local_names(host, port)

@@ -70,8 +70,8 @@ def measure(args, max_pixels: int, shots: list) -> dict:
     return dict(
         times=times, size=enc.image_sizes[0], prompt=len(enc.input_ids),
         n_img=enc.input_ids.count(policy.model.config.image_token_id),
-        same=all(a.completion_ids == b.completion_ids for a, b in zip(outs["sequential"], outs["batched"])),
-        tokens=sum(len(g.completion_ids) for g in outs["batched"]))
+        same=all(a.ids == b.ids for a, b in zip(outs["sequential"], outs["batched"])),
+        tokens=sum(len(g.ids) for g in outs["batched"]))
 
 
 def main():

@@ -110,7 +110,7 @@ def play(policy, args, screens, tasks: list, groups: list, iteration: int = 0, t
             label = icon_hit(action.to_dict() if action is not None else None)
             if step == 0 and label:  # the replica's desktop: the icon's window opens
                 shown[k], opened[k] = after[label], label
-            if eps[k].end is None and len(eps[k].assistant) >= args.max_steps:
+            if eps[k].end is None and len(eps[k].answers) >= args.max_steps:
                 eps[k].end = "max_steps"
     for e, first in zip(eps, opened):
         e.end = e.end or "max_steps"
@@ -157,8 +157,8 @@ def run_seed(c, seed: int, screens) -> dict:
     tasks = [by_id[i] for i in ids]
     policy = load_policy(warm, seed=seed, max_pixels=MAX_PIXELS)
     optimizer = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.01)
-    buffer = grpo.ReplayBuffer(args.replay_capacity, args.success_threshold, seed=seed)
-    tr = T.Trainer(args, None, policy, optimizer, buffer, None)
+    replay_buffer = grpo.ReplayBuffer(args.replay_capacity, args.success_threshold, seed=seed)
+    tr = T.Trainer(args, None, policy, optimizer, replay_buffer, None)
     tr.ref_fn = grpo.reference_fn(args.beta, 0, lambda: load_policy(warm, seed=seed, max_pixels=MAX_PIXELS))
     before = evaluate(policy, args, screens, tasks, c.eval_episodes, 1000 + seed)
     picker = {"epoch": 0, "pos": 0}
@@ -169,10 +169,10 @@ def run_seed(c, seed: int, screens) -> dict:
         jobs = [by_id[t] for t in task_ids for _ in range(args.group_size)]
         fresh = play(policy, args, screens, jobs, [g for g in range(args.groups) for _ in range(args.group_size)], it)
         parsed[4 * it // args.iterations] += [ok for e in fresh for ok in e.format_ok]
-        to_train, _ = T.replay(buffer, fresh, task_ids, [(e.group, e.score) for e in fresh])
+        to_train, _ = T.replay(replay_buffer, fresh, task_ids, [(e.group, e.score) for e in fresh])
         for e in fresh:
-            if e.score > buffer.success_threshold:
-                buffer.add(e.task.id, T.to_dict(e), e.score)
+            if e.score > replay_buffer.success_threshold:
+                replay_buffer.add(e.task.id, T.to_dict(e), e.score)
         adv = T.advantages(to_train, args)  # (N,)
         T.update(tr, [s for e, x in zip(to_train, adv) for s in T.episode_samples(policy, e, args, x)], it)
     after = evaluate(policy, args, screens, tasks, c.eval_episodes, 2000 + seed)

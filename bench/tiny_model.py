@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         gen = M.generate(policy, [msgs], max_new_tokens=a.new_tokens)[0]
         t_gen.append(time.perf_counter() - t)
-        enc = encode_chat(policy, msgs + [{"role": "assistant", "content": gen.completion_ids}],
+        enc = encode_chat(policy, msgs + [{"role": "assistant", "content": gen.ids}],
                           add_generation_prompt=False)
         t = time.perf_counter()
         ids = torch.tensor([enc.input_ids])  # (1, T)

@@ -125,7 +125,7 @@ def folder_state(folder: str) -> dict:
 def gaps(policy, gens, temperature: float) -> tuple[float, float, list[float]]:
     """(mean, max) |sampler log-prob - grpo.per_token_logps at `temperature`| over every token, and
     the trainer's log-probs."""
-    samples = [grpo.step_sample(g.prompt, g.completion_ids, old_logps=g.logprobs) for g in gens]
+    samples = [grpo.step_sample(g.prompt, g.ids, old_logps=g.logprobs) for g in gens]
     batch = grpo.collate(samples, policy.tokenizer.pad_token_id)
     batch["suppressed"] = policy.suppressed_ids()
     with torch.no_grad():
@@ -206,11 +206,11 @@ def main() -> None:
                f"(scored at the wrong T: {wrong:.4f})")
     states = random.getstate(), np_state(), torch.cuda.get_rng_state_all()
     torch.manual_seed(11)
-    a = [g.completion_ids for g in M.generate(full, batch, max_new_tokens=16)]
+    a = [g.ids for g in M.generate(full, batch, max_new_tokens=16)]
     torch.manual_seed(11)
-    b = [g.completion_ids for g in M.generate(full, batch, max_new_tokens=16)]
+    b = [g.ids for g in M.generate(full, batch, max_new_tokens=16)]
     torch.manual_seed(12)
-    c = [g.completion_ids for g in M.generate(full, batch, max_new_tokens=16)]
+    c = [g.ids for g in M.generate(full, batch, max_new_tokens=16)]
     untouched = same(list(states), [random.getstate(), np_state(), torch.cuda.get_rng_state_all()])
     report("sampling follows torch's seed, one seed per request", a == b and a != c and len({tuple(x) for x in a}) > 1
            and untouched, f"same seed same answers: {a == b}, other seed other answers: {a != c}, "
@@ -225,7 +225,7 @@ def main() -> None:
     gens = M.generate(lora, batch, max_new_tokens=32)
     base_gap, _, old = gaps(lora, gens, 1.0)
     opt = torch.optim.Adam([q for q in lora.model.parameters() if q.requires_grad], lr=2e-2)
-    samples = [grpo.step_sample(g.prompt, g.completion_ids) for g in gens]
+    samples = [grpo.step_sample(g.prompt, g.ids) for g in gens]
     train = grpo.collate(samples, lora.tokenizer.pad_token_id)
     train["suppressed"] = lora.suppressed_ids()
     for _ in range(10):  # make the sampled answers likelier: an update that moves the log-probs

@@ -82,7 +82,7 @@ def arpo_metrics(it: int, task_ids, fresh, out: rollout.Rollout, first_vm: int, 
         "reward_std": float(np.std([e["reward"] for e in fresh])) if fresh else 0.0,
         "score_mean": mean([e["score"] for e in fresh]),
         "success_rate": mean([e["score"] > success_threshold for e in fresh]),
-        "format_rate": mean([ok for e in fresh for ok in e["format_ok"]]),  # share of steps whose answer parsed
+        "format_rate": mean([ok for e in fresh for ok in e["format_ok"]]),  # answers that parsed and ran (format_ok)
         "steps_mean": mean([e["steps"] for e in fresh]),
         # OSWorld's tasks have a domain (chrome, os, ...): success per domain, as OSWorld reports
         **{f"success/{d}": mean([e["score"] > success_threshold for e in fresh if e["domain"] == d])
@@ -226,8 +226,8 @@ def save_steps(run: str, it: int, buffer: list, r, adv) -> None:
     comps = {"format": r.format, **r.parts}  # (N,) each
     for vm in sorted({s.vm for s in buffer}):
         rows = [k for k, s in enumerate(buffer) if s.vm == vm]
-        lines = [{**step_line(buffer[k]), "completion_ids": buffer[k].gen.completion_ids,
-                  "image_size": list(buffer[k].gen.prompt.image_sizes[0]), "reward": float(r.total[k]),
+        lines = [{**step_line(buffer[k]), "completion_ids": buffer[k].answer.ids,
+                  "image_size": list(buffer[k].answer.prompt.image_sizes[0]), "reward": float(r.total[k]),
                   "advantage": float(adv[k]), "rewards": {n: float(c[k]) for n, c in comps.items()}} for k in rows]
         rundir.save_trajectory(run, it, vm, lines, [buffer[k].before for k in rows])
 
@@ -246,7 +246,7 @@ def save_distilled(run: str, g: int, it: int, buffer: list, r, rows: list[int]) 
     for k in rows:
         s, png = buffer[k], io.BytesIO()
         s.before.save(png, format="PNG", compress_level=1)
-        mine.append({"vm": s.vm, "step": s.step, "png": png.getvalue(), "text": s.text, "completion_ids": s.gen.completion_ids,
+        mine.append({"vm": s.vm, "step": s.step, "png": png.getvalue(), "text": s.text, "completion_ids": s.answer.ids,
                      "intent": s.parsed.thought, "action": s.parsed.action.to_dict(), "reward": float(r.total[k])})
     kept = dist.every(mine)
     if dist.is_main():

@@ -97,7 +97,7 @@ def test_dr_grpo_advantages_in_a_real_update(tmp_path):
     eps = []
     for g, (r0, r1) in enumerate([(1.0, -0.5), (0.5, 0.5)]):
         for vm, r in enumerate((r0, r1)):  # one-step episodes of the blank screen, answered "finished()"
-            e = T.Episode(task, vm, g, screenshots=[Image.new("RGB", (1280, 720))], assistant=["Thought: done.\nAction: finished()"],
+            e = T.Episode(task, vm, g, screenshots=[Image.new("RGB", (1280, 720))], answers=["Thought: done.\nAction: finished()"],
                           logprobs=[None], reward=r)
             eps.append(e)
     for scale, want in ((False, [0.75, -0.75, 0.0, 0.0]), (True, [0.70711, -0.70711, 0.0, 0.0])):

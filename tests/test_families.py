@@ -83,7 +83,7 @@ def test_generate_logprobs_update_save_load(name, lora_rank, tmp_path):
                [{"role": "user", "content": "no image"}]]
     torch.manual_seed(0)
     gens = M.generate(p, prompts, max_new_tokens=12, temperature=0.7)
-    samples = [grpo.step_sample(g.prompt, g.completion_ids, old_logps=g.logprobs) for g in gens]
+    samples = [grpo.step_sample(g.prompt, g.ids, old_logps=g.logprobs) for g in gens]
     # The trainer scores the sampled tokens exactly as the sampler drew them (3D rope, left vs
     # right padding, images of several sizes, the vision tokens banned).
     batch = {**grpo.collate(samples, p.tokenizer.pad_token_id), "temperature": 0.7, "suppressed": p.suppressed_ids()}
@@ -95,7 +95,7 @@ def test_generate_logprobs_update_save_load(name, lora_rank, tmp_path):
     # Batched greedy decoding equals one prompt at a time (left padding with 3D rope positions).
     batched = M.generate(p, prompts, max_new_tokens=6, temperature=0)
     for msgs, b in zip(prompts, batched):
-        assert b.completion_ids == M.generate(p, [msgs], max_new_tokens=6, temperature=0)[0].completion_ids
+        assert b.ids == M.generate(p, [msgs], max_new_tokens=6, temperature=0)[0].ids
     # One GRPO update moves the policy, with the sampler's log-probs agreeing with the trainer's.
     for s, a in zip(samples, (1.0, -1.0, 0.5)):
         s.advantage = a

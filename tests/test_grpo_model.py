@@ -247,11 +247,11 @@ def test_update_policy_shuffles_mini_batches_with_the_given_generator(policy):
 
 def test_trainer_scores_the_sampling_temperature(policy):
     # Sampled at T = 0.7: the trainer's log-probs of the sampled tokens at the same T are the
-    # sampler's (Generation.logprobs), token by token; scored at T = 1 they differ.
+    # sampler's (Answer.logprobs), token by token; scored at T = 1 they differ.
     torch.manual_seed(0)
     prompts = [explore_messages(_image(64, 48, 5)), [{"role": "user", "content": "hello"}]]
     gens = M.generate(policy, prompts, max_new_tokens=16, temperature=0.7)
-    samples = [grpo.step_sample(g.prompt, g.completion_ids, old_logps=g.logprobs) for g in gens]
+    samples = [grpo.step_sample(g.prompt, g.ids, old_logps=g.logprobs) for g in gens]
     gaps = {}
     for t in (0.7, 1.0):  # lr 0: the policy stays as it sampled
         met = grpo.update_policy(policy, torch.optim.SGD(policy.model.parameters(), lr=0.0), samples, temperature=t)
@@ -303,14 +303,14 @@ def test_grpo_learns_a_simple_reward():
 
         def mean_reward():
             torch.manual_seed(123)
-            return sum(reward(g.completion_ids) for g in M.generate(pol, [msgs] * 32, max_new_tokens=8)) / 32
+            return sum(reward(g.ids) for g in M.generate(pol, [msgs] * 32, max_new_tokens=8)) / 32
 
         before = mean_reward()
         opt = torch.optim.AdamW(pol.model.parameters(), lr=1e-2)
         torch.manual_seed(seed)
         for _ in range(10):
             gens = M.generate(pol, [msgs] * 16, max_new_tokens=8)
-            samples = [grpo.step_sample(g.prompt, g.completion_ids, reward(g.completion_ids)) for g in gens]
+            samples = [grpo.step_sample(g.prompt, g.ids, reward(g.ids)) for g in gens]
             for s, a in zip(samples, group_advantages([s.reward for s in samples]).tolist()):
                 s.advantage = a  # one group, like ScreenExplorer's rollout buffer
             grpo.update_policy(pol, opt, samples, micro_batch_size=8, mini_batch_size=8, epochs=2)

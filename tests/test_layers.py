@@ -133,9 +133,9 @@ def test_each_method_is_in_its_train_script():
     # what the design puts in each file is defined there, not in a helper module
     names = {m: {n.name for n in tree(m).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} for m in OURS}
     assert {"group_advantages", "ReplayBuffer", "update_policy", "grpo_loss", "distill_step"} <= names["grpo"]
-    assert {"WorldModel", "update_and_predict", "reward", "screen_features"} <= names["rewards"]
+    assert {"WorldModel", "predict_and_learn", "reward", "screen_features"} <= names["rewards"]
     assert {"episode", "replay", "advantages", "select_tasks", "evaluate", "iteration"} <= names["train_arpo"]
-    assert {"episode", "score", "curiosity", "start_generation", "top_steps", "iteration"} <= names["train_explore"]
+    assert {"episode", "step_rewards", "predict_and_learn", "start_generation", "top_steps", "iteration"} <= names["train_explore"]
 
 
 def test_rollout_is_below_both_trainers_and_knows_no_model():

@@ -79,10 +79,10 @@ def test_generate_then_backward_reaches_every_part(policy, images):
     # through the language model AND the vision tower (the image is part of the same forward).
     msgs = explore_messages(images[0])
     gen = M.generate(policy, [msgs], max_new_tokens=16)[0]
-    assert 0 < len(gen.completion_ids) == len(gen.logprobs) <= 16
-    enc = encode_chat(policy, msgs + [{"role": "assistant", "content": gen.completion_ids}],
+    assert 0 < len(gen.ids) == len(gen.logprobs) <= 16
+    enc = encode_chat(policy, msgs + [{"role": "assistant", "content": gen.ids}],
                       add_generation_prompt=False)
-    assert sum(enc.target_mask) == len(gen.completion_ids)
+    assert sum(enc.target_mask) == len(gen.ids)
     ids = torch.tensor([enc.input_ids])  # (1, T)
     logits = policy.model(input_ids=ids, pixel_values=enc.pixel_values,
                           image_grid_thw=enc.image_grid_thw).logits  # (1, T, V)
@@ -264,7 +264,7 @@ def test_batched_greedy_equals_one_by_one(policy, images):
     batched = M.generate(policy, prompts, max_new_tokens=12, temperature=0)
     for msgs, b in zip(prompts, batched):
         one = M.generate(policy, [msgs], max_new_tokens=12, temperature=0)[0]
-        assert b.completion_ids == one.completion_ids
+        assert b.ids == one.ids
         assert np.allclose(b.logprobs, one.logprobs, atol=1e-3)
         assert b.prompt.input_ids == one.prompt.input_ids
 
@@ -276,16 +276,16 @@ def test_sampling_logprobs_equal_a_forward_pass(policy, images):
         gens = M.generate(policy, prompts, max_new_tokens=10, temperature=temperature)
         banned = [policy.tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
         for msgs, g in zip(prompts, gens):
-            assert len(g.logprobs) == len(g.completion_ids) > 0
-            assert not set(g.completion_ids) & set(banned)
-            enc = encode_chat(policy, msgs + [{"role": "assistant", "content": g.completion_ids}],
+            assert len(g.logprobs) == len(g.ids) > 0
+            assert not set(g.ids) & set(banned)
+            enc = encode_chat(policy, msgs + [{"role": "assistant", "content": g.ids}],
                                 add_generation_prompt=False)
             n = len(g.prompt.input_ids)
-            logits = _forward_logits(policy, enc)[n - 1:n - 1 + len(g.completion_ids)]  # (N, V)
+            logits = _forward_logits(policy, enc)[n - 1:n - 1 + len(g.ids)]  # (N, V)
             # The sampling distribution: logits / temperature, vision tokens removed.
             logits = logits / temperature
             logits[:, banned] = float("-inf")
-            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(g.completion_ids)[:, None])[:, 0]
+            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(g.ids)[:, None])[:, 0]
             assert torch.allclose(torch.tensor(g.logprobs), want, atol=1e-4), (g.logprobs, want)
 
 
@@ -295,10 +295,10 @@ def test_top_p_logprobs_are_renormalised(policy, images):
     torch.manual_seed(1)
     msgs = [{"role": "user", "content": "hello"}]
     g = M.generate(policy, [msgs], max_new_tokens=8, temperature=1.0, top_p=0.5)[0]
-    enc = encode_chat(policy, msgs + [{"role": "assistant", "content": g.completion_ids}], add_generation_prompt=False)
+    enc = encode_chat(policy, msgs + [{"role": "assistant", "content": g.ids}], add_generation_prompt=False)
     n = len(g.prompt.input_ids)
-    full = torch.log_softmax(_forward_logits(policy, enc)[n - 1:n - 1 + len(g.completion_ids)], -1)
-    full = full.gather(-1, torch.tensor(g.completion_ids)[:, None])[:, 0]
+    full = torch.log_softmax(_forward_logits(policy, enc)[n - 1:n - 1 + len(g.ids)], -1)
+    full = full.gather(-1, torch.tensor(g.ids)[:, None])[:, 0]
     assert (torch.tensor(g.logprobs) >= full - 1e-5).all() and (torch.tensor(g.logprobs) > full + 1e-3).any()
 
 

@@ -366,7 +366,7 @@ def test_step_features_end_to_end(tools):
     assert close(f.click_text[0], want[0], atol=1e-4) and torch.count_nonzero(f.click_text[1]) == 0
     assert close(f.text_before[0], want[1], atol=1e-4)
     wm = R.WorldModel(text_dim=tools.dim)
-    ps, pt, m = R.update_and_predict(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, acts, [1, 1], epochs=1)
+    ps, pt, m = R.predict_and_learn(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, acts, [1, 1], epochs=1)
     assert ps.shape == f.screen_after.shape and pt.shape == f.text_after.shape and m["wm/loss"] > 0
     r = exploration_rewards(ALL, [0, 1], [1, 1], f.screen_before, f.screen_after, ps, f.text_before,
                             f.text_after, pt, f.intent, f.click_text, f.click_hit)

@@ -120,14 +120,14 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     eps, _ = T.play_tasks(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args)
     assert eps[0].score == 1.0
     stored = T.to_dict(eps[0])
-    buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
-    assert buffer.add(task.id, stored, eps[0].score)
+    replay_buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
+    assert replay_buffer.add(task.id, stored, eps[0].score)
     # Its tokens as a training sample: what the update must see for the replayed member.
     want_tokens = sum(sum(p.target_mask) for p in T.episode_samples(tiny, T.from_dict(stored), args))
 
     # No weight decay: any change of the weights below comes from the GRPO gradient.
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
-    tr = T.Trainer(args, pool, tiny, opt, buffer, T.model_policy(tiny, args, 1.0), str(tmp_path), [task])
+    tr = T.Trainer(args, pool, tiny, opt, replay_buffer, T.model_policy(tiny, args, 1.0), str(tmp_path), [task])
     before = tiny.model.lm_head.weight.detach().clone()
     m, fresh = T.iteration(tr, 1, lambda n: [task.id] * n)
     # The random tiny policy failed both rollouts -> the group is all-failed -> one member replaced.
@@ -146,9 +146,9 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     assert other["advantage"] == pytest.approx(-0.70711, abs=1e-4)
     assert m["actor/tokens"] == r["target_tokens"] + other["target_tokens"]  # the update consumed both
     assert m["actor/grad_norm"] > 0 and not torch.equal(before, tiny.model.lm_head.weight)  # and learned from them
-    assert len(buffer) == 1  # failures are never stored
+    assert len(replay_buffer) == 1  # failures are never stored
 
-    # The buffer survives a checkpoint (ARPO's own code loses it on resume).
+    # The replay buffer survives a checkpoint (ARPO's own code loses it on resume).
     tr.picker = {"epoch": 0, "pos": 1}
     T.checkpoint(tr, 2)
     state, _ = ckpt.load_checkpoint(str(tmp_path))
@@ -158,11 +158,11 @@ def test_replay_injects_a_stored_success_into_a_failed_group(pool, tiny, tmp_pat
     assert sum(sum(p.target_mask) for p in T.episode_samples(tiny, again, args)) == want_tokens
 
     # --no-replay: the same all-failed group trains as it is, with zero advantages.
-    tr.replay = None
+    tr.replay_buffer = None
     m, _ = T.iteration(tr, 2, lambda n: [task.id] * n)
     assert m["n_injections"] == 0 and not any(b["replayed"] for b in m["batch"])
     assert [b["advantage"] for b in m["batch"]] == [0.0, 0.0] and m["actor/grad_norm"] == 0.0
-    assert len(buffer) == 1
+    assert len(replay_buffer) == 1
 
 
 def test_epochs_and_the_lr_schedule_in_a_real_iteration(pool, tmp_path):
@@ -230,9 +230,9 @@ def test_every_answer_is_trained_in_the_context_and_at_the_temperature_it_was_sa
     from grpo import collate, per_token_logps, trajectory_sample
     ep = eps[0]
     pieces = T.episode_samples(policy, ep, args)
-    assert [sum(p.target_mask) for p in pieces] == [len(a) for a in ep.assistant]
+    assert [sum(p.target_mask) for p in pieces] == [len(a) for a in ep.answers]
     assert sum(p.weight for p in pieces) == pytest.approx(1.0)
-    whole = encode_chat(policy, uitars_messages(task.instruction, ep.screenshots, ep.assistant, max_images=1),
+    whole = encode_chat(policy, uitars_messages(task.instruction, ep.screenshots, ep.answers, max_images=1),
                           add_generation_prompt=False)
     one = trajectory_sample(whole, old_logps=[x for lp in ep.logprobs for x in lp])
     gaps = []
@@ -252,13 +252,13 @@ def test_a_success_is_not_replayed_into_a_group_of_the_same_iteration(pool, tiny
     args = small_args(group_size=1, max_steps=len(SOLUTIONS["calc-open"]) + 1)
     # iteration 1: job 0 (VM 0) solves, job 1 (VM 1) says finished() at once and fails
     fn = scripted(lambda tid, job: SOLUTIONS[tid] if job == 0 else [])
-    buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
+    replay_buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
-    tr = T.Trainer(args, pool, tiny, opt, buffer, fn, str(tmp_path), [task])
+    tr = T.Trainer(args, pool, tiny, opt, replay_buffer, fn, str(tmp_path), [task])
     m, _ = T.iteration(tr, 1, lambda n: [task.id] * n)
     assert [(g["task"], g["scores"]) for g in m["groups"]] == [("calc-open", [1.0]), ("calc-open", [0.0])]
     assert m["n_injections"] == 0 and not any(b["replayed"] for b in m["batch"])
-    assert len(buffer) == 1  # A's success is stored, after the injections
+    assert len(replay_buffer) == 1  # A's success is stored, after the injections
     # Iteration 2: both groups fail; each now gets the success of iteration 1.
     tr.policy_fn = scripted(lambda tid, job: [])
     m, _ = T.iteration(tr, 2, lambda n: [task.id] * n)
@@ -269,17 +269,17 @@ def test_a_success_is_not_replayed_into_a_group_of_the_same_iteration(pool, tiny
 def test_replay_buffer_survives_a_real_resume(pool, tiny, tmp_path):
     """A checkpoint holding one stored success (written by T.checkpoint, as the loop does), then
     `train_arpo.py --resume` as a subprocess: the resumed run injects that success into its
-    all-failed group, and its own checkpoint holds the very same buffer."""
+    all-failed group, and its own checkpoint holds the very same replay buffer."""
     task = TASKS["calc-open"]
     args = small_args(max_steps=len(SOLUTIONS["calc-open"]) + 1, iterations=2)
     eps, _ = T.play_tasks(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args)
     assert eps[0].score == 1.0
-    buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
-    buffer.add(task.id, T.to_dict(eps[0]), eps[0].score)
+    replay_buffer = ReplayBuffer(capacity_per_task=8, success_threshold=0.1, seed=0)
+    replay_buffer.add(task.id, T.to_dict(eps[0]), eps[0].score)
     run = rundir.make_run_dir(str(tmp_path / "run"), args)
     opt = torch.optim.AdamW([p for p in tiny.model.parameters() if p.requires_grad], lr=args.lr)
-    T.checkpoint(T.Trainer(args, pool, tiny, opt, buffer, None, run, [task], {"epoch": 0, "pos": 1}), 1)
-    saved = buffer.state_dict()["data"]
+    T.checkpoint(T.Trainer(args, pool, tiny, opt, replay_buffer, None, run, [task], {"epoch": 0, "pos": 1}), 1)
+    saved = replay_buffer.state_dict()["data"]
 
     p = subprocess.run([sys.executable, os.path.join(ROOT, "train_arpo.py"), "--resume", run, "--max-steps", "2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)

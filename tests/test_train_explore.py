@@ -78,8 +78,8 @@ def scored(tr, buffer, a=None):
     a = a or T.Args()
     valid = [s for s in buffer if s.format_ok]
     f = T.step_features(tr, valid)
-    pred_s, pred_t, m = T.curiosity(tr, f, [s.parsed.action for s in valid], a)
-    return T.score(tr, buffer, f, pred_s, pred_t), m
+    pred_s, pred_t, m = T.predict_and_learn(tr, f, [s.parsed.action for s in valid], a)
+    return T.step_rewards(tr, buffer, f, pred_s, pred_t), m
 
 
 def run(*argv, timeout=300):
@@ -286,7 +286,7 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
 
 def test_the_windows_term_reads_the_window_lists_the_rollout_recorded(vm_desktop):
     """`--rewards all,windows` in small: the rollout records the window list before and after each
-    step (only when a term reads it), and score() hands it to rewards.py's windows term. A
+    step (only when a term reads it), and step_rewards() hands it to rewards.py's windows term. A
     double-click on the terminal icon, then a mouse move, on the session's real desktop."""
     from actions import Action, Parsed
     from vm.desktop import desktop_icons

@@ -66,15 +66,15 @@ def test_world_model_every_parameter_gets_gradient():
     assert parts["wm/image_loss"] > 0 and parts["wm/text_loss"] > 0
 
 
-def test_update_and_predict_trains_on_valid_steps_only():
+def test_predict_and_learn_trains_on_valid_steps_only():
     s, e, actions, s2, e2 = _transitions(n=6)
     f = R.Features(s, s2, text_before=e, text_after=e2)
     wm = R.WorldModel(text_dim=8, hidden=32)
     w0 = [p.detach().clone() for p in wm.parameters()]
-    ps, pt, m = R.update_and_predict(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, actions, [0] * 6)
+    ps, pt, m = R.predict_and_learn(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, actions, [0] * 6)
     assert m == {} and all(torch.equal(a, b) for a, b in zip(w0, wm.parameters()))  # nothing valid: no update
     assert ps.shape == (6, R.SCREEN_DIM) and pt.shape == (6, 8)  # but a prediction for every step
-    _, _, m = R.update_and_predict(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, actions, [1, 0, 1, 0, 0, 0])
+    _, _, m = R.predict_and_learn(wm, torch.optim.AdamW(wm.parameters(), 1e-3), f, actions, [1, 0, 1, 0, 0, 0])
     assert m["wm/loss"] > 0 and not all(torch.equal(a, b) for a, b in zip(w0, wm.parameters()))
 
 
@@ -99,7 +99,7 @@ def test_curiosity_scores_before_the_world_model_learns_the_buffer():
     scores = {}
     for train_first in (False, True):  # the same warm model and buffer, each order
         wm, opt, f, actions = _warm_world_model_and_novel_buffer()
-        ps, _, m = R.update_and_predict(wm, opt, f, actions, [1] * 48, epochs=3, batch_size=16,
+        ps, _, m = R.predict_and_learn(wm, opt, f, actions, [1] * 48, epochs=3, batch_size=16,
                                         train_first=train_first)
         assert m["wm/loss"] > 0  # the model learns the buffer in both orders
         cur = 1 - R.cosine(f.screen_after, ps)  # (48,) image curiosity

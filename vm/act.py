@@ -17,11 +17,11 @@ import re
 import time
 
 from actions import ACTION_FIELDS, DIRECTIONS, MAX_KEYS, MAX_TEXT_CHARS
-from vm.procs import Desktop
+from vm.procs import DesktopState
 from vm.rules import BadRequest, check_number, check_object, check_str
 
 
-def check_action(desk: Desktop, body) -> dict:
+def check_action(desk: DesktopState, body) -> dict:
     """The body of POST /action, checked against actions.ACTION_FIELDS and this screen."""
     import pyautogui
     a = check_object(body, "action", ACTION_FIELDS)
@@ -49,7 +49,7 @@ def check_action(desk: Desktop, body) -> dict:
     return a
 
 
-def do_action(desk: Desktop, a: dict) -> None:
+def do_action(desk: DesktopState, a: dict) -> None:
     import pyautogui as gui
     t, at = a["type"], ((a["x"], a["y"]) if "x" in a else ())
     if t == "move":

@@ -42,7 +42,7 @@ from dataclasses import replace
 
 from PIL import ImageGrab
 
-from vm.procs import Desktop, descendants, kill_tree, prctl, reap, spawn
+from vm.procs import DesktopState, descendants, kill_tree, prctl, reap, spawn
 from vm.settle import watcher
 
 # -------------------------------------------------------------------------------------------------
@@ -291,7 +291,7 @@ def openbox_config(config_home: str) -> None:
         fh.write(text)
 
 
-def start_session(desk: Desktop) -> None:
+def start_session(desk: DesktopState) -> None:
     """Window manager, then taskbar and desktop icons; returns once the desktop has settled (every
     icon drawn, nothing busy: vm/settle.py). openbox and tint2 keep their caches (and tint2 its copy
     of the default config) in the desktop's run folder, not in HOME, so HOME is the template and
@@ -343,7 +343,7 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def restore_home(desk: Desktop) -> None:
+def restore_home(desk: DesktopState) -> None:
     """Make HOME the template again, touching only what differs: every entry of the template with
     its content, mode, mtime and symlink target, and nothing else. HOME itself stays (in the
     sandbox it is a mount point, the one writable place, which cannot be removed)."""
@@ -390,7 +390,7 @@ def _sync(src: str, dst: str) -> None:
     shutil.copystat(src, dst)  # mode and mtime last: the changes above moved the mtime
 
 
-def reset_desktop(desk: Desktop) -> dict[str, float]:
+def reset_desktop(desk: DesktopState) -> dict[str, float]:
     """POST /reset of an --xvfb desktop: stop every program but Xvfb (the session too: a file
     manager window, its clipboard and the icons' selection live in the desktop's process), make
     HOME the template and the root window's properties what the fresh X server had, start the
@@ -410,7 +410,7 @@ def reset_desktop(desk: Desktop) -> dict[str, float]:
     return {k: round(b - a, 3) for k, a, b in zip(("kill", "home", "root", "session"), t, t[1:])}
 
 
-def kill_all(desk: Desktop) -> None:
+def kill_all(desk: DesktopState) -> None:
     """Every program of the desktop but Xvfb and this server, gone. In the sandbox as root, at once:
     the launcher outside kills every process of the desktop's cgroup but those, with forks stopped
     first (vm/limits.py), so a program that ignores SIGTERM and takes a new PID every few
@@ -430,7 +430,7 @@ def kill_all(desk: Desktop) -> None:
     reap()
 
 
-def clear_scratch(desk: Desktop) -> None:
+def clear_scratch(desk: DesktopState) -> None:
     """The sandbox's /tmp, /var/tmp and /dev/shm and the desktop's XDG_RUNTIME_DIR, emptied as HOME
     is restored: a file there is memory (tmpfs) an episode must not leave to the next. The X
     server's socket and lock in /tmp stay."""
@@ -472,7 +472,7 @@ def make_tmp(mount=None) -> str:
     return tmp
 
 
-def local_desktop(screen: tuple[int, int], allow: frozenset, tmp: str | None = None, resets=None) -> Desktop:
+def local_desktop(screen: tuple[int, int], allow: frozenset, tmp: str | None = None, resets=None) -> DesktopState:
     """--xvfb: a display, a HOME copied from a fresh template, and a session on it. `tmp` is the
     folder make_tmp() made (by the launcher outside the sandbox: then /tmp, /var/tmp and /dev/shm
     are the sandbox's own, emptied by a reset); None makes one here. `resets`: the launcher's
@@ -500,7 +500,7 @@ def local_desktop(screen: tuple[int, int], allow: frozenset, tmp: str | None = N
     # /dev/null/... can never exist; /dev/null reads as empty.
     env.update(XUSERFILESEARCHPATH=f"{os.devnull}/%N", XAPPLRESDIR=os.devnull, XENVIRONMENT=os.devnull)
     os.environ.update(DISPLAY=display, XAUTHORITY=auth)  # for pyautogui and ImageGrab in this process
-    desk = Desktop(screen, home, env, allow, xvfb, tmp, display, resets, scratch)
+    desk = DesktopState(screen, home, env, allow, xvfb, tmp, display, resets, scratch)
     restore_home(desk)
     start_session(desk)
     return desk

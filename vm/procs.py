@@ -1,6 +1,6 @@
 """vm/procs.py: the desktop a server drives, and the processes it starts on it.
 
-The bottom of the VM side: `Desktop` (screen, HOME, environment, allow-list of one served desktop),
+The bottom of the VM side: `DesktopState` (screen, HOME, environment, allow-list of one served desktop),
 starting a program on it (`spawn`), its windows (`list_windows`, `app_windows`), and our process
 tree (`descendants`, `reap`, `kill_tree`). vm_server.py, vm/act.py, vm/tasks.py, vm/rules.py and
 vm/desktop.py build on it, and it imports nothing of ours (stdlib only). Nothing here runs on its own; it is copied into
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 
 @dataclass
-class Desktop:
+class DesktopState:
     screen: tuple[int, int]
     home: str                 # every path in setup/evaluate stays inside it
     env: dict                 # the environment of every program we start
@@ -36,7 +36,7 @@ def prctl(option: int, arg: int) -> None:
     ctypes.CDLL(None).prctl(option, arg)
 
 
-def list_windows(desk: Desktop) -> list[tuple[int, int, str]]:
+def list_windows(desk: DesktopState) -> list[tuple[int, int, str]]:
     """(X window id, workspace, title) of every managed window; workspace -1 = sticky (the desktop
     icons and the taskbar, which are part of the desktop, not windows an agent opened)."""
     out = subprocess.run(["wmctrl", "-l"], env=desk.env, capture_output=True, text=True,
@@ -46,12 +46,12 @@ def list_windows(desk: Desktop) -> list[tuple[int, int, str]]:
             if len(r) >= 4 and r[1].lstrip("-").isdigit() and re.fullmatch(r"0x[0-9a-fA-F]{1,8}", r[0])]
 
 
-def app_windows(desk: Desktop) -> list[tuple[int, str]]:
+def app_windows(desk: DesktopState) -> list[tuple[int, str]]:
     """(X window id, title) of the application windows: the ones an agent can open or close."""
     return [(i, title) for i, ws, title in list_windows(desk) if ws != -1]
 
 
-def spawn(desk: Desktop, argv: list[str]) -> subprocess.Popen:
+def spawn(desk: DesktopState, argv: list[str]) -> subprocess.Popen:
     """Start a program detached (own session, no stdio). We keep no handle: /reset and exit find
     every program by walking our process tree, double-forked ones included (we are a subreaper)."""
     return subprocess.Popen(argv, cwd=desk.home, env=desk.env, stdin=subprocess.DEVNULL,

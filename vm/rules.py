@@ -36,7 +36,7 @@ import re
 import shutil
 from urllib.parse import urlsplit
 
-from vm.procs import Desktop
+from vm.procs import DesktopState
 
 # -------------------------------------------------------------------------------------------------
 # Who may ask: one token per VM
@@ -226,7 +226,7 @@ def check_regex(d: dict, key: str) -> re.Pattern:
         raise BadRequest(f"'{key}' is not a valid regular expression ({e}).")
 
 
-def check_program(desk: Desktop, d: dict) -> list[str]:
+def check_program(desk: DesktopState, d: dict) -> list[str]:
     """d["argv"]: an allow-listed program and arguments its rule accepts (see check_args)."""
     argv = d.get("argv")
     if not (isinstance(argv, list) and 0 < len(argv) <= 64
@@ -243,7 +243,7 @@ def check_program(desk: Desktop, d: dict) -> list[str]:
 # Paths inside HOME, and the programs a request may start
 
 
-def program(desk: Desktop, name: str) -> str | None:
+def program(desk: DesktopState, name: str) -> str | None:
     """The absolute path `name` runs as, found on PATH without relative or HOME entries: a file
     written into HOME (~/bin/ls, ./ls) must never become an allow-listed program."""
     home = os.path.realpath(desk.home)
@@ -257,7 +257,7 @@ def inside(real: str, home: str) -> bool:
     return real == home or real.startswith(home + os.sep)
 
 
-def visible_in_home(desk: Desktop, p: str) -> str | None:
+def visible_in_home(desk: DesktopState, p: str) -> str | None:
     """The real path of `p` (relative to HOME) if it lies inside HOME and no part of it below HOME
     is hidden (starts with '.'); else None."""
     home = os.path.realpath(desk.home)
@@ -279,7 +279,7 @@ def code_name(name: str) -> str | None:
     return None
 
 
-def harmless(desk: Desktop, real: str, given: str = "") -> str:
+def harmless(desk: DesktopState, real: str, given: str = "") -> str:
     """`real` (a resolved path inside HOME, reached as `given`) if no app reads code from it:
     not in Desktop/ (every file there is an icon the agent double-clicks), and no part of either
     spelling named like a launcher or an X resource file. BadRequest otherwise."""
@@ -348,7 +348,7 @@ def writes(argv: list[str]) -> bool:
             or argv[0] == "uniq" and len(plain) > 1)
 
 
-def _tree(desk: Desktop, top: str) -> None:
+def _tree(desk: DesktopState, top: str) -> None:
     """BadRequest if the folder `top` (which cp/mv would copy or move) holds a symlink (moved or
     copied, a link can point out of HOME from its new place), a file with a code_name, or more than
     MAX_TREE entries."""
@@ -362,7 +362,7 @@ def _tree(desk: Desktop, top: str) -> None:
                 raise BadRequest(f"cannot copy or move {os.path.relpath(top, desk.home)!r}: {why}.")
 
 
-def check_args(desk: Desktop, argv: list[str]) -> list[str]:
+def check_args(desk: DesktopState, argv: list[str]) -> list[str]:
     """argv as it will run, per ARGV_RULES (GUI paths made absolute); BadRequest if refused. Applied
     to the request's argv when it is checked AND right before the program starts: an earlier step
     may have put a symlink where a path pointed."""
@@ -419,7 +419,7 @@ def check_args(desk: Desktop, argv: list[str]) -> list[str]:
     return out
 
 
-def resolve(desk: Desktop, p) -> str:
+def resolve(desk: DesktopState, p) -> str:
     """'rel' and '~/rel' are under HOME; absolute paths must resolve (symlinks too) inside HOME."""
     if not isinstance(p, str) or not p or len(p) > 4096 or "\0" in p or not _unicode(p):
         raise BadRequest("'path' must be a non-empty string of Unicode text.")
@@ -430,7 +430,7 @@ def resolve(desk: Desktop, p) -> str:
     return real
 
 
-def runnable(desk: Desktop, argv: list[str]) -> list[str]:
+def runnable(desk: DesktopState, argv: list[str]) -> list[str]:
     """argv checked once more right before it starts, its program as an absolute path."""
     argv, exe = check_args(desk, argv), program(desk, argv[0])
     if exe is None:

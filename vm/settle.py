@@ -69,7 +69,7 @@ import time
 
 from PIL import ImageGrab
 
-from vm.procs import Desktop, descendants
+from vm.procs import DesktopState, descendants
 
 # The constants, and why each has its value. The measurements behind them (bench/settle.py's
 # columns, on a 1280x720 --xvfb desktop of 2 shared cores, idle, at load 2 and beside CPU burners)
@@ -292,7 +292,7 @@ class Watcher:
 _watchers: dict[str, Watcher] = {}
 
 
-def watcher(desk: Desktop) -> Watcher:
+def watcher(desk: DesktopState) -> Watcher:
     """The served desktop's Watcher, made at its first use and kept (an X connection of its own).
     This server's descendants are the desktop; in your own VM (no --xvfb) also the processes of
     our user that an action starts."""

@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 import time
 
-from vm.procs import Desktop, app_windows, spawn
+from vm.procs import DesktopState, app_windows, spawn
 from vm.settle import watcher
 from vm.rules import (ENTRY_BYTES, HOME_QUOTA, MAX_BODY, BadRequest, all_unicode, check_number, check_object,
                       check_program, check_regex, check_str, desktop_entry, harmless, inside, resolve, runnable,
@@ -78,7 +78,7 @@ def _items(body, what: str, key: str, optional=()) -> list:
     return body[key]
 
 
-def check_step(desk: Desktop, s) -> dict:
+def check_step(desk: DesktopState, s) -> dict:
     s = check_object(s, "setup step", STEP_FIELDS)
     if s["type"] in ("launch", "command"):
         s["argv"] = check_program(desk, s)
@@ -113,7 +113,7 @@ def check_step(desk: Desktop, s) -> dict:
     return s
 
 
-def run_step(desk: Desktop, s: dict, deadline: float = float("inf")) -> dict:
+def run_step(desk: DesktopState, s: dict, deadline: float = float("inf")) -> dict:
     t = s["type"]
     if "path" in s:  # again: an earlier step may have moved a symlink that points out onto its way
         s["path"] = harmless(desk, resolve(desk, s["path"]))
@@ -131,7 +131,7 @@ def run_step(desk: Desktop, s: dict, deadline: float = float("inf")) -> dict:
     return {"type": t, "exit_code": code, "stdout": out[:4096]}  # exit_code None = timed out
 
 
-def write_file(desk: Desktop, path: str, data: bytes) -> None:
+def write_file(desk: DesktopState, path: str, data: bytes) -> None:
     """Write `data` to `path` (checked inside HOME) whole or not at all: into a new file beside
     it, then renamed over it, so a failure (a full disk, a folder in the way) never leaves the
     target truncated. A symlink put at `path` since the check is replaced by the file, never
@@ -177,7 +177,7 @@ def usage(path: str, limit: int = HOME_QUOTA) -> int:
     return total
 
 
-def _growth(desk: Desktop, item: dict, carried: int) -> tuple[int, int]:
+def _growth(desk: DesktopState, item: dict, carried: int) -> tuple[int, int]:
     """(The most this step can add to HOME, what it moves), judged from the files as they are now
     plus `carried` (what earlier steps of the request may have added or moved: all of it may have
     landed in this step's sources). cp copies its sources, sort -o and uniq write at most their
@@ -197,7 +197,7 @@ def _growth(desk: Desktop, item: dict, carried: int) -> tuple[int, int]:
     return (0, sources) if argv[0] == "mv" else (sources + carried + ENTRY_BYTES, 0)
 
 
-def plan(desk: Desktop, items: list[dict], what: str) -> None:
+def plan(desk: DesktopState, items: list[dict], what: str) -> None:
     """BadRequest unless the whole request fits: its sleeps and command timeouts within
     REQUEST_SECONDS (setup), and HOME within HOME_QUOTA after every step, counting each step's
     worst case (so `cp -r a b`, `cp -r b a`, ... which grows HOME like the Fibonacci numbers, is
@@ -220,7 +220,7 @@ def plan(desk: Desktop, items: list[dict], what: str) -> None:
                              f"{HOME_QUOTA >> 20} MiB; nothing was run.", 413)
 
 
-def _sort_output(desk: Desktop, argv: list[str]) -> list[str]:
+def _sort_output(desk: DesktopState, argv: list[str]) -> list[str]:
     """[the real path `sort` writes to], as getopt reads -o: the rest of its token (-roout), or else
     the next argument."""
     for i, a in enumerate(argv[1:], 1):
@@ -230,7 +230,7 @@ def _sort_output(desk: Desktop, argv: list[str]) -> list[str]:
     return []
 
 
-def _in_the_way(desk: Desktop, items: list[dict], what: str) -> None:
+def _in_the_way(desk: DesktopState, items: list[dict], what: str) -> None:
     """BadRequest if a step would find, when it runs, a file where it needs a folder (or the other
     way round) that an earlier step of the same request made: write_file a, then write_file a/b;
     mkdir x.txt, then write_file x.txt; touch d, then pcmanfm d. Follows what each step leaves
@@ -281,7 +281,7 @@ def _in_the_way(desk: Desktop, items: list[dict], what: str) -> None:
                              f"writes a file: {os.path.relpath(need, home)!r}; nothing was run.")
 
 
-def _guarded(desk: Desktop, item: dict, k: int, what: str, run):
+def _guarded(desk: DesktopState, item: dict, k: int, what: str, run):
     """Run one step or check whose worst case plan() accepted; measure HOME again around a writing
     one (plan() cannot see what processes outside this request do meanwhile), and say which step
     stopped the request if it is refused now."""
@@ -298,7 +298,7 @@ def _guarded(desk: Desktop, item: dict, k: int, what: str, run):
         raise BadRequest(f"{what} {k + 1} was refused when it came to run ({str(e).rstrip('.')}); {ran}.", e.status)
 
 
-def setup(desk: Desktop, body) -> dict:
+def setup(desk: DesktopState, body) -> dict:
     """POST /setup: every step checked, and the request as a whole planned, before any step runs."""
     steps = [check_step(desk, s) for s in _items(body, "/setup", "steps")]
     plan(desk, steps, "step")
@@ -318,7 +318,7 @@ def setup(desk: Desktop, body) -> dict:
     return {"ok": True, "results": results, "settle": watcher(desk).settle(started)}
 
 
-def run_command(desk: Desktop, argv: list[str], timeout: float) -> tuple[int | None, str]:
+def run_command(desk: DesktopState, argv: list[str], timeout: float) -> tuple[int | None, str]:
     """Run argv (no shell) in HOME -> (exit code, or None on timeout; the start of stdout)."""
     argv = runnable(desk, argv)
     with tempfile.TemporaryFile() as out:
@@ -331,7 +331,7 @@ def run_command(desk: Desktop, argv: list[str], timeout: float) -> tuple[int | N
         return code, out.read(MAX_OUTPUT).decode("utf-8", "replace")
 
 
-def check_check(desk: Desktop, c) -> dict:
+def check_check(desk: DesktopState, c) -> dict:
     c = check_object(c, "check", CHECK_FIELDS)
     if "path" in c:
         c["path"] = resolve(desk, c["path"])
@@ -397,7 +397,7 @@ def _regex_info(found: bool | None) -> str:
     return f"the regex did not finish within {REGEX_SECONDS:g} s and was stopped" if found is None else ""
 
 
-def run_check(desk: Desktop, c: dict, deadline: float = float("inf")) -> tuple[bool, str]:
+def run_check(desk: DesktopState, c: dict, deadline: float = float("inf")) -> tuple[bool, str]:
     """-> (passed, a short human-readable reason)."""
     t, exists = c["type"], c.get("exists", True)
     if "path" in c:  # again, as in run_step: a command check before this one may have moved things
@@ -426,7 +426,7 @@ def run_check(desk: Desktop, c: dict, deadline: float = float("inf")) -> tuple[b
     return ok and bool(found), _regex_info(found) or f"exit {code}, stdout {out[:200]!r}"
 
 
-def evaluate(desk: Desktop, body) -> dict:
+def evaluate(desk: DesktopState, body) -> dict:
     checks = [check_check(desk, c) for c in _items(body, "/evaluate", "checks", ("conj",))]
     conj = "and" if body.get("conj") is None else body["conj"]  # null counts as absent; [] or 0 do not
     if conj not in ("and", "or"):

@@ -8,8 +8,9 @@ Run: python -m pytest -q tests/test_sandbox.py     (~40 s; needs bwrap, `bash se
   the HOME file appears; the desktop still works. What /dev, /proc, /sys and `id` look like from that terminal is checked too.
 - From the host's side (/proc/<pid>/...): every process of the desktop, the server included, is in
   its own PID and network namespaces, without capabilities, not root (inside, nor on the host),
-  sees only the host's system folders (read-only) and the project's .py files, /tmp private, HOME
-  writable, /proc/sys read-only. (tests/test_containment.py types the attacks this stops.)
+  sees only the host's system folders (read-only) and of the project exactly vm.FILES (read-only,
+  wherever the checkout lives: under /tmp they are bound into the sandbox's private /tmp), /tmp
+  private, HOME writable, /proc/sys read-only. (tests/test_containment.py types the attacks this stops.)
 - A crash of the server inside takes the whole sandbox with it and the launcher removes the folder;
   a `kill -9` of the launcher is tests/test_vm_server.py::test_parallel_desktops_are_isolated_and_stop_cleanly.
 - The modes: the server says once on stderr which one it runs in; without bwrap it stops with one
@@ -137,8 +138,21 @@ def test_every_process_of_the_desktop_is_confined(vm_desktop):
     procs = inside(vm)
     names = {comm(p) for p in procs}
     assert {"python", "Xvfb", "openbox", "tint2", "pcmanfm"} <= names, names  # the server runs inside too
-    shown = (*sandbox.SYSTEM, "/dev", "/proc", "/sys", "/tmp", "/var/tmp", sys.prefix, sys.base_prefix,
-             *[p for p in sys.path if p.startswith("/") and p != ROOT])
+    # What the sandbox shows of the host, with whatever is mounted below: the system folders, bwrap's
+    # /dev, /proc and /sys, what the server runs from (Python's prefix and path, not the project nor
+    # the tests/ pytest put on our path), the desktop's folder. And its own empty mounts, whose
+    # insides are counted: /, the private /tmp and /var/tmp, the emptied folder of every desktop's
+    # folder. The deepest above a mount decides: a checkout under /tmp has its files bound into
+    # the private /tmp, and they count as the project's (not as /tmp, not as /var).
+    ours = lambda d: d == ROOT or d.startswith(ROOT + "/")  # noqa: E731
+    shown = (*sandbox.SYSTEM, "/dev", "/proc", "/sys", sys.prefix, sys.base_prefix, os.path.dirname(vm.home),
+             *[p for p in sys.path if p.startswith("/") and not ours(p)])
+    empty = ("/", "/tmp", "/var/tmp", os.path.dirname(os.path.dirname(vm.home)))
+
+    def accounted(d: str) -> bool:
+        above = max((s for s in (*shown, *empty) if d == s or d.startswith(s.rstrip("/") + "/")), key=len)
+        return d == above or above in shown
+    project = sorted(os.path.join(ROOT, f) for f in VM_FILES)
     for p in procs:
         status = dict(line.split(":", 1) for line in open(f"/proc/{p}/status").read().splitlines() if ":" in line)
         assert len(status["NSpid"].split()) == 2, (comm(p), status["NSpid"])  # a PID namespace of its own
@@ -154,10 +168,11 @@ def test_every_process_of_the_desktop_is_confined(vm_desktop):
         # Nothing of the host but its system folders and what the server runs from: no /root,
         # /home, /run, /srv; of this project exactly what a VM needs (vm.FILES: vm_server.py,
         # actions.py, vm/), not the trainers, tasks/ (the evaluators) or runs/.
-        folder = os.path.dirname(os.path.dirname(vm.home))  # where every desktop's folder lives: emptied
-        extra = [d for d in m if not d.startswith(os.path.dirname(vm.home)) and d not in ("/", folder)
-                 and not any(d == s or d.startswith(s + "/") for s in shown)]
-        assert sorted(extra) == sorted(os.path.join(ROOT, f) for f in VM_FILES), comm(p)
+        extra = sorted(d for d in m if not accounted(d))
+        assert extra == project, (f"{comm(p)} sees {extra} of the host beyond its system folders and Python, not "
+                                  f"exactly the project's {project}" + ("" if extra else ": the checkout lies in a "
+                                  "system folder, which the sandbox shows whole (tasks/ too); clone it elsewhere"))
+        assert all("ro" in m[f][0] for f in project), comm(p)
         assert not {"/root", "/home", "/run", "/srv", "/mnt", "/opt"} & set(m), comm(p)
     # and the X server works: the host's xdotool reaches it (in its network namespace, with its
     # cookie), and it moves the pointer we asked for

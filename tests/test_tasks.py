@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from collections import Counter
@@ -61,10 +62,56 @@ def test_suite_covers_apps_and_difficulty():
     apps = Counter(a for t in TASKS for a in t.apps)
     assert {"xterm", "mousepad", "galculator", "pcmanfm"} <= set(apps)
     assert sum(len(t.apps) >= 2 for t in TASKS) >= 3, "some tasks must span two apps"
-    # OSWorld's share of infeasible tasks is about 8%; ours stays near it
-    assert 0.08 <= sum(t.infeasible for t in TASKS) / len(TASKS) <= 0.16
     n_actions = [len(t.solution) for t in TASKS if not t.infeasible]
     assert min(n_actions) <= 2 and max(n_actions) >= 8
+
+
+# Ours, untuned: about twice OSWorld's share of infeasible tasks (about 8% of its tasks).
+GIVE_UP_AT_MOST = 0.16
+
+
+def test_infeasible_tasks_teach_giving_up_without_paying_for_it():
+    """OSWorld, and so ARPO's training, holds tasks the desktop cannot do, where the right answer is
+    call_user() (FAIL): a policy that never meets one never learns to say so. Each of them pays a
+    policy that gives up, so they must stay few: a policy that answers call_user() at once on every
+    task, scored by the rule training uses (train_arpo.outcome_scores, both protocols), scores at
+    most GIVE_UP_AT_MOST. (That each is infeasible is the next test's; that `fail` is its only
+    1 and `done` scores 0, test_solution_on_paper's and test_task_on_desktop's.)"""
+    infeasible = [t.id for t in TASKS if t.infeasible]
+    assert infeasible, ("no task is infeasible: add one the desktop cannot do (tasks/README.md, Infeasible tasks), "
+                        "so the policy meets tasks where call_user() is the right answer")
+    give_up = [outcome_scores(t.infeasible, [{"type": "fail"}], "fail") for t in TASKS]
+    assert give_up == [(1.0, 1.0) if t.infeasible else (0.0, 0.0) for t in TASKS]
+    share = sum(hard for hard, _ in give_up) / len(TASKS)
+    assert share <= GIVE_UP_AT_MOST, (
+        f"giving up on every task would score {share:.0%} ({len(infeasible)} of {len(TASKS)} tasks are infeasible), "
+        f"more than {GIVE_UP_AT_MOST:.0%}: a policy could learn to give up; add feasible tasks or drop infeasible "
+        f"ones (tasks/README.md, Infeasible tasks)")
+
+
+def infeasible_table() -> dict[str, list[str]]:
+    """tasks/README.md's table of infeasible tasks: task id -> the programs that would make it feasible."""
+    text = open(os.path.join(TASKS_DIR, "README.md"), encoding="utf-8").read()
+    rows = re.findall(r"^ *\| `([\w-]+)` \| [^|]+ \|([^|]*)\|$", text, re.M)
+    return {task: re.findall(r"`([^`]+)`", programs) for task, programs in rows}
+
+
+def test_infeasible_tasks_are_infeasible_here():
+    """Each infeasible task is in tasks/README.md's table, which says what the desktop lacks for it,
+    and none of the programs listed there is installed: the agent's terminal sees the host's
+    /usr (vm/sandbox.py), so a machine that has one could do the task, and training would teach
+    the policy to give up on a task it can do. (The network, which no desktop has, is
+    tests/test_containment.py's.)"""
+    table = infeasible_table()
+    infeasible = sorted(t.id for t in TASKS if t.infeasible)
+    missing = [i for i in infeasible if i not in table]
+    assert not missing, (f"{', '.join(missing)}: add a row to tasks/README.md's table of infeasible tasks, saying "
+                         f"what the desktop lacks for it and the programs that would make it feasible")
+    extra = sorted(set(table) - set(infeasible))
+    assert not extra, f"tasks/README.md's table of infeasible tasks names {', '.join(extra)}, no infeasible task here"
+    found = [(task, p, shutil.which(p)) for task, programs in sorted(table.items()) for p in programs if shutil.which(p)]
+    assert not found, "; ".join(f"{p} is installed ({where}), so {task} may be doable on this desktop: uninstall it, "
+                                f"or drop the task (tasks/README.md, Infeasible tasks)" for task, p, where in found)
 
 
 @pytest.mark.parametrize("task_id", IDS)

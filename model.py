@@ -57,6 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import requests
 import torch
 from PIL import Image
 
@@ -403,6 +404,8 @@ def _from_pretrained(name: str, device, dtype, min_pixels: int, max_pixels: int)
         raise ModelNotFound(f"No model folder at '{name}'; pass a checkpoint folder or a Hugging Face "
                             "id, or use --model tiny for the random-weight test model.")
     name = os.path.expanduser(name)
+    if not looks_local:
+        _check_hub(name)
     try:
         config = AutoConfig.from_pretrained(name)
         try:
@@ -431,6 +434,28 @@ def _from_pretrained(name: str, device, dtype, min_pixels: int, max_pixels: int)
             + (f", and {stray} stored tensors fit no weight" if stray else "")
             + "; they would start random, so check that config.json belongs to these weights.")
     return model, tokenizer, image_processor
+
+
+def _check_hub(name: str, timeout: float = 3.0) -> None:
+    """A Hub id: say at once when it can be neither fetched nor read from the cache. Offline,
+    huggingface_hub retries every file with growing pauses (~25 s here) before transformers says
+    it could not connect; one short look at the Hub decides instead. Cached but offline: the load
+    goes on from the cache (HF_HUB_OFFLINE=1, so nothing tries the network again)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    if constants.HF_HUB_OFFLINE:
+        return  # the user said so: transformers reads the cache, and says what is missing, at once
+    try:
+        requests.head(constants.ENDPOINT, timeout=timeout)
+        return
+    except requests.RequestException as e:
+        why = type(e).__name__
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        constants.HF_HUB_OFFLINE = True  # read at import: the environment alone comes too late
+        return
+    raise ModelNotFound(f"Cannot fetch '{name}': the Hugging Face Hub ({constants.ENDPOINT}) did not answer "
+                        f"within {timeout:g} s ({why}) and it is not in the local cache; download it where there is a "
+                        "network (`hf download <id>`), pass a local checkpoint folder, or use --model tiny.")
 
 
 def load_policy(name: str = "tiny", lora_rank: int = 0, lora_alpha: int = 16,

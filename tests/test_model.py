@@ -373,3 +373,24 @@ def test_bad_model_name_is_one_clear_sentence():
         M.load_policy("/no/such/model-folder")
     msg = str(e.value)
     assert "--model tiny" in msg and "\n" not in msg and isinstance(e.value, SystemExit)
+
+
+def test_a_hub_id_offline_is_said_at_once(monkeypatch):
+    """A Hub id that is neither reachable nor cached ends in one sentence within seconds, not after
+    huggingface_hub's ~25 s of retries (this machine has no network; with one, the made-up id is
+    refused by the Hub just as fast)."""
+    import time
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # what a user who set nothing has
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    t0 = time.perf_counter()
+    with pytest.raises(M.ModelNotFound) as e:
+        M.load_policy("no-such-org-4f1c/no-such-model")
+    assert time.perf_counter() - t0 < 10
+    msg = str(e.value)
+    assert "--model tiny" in msg and "\n" not in msg
+    try:
+        import requests
+        requests.head(constants.ENDPOINT, timeout=3)
+    except requests.RequestException:  # offline: the message names the Hub and the way out
+        assert "did not answer" in msg and "not in the local cache" in msg

@@ -44,6 +44,7 @@ from typing import Any
 
 import requests
 from PIL import Image
+from urllib3.exceptions import ProtocolError
 
 from actions import Action
 from vm.rules import vm_token
@@ -91,7 +92,9 @@ class VMClient:
     """One desktop (vm_server.py) over HTTP. Every call has a timeout (`timeout=` overrides the
     client's for one call). Only calls that are safe to repeat are retried on a connection error:
     screenshot, reset, evaluate; never act or setup (a repeated click or launch is a different
-    episode). A read timeout is never retried: a VM that froze would just freeze us twice."""
+    episode). A read timeout is never retried: a VM that froze would just freeze us twice. The one
+    exception is a request the server closed its connection on without reading it (`_send`): every
+    call sends that one again, act and setup included, since it never ran."""
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 30):
         self.url = url.rstrip("/")
@@ -110,7 +113,7 @@ class VMClient:
             if attempt:
                 time.sleep(0.2 * attempt)
             try:
-                r = self.session.request(method, where, json=body, timeout=timeout)
+                r = self._send(method, where, body, timeout)
             except requests.Timeout:
                 raise VMError(f"{where} did not answer within {timeout:g} s; the VM may be frozen or overloaded.") from None
             except requests.RequestException as e:
@@ -127,6 +130,26 @@ class VMClient:
                 raise VMError(f"{where} answered {r.status_code}: {msg}", status=r.status_code)
             return r
 
+    def _send(self, method: str, where: str, body: Any, timeout: float) -> requests.Response:
+        """One request, sent once more on a new connection if the server closed the connection
+        without answering (http.client's RemoteDisconnected, or a reset). The race: the session
+        keeps connections alive between calls, and vm_server.py closes one left idle for its
+        --request-timeout; urllib3 replaces a pooled connection it sees closed, but one that closes
+        while our request is on its way fails, and requests retries nothing. Safe even for
+        POST /action: the server answers every request it read whole (an error included) and
+        closes silently only before that (idle, a request cut off at its deadline, or room made
+        for another connection), so the request never ran. A server killed mid-request closes
+        silently too; then nothing listens and the second try fails to connect."""
+        try:
+            return self.session.request(method, where, json=body, timeout=timeout)
+        except requests.ConnectionError as e:  # ConnectTimeout is one too: re-raised below
+            cause = e.args[0] if e.args else None  # requests wraps urllib3's error, which wraps the socket's
+            unanswered = isinstance(cause, ProtocolError) and isinstance(cause.args[-1], (ConnectionResetError,
+                                                                                          BrokenPipeError))
+            if not unanswered:
+                raise
+        return self.session.request(method, where, json=body, timeout=timeout)
+
     def health(self, timeout: float | None = None) -> dict:
         return self._call("GET", "/health", timeout=timeout).json()
 
@@ -141,7 +164,8 @@ class VMClient:
         raise err
 
     def windows(self, timeout: float | None = None) -> list[dict]:
-        """The desktop's application windows, [{"id": X window id, "title": str}], oldest first."""
+        """The desktop's application windows, [{"id": X window id, "title": str, "class": WM_CLASS}],
+        oldest first ("class" is "instance.Class", e.g. "xterm.XTerm"; `app_of` names the app)."""
         return self._call("GET", "/windows", retries=2, timeout=timeout).json()["windows"]
 
     def act(self, action: Action | dict, settle: str | float | None = None, screenshot: str | bool = False,
@@ -178,6 +202,22 @@ class VMClient:
 
     def evaluate(self, evaluator: dict, timeout: float | None = None) -> dict:
         return self._call("POST", "/evaluate", evaluator, retries=1, timeout=timeout).json()
+
+
+# The --xvfb desktop's apps (vm/desktop.py's DESKTOP_APPS, named by their file stems) by the class
+# part of WM_CLASS, lowercased. Classes, not titles: the file manager's title is its folder, the
+# editor's its file, and XCalc calls itself "Calculator".
+APP_CLASSES = {"xterm": "terminal", "mousepad": "editor", "galculator": "calculator", "pcmanfm": "files",
+               "xclock": "clock", "xeyes": "eyes", "xcalc": "xcalc"}
+
+
+def app_of(window: dict) -> str | None:
+    """The desktop app a window of VMClient.windows() belongs to ("terminal", "editor", ...), or None
+    for any other program's (tint2conf, xmessage, openbox's own dialogs) and for a window without a
+    class (an older server sends none). An app's own dialogs share its class, so mousepad's Open File
+    dialog is the editor's: this names the program, not the kind of window. None rather than an
+    "other:<class>" label, so a count of apps counts apps; window["class"] is there for the rest."""
+    return APP_CLASSES.get(window.get("class", "").rpartition(".")[2].lower())
 
 
 @dataclass

@@ -15,9 +15,10 @@ With a token every endpoint needs `Authorization: Bearer <token>`; binding to an
 without one is refused, and a server without one answers only requests with a loopback Host and
 no foreign Origin (a web page in a local browser, or DNS rebinding, cannot reach the desktop). Requests execute one at a time
 (there is one mouse and one keyboard). Each request must arrive whole within --request-timeout
-seconds, a GET may not carry a body, and at most MAX_CONNECTIONS connections are open (the one
-waiting longest for its request makes room for a new one). `--port 0` picks a free port; the
-first stdout line is `vm_server: serving http://HOST:PORT ...`. With --xvfb the whole desktop,
+seconds of its first byte, a connection idle for as long is closed without an answer, a GET may
+not carry a body, and at most MAX_CONNECTIONS connections are open (the one waiting longest for
+its request makes room for a new one). `--port 0` picks a free port; the first stdout line is
+`vm_server: serving http://HOST:PORT ...`. With --xvfb the whole desktop,
 this server included, runs inside bubblewrap (vm/sandbox.py; --no-sandbox turns it off): the
 port is bound outside and the socket handed in (--listen-fd), the token through a pipe
 (--token-fd), and the server makes itself non-dumpable, so nothing on the desktop can read the
@@ -78,7 +79,7 @@ from vm.tasks import evaluate, setup
 # and hotkey limits are the action schema's, in actions.py, checked in vm/act.py)
 
 PNG_LEVEL = 1            # zlib level: 1 is the fastest that still squeezes flat screen colours well
-REQUEST_TIMEOUT = 120.0  # a request must arrive whole within this long (--request-timeout)
+REQUEST_TIMEOUT = 120.0  # s from a request's first byte to its last; also the longest idle wait (--request-timeout)
 MAX_CONNECTIONS = 64     # open connections; past it the longest-waiting unanswered one is closed
 LISTEN_BACKLOG = 1024    # connections the kernel queues before we accept them (the kernel may cap it)
 
@@ -189,7 +190,7 @@ def handle(desk: DesktopState, method: str, path: str, query: dict, body) -> tup
     if path == "/screenshot":
         return (200, *screenshot(*image_query(query)))
     if path == "/windows":  # the application windows, oldest first (the window manager's list)
-        return 200, {"windows": [{"id": i, "title": t} for i, t in app_windows(desk)]}, {}
+        return 200, {"windows": [{"id": i, "title": t, "class": c} for i, t, c in app_windows(desk, wm_class=True)]}, {}
     if path == "/action":  # the query and the action are checked before anything runs
         image = image_query(query, "screenshot") if "screenshot" in query else None
         return act(desk, check_action(desk, body), settle_query(query), image)
@@ -242,9 +243,9 @@ def act(desk: DesktopState, a: dict, how: str | float | None, image: tuple[str, 
 
 
 class _DeadlineReader(io.RawIOBase):
-    """The connection's reads, each allowed only the time left until the request's deadline, so a
-    client that trickles one byte every few seconds is still cut off at the deadline (a socket
-    timeout alone restarts at every byte)."""
+    """The connection's reads, each allowed only the time left until the handler's deadline (the
+    idle wait's, then the request's: Handler.handle_one_request), so a client that trickles one
+    byte every few seconds is still cut off at it (a socket timeout alone restarts at every byte)."""
 
     def __init__(self, handler: "Handler"):
         self.handler = handler
@@ -271,7 +272,7 @@ def local_names(host: str, port: int) -> frozenset[str]:
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"   # keep-alive: a screenshot loop skips the TCP handshake
     disable_nagle_algorithm = True  # headers and body go out at once, no 40 ms delayed-ACK stall
-    request_timeout = REQUEST_TIMEOUT  # from the previous answer (or the connection) to the whole request
+    request_timeout = REQUEST_TIMEOUT  # from a request's first byte to its last; also the longest idle wait
     timeout = REQUEST_TIMEOUT       # sending an answer: at most this long
     desk: DesktopState = None
     token: str | None = None
@@ -290,8 +291,26 @@ class Handler(BaseHTTPRequestHandler):
             pass  # the client hung up (it timed out, or died): nobody to answer, nothing to log
 
     def handle_one_request(self):
-        self.deadline = time.monotonic() + self.request_timeout
+        # Two clocks of request_timeout each: the idle wait for a request's first byte, then the
+        # request's own, from that byte to its last. One clock from the previous answer to the
+        # whole request (as this was) made a keep-alive client lose a race it cannot see: a request
+        # sent on a connection idle for nearly the timeout got 408 although its own bytes took
+        # milliseconds (the headers read just in time, the body a moment after the deadline). An
+        # idle connection is closed silently: nothing was asked, so nothing is answered, and a
+        # client that sent into that close had its request never read (env.VMClient sends it
+        # again on a new connection). Attackers gain nothing: an idle holder is closed after one
+        # timeout, a trickler at most one timeout after its first byte, and past MAX_CONNECTIONS
+        # the longest waiting of either makes room (Server).
         self.server.waiting(self.connection)  # idle or half-read: may be closed to make room
+        self.deadline = time.monotonic() + self.request_timeout
+        try:
+            first = self.rfile.peek(1)  # the next request's first bytes (already buffered, or waited for)
+        except TimeoutError:
+            first = b""
+        if not first:  # idle too long, the client hung up, or we closed it to make room
+            self.close_connection = True
+            return
+        self.deadline = time.monotonic() + self.request_timeout
         super().handle_one_request()
 
     def do_GET(self):
@@ -521,7 +540,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-sandbox", action="store_true",
                    help="--xvfb: run the desktop unconfined, not inside bubblewrap (for machines without bwrap)")
     p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT,
-                   help="seconds a client has to send each whole request, counted from the previous answer")
+                   help="seconds a client has to send each whole request, counted from its first byte; an idle "
+                   "connection is closed (without an answer) after as long")
     p.add_argument("--allow-exec", default="", help="comma-separated extra programs setup/evaluate may run")
     p.add_argument("--verbose", action="store_true", help="log every request")
     p.add_argument("--limits", default="", help="--xvfb: the desktop's bounds, comma-separated name=value of memory, "

@@ -411,6 +411,9 @@ def test_windows_lists_app_windows_with_ids(vm):
     wait_for(lambda: {"xclock", "xeyes"} <= set(windows(vm)), "xclock and xeyes")
     got = vm_call(vm, "GET", "/windows").json()["windows"]
     assert sorted(w["title"] for w in got) == ["xclock", "xeyes"]
+    # each with its WM_CLASS, "instance.Class": what names the program when a title does not
+    assert sorted((w["title"], w["class"]) for w in got) == [("xclock", "xclock.XClock"), ("xeyes", "xeyes.XEyes")]
+    assert all(set(w) == {"id", "title", "class"} for w in got)
     ids = [w["id"] for w in got]
     assert all(isinstance(i, int) and i > 0 for i in ids) and len(set(ids)) == 2
     # the ids are the X server's: the same ones xdotool finds by title

@@ -36,19 +36,27 @@ def prctl(option: int, arg: int) -> None:
     ctypes.CDLL(None).prctl(option, arg)
 
 
-def list_windows(desk: DesktopState) -> list[tuple[int, int, str]]:
-    """(X window id, workspace, title) of every managed window; workspace -1 = sticky (the desktop
-    icons and the taskbar, which are part of the desktop, not windows an agent opened)."""
-    out = subprocess.run(["wmctrl", "-l"], env=desk.env, capture_output=True, text=True,
+def list_windows(desk: DesktopState) -> list[tuple[int, int, str, str]]:
+    """(X window id, workspace, class, title) of every managed window; workspace -1 = sticky (the
+    desktop icons and the taskbar, which are part of the desktop, not windows an agent opened).
+    The class is WM_CLASS as "instance.Class" (xterm.XTerm, pcmanfm.Pcmanfm), "" if the window has
+    none: unlike a title (the file manager's is its folder) it names the program. An app's dialogs
+    share its class (mousepad's Open File is mousepad.Mousepad)."""
+    out = subprocess.run(["wmctrl", "-lx"], env=desk.env, capture_output=True, text=True,
                          errors="replace", timeout=10).stdout
-    rows = [line.split(None, 3) + [""] for line in out.splitlines()]  # id, workspace, host, title
-    return [(int(r[0], 16), int(r[1]), r[3]) for r in rows
-            if len(r) >= 4 and r[1].lstrip("-").isdigit() and re.fullmatch(r"0x[0-9a-fA-F]{1,8}", r[0])]
+    # wmctrl prints "0x%.8lx %2ld %-20s  %*s %s": id, workspace, the class padded to 20, the host
+    # right-aligned, the title as the rest of the line. Columns split on whitespace would break on a
+    # class with a space in it (`xterm -name "a b"` makes one), so the class is the first 20 characters,
+    # or more up to two spaces, and the title keeps its spaces.
+    rows = [re.fullmatch(r"(0x[0-9a-fA-F]{1,8}) +(-?[0-9]+) (.{20,}?)  +\S+ (.*)", line) for line in out.splitlines()]
+    return [(int(m[1], 16), int(m[2]), "" if m[3].rstrip() == "N/A" else m[3].rstrip(), m[4])  # N/A: no class
+            for m in rows if m]
 
 
-def app_windows(desk: DesktopState) -> list[tuple[int, str]]:
-    """(X window id, title) of the application windows: the ones an agent can open or close."""
-    return [(i, title) for i, ws, title in list_windows(desk) if ws != -1]
+def app_windows(desk: DesktopState, wm_class: bool = False) -> list[tuple]:
+    """(X window id, title) of the application windows: the ones an agent can open or close;
+    (X window id, title, class) with wm_class=True (GET /windows; vm/tasks.py's checks read titles)."""
+    return [(i, title, c)[:3 if wm_class else 2] for i, ws, c, title in list_windows(desk) if ws != -1]
 
 
 def spawn(desk: DesktopState, argv: list[str]) -> subprocess.Popen:

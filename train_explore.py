@@ -62,7 +62,7 @@ import grpo
 import rewards as R
 import rollout
 from actions import MAX_PIXELS, MIN_PIXELS, Action, Parsed, cursor_after, parse_action
-from env import SETTLE_HELP, VMError, VMPool, parse_settle
+from env import SETTLE_HELP, VMError, VMPool, app_of, parse_settle
 from model import Answer, encode_chat, explore_messages, generate, load_policy, sync_weights
 from plumbing import ckpt, dist, logs, progress, rundir
 from plumbing.rundir import arg
@@ -88,6 +88,7 @@ class Step:
     error: str | None = None  # the VM refused the action (4xx): a format failure too, nothing ran
     windows_before: dict | None = None  # {X window id: title} open before the step (when asked for)
     windows_after: dict | None = None  # ... and after it
+    opened: list | None = None  # the app of each window the step opened (env.app_of; "other": no app)
 
     @property
     def format_ok(self) -> bool:
@@ -112,14 +113,16 @@ def episode(desk: rollout.Desktop, steps: int, settle, reset: bool, windows: boo
     -> its Steps. A malformed answer executes nothing (the screen is looked at again); a refused
     action (4xx) is a format failure too; any other VM failure ends the episode without the step
     it happened in (EnvFailure with the steps so far): the environment failed, not the model.
-    `windows`: record the window list before and after every step (one GET /windows a step).
+    `windows`: record the window list before and after every step (one GET /windows a step), and
+    which app each window the step opened belongs to (the desktop's 7 apps by WM_CLASS, env.app_of).
     `reset_ahead`: the desktop's next episode begins with a reset; start it now, in the background."""
     out: list[Step] = []
     try:
         if reset:
             desk.reset()
         before = desk.screenshot()
-        open_before = {w["id"]: w["title"] for w in desk.windows()} if windows else None
+        listed = desk.windows() if windows else None
+        open_before = {w["id"]: w["title"] for w in listed} if windows else None
         # The mouse, for DragTo: /reset leaves it at the centre (training resets every --reset-every
         # iterations, the eval before each episode; between resets this is an approximation).
         cursor = (before.width // 2, before.height // 2)
@@ -132,10 +135,12 @@ def episode(desk: rollout.Desktop, steps: int, settle, reset: bool, windows: boo
                 if not e.refused:
                     raise
                 error, after = str(e), desk.screenshot()  # the VM refused the action (bad key name, ...)
-            open_after = {w["id"]: w["title"] for w in desk.windows()} if windows else None
+            listed, seen = (desk.windows(), open_before) if windows else (None, None)
+            open_after = {w["id"]: w["title"] for w in listed} if windows else None
+            opened = [app_of(w) or "other" for w in listed if w["id"] not in seen] if windows else None
             # The step is kept even when malformed: its reward is 0, usually below the buffer's mean,
             # so a negative advantage, which is how GRPO teaches the format.
-            out.append(Step(desk.id, t, before, after, text, parsed, answer, error, open_before, open_after))
+            out.append(Step(desk.id, t, before, after, text, parsed, answer, error, open_before, open_after, opened))
             if error is None:
                 cursor = cursor_after(parsed.action if parsed else None, cursor)
             before, open_before = after, open_after  # the after-screen is the next step's before-screen
@@ -371,7 +376,7 @@ def iteration(tr: Trainer, it: int, reset: bool) -> tuple:
     ahead = bool(a.reset_every) and (it + 1) % a.reset_every == 0 and it + 1 < run_length(a)
     with dist.unsharded(tr.policy.model):  # (FSDP2: each rank decodes alone, with whole weights)
         buffer, out = play_steps(tr.pool, tr.live, tr.policy_fn, a.steps, a.settle, reset, ahead,
-                                 windows="windows" in R.reads(tr.reward_flags))  # a term reads the window lists
+                                 windows=a.record_windows or "windows" in R.reads(tr.reward_flags))
     rundir.add_times(times, out.times)
     tr.live -= {f.vm for f in out.failures}  # out until the next reset (the pool's indices, as tr.live)
     if not buffer and dist.size() == 1:  # (under torchrun every rank goes on: their collectives pair up)
@@ -505,6 +510,9 @@ class Args:
                               "local desktops")
     settle: str = arg("watch", "after each action: 'watch' (the server answers once the screen has settled) or "
                                "seconds of a fixed sleep (the release: 1)")
+    record_windows: bool = arg(False, "record the window list before and after every step (GET /windows) even when "
+                                      "no reward term reads it: trajectory lines say which app each step opened "
+                                      "('opened'), metrics count them (apps/*); the eval always records them")
     vm_timeout: float = arg(30.0, "seconds a VM call may take before that VM drops out (ours: an exploration "
                                   "step is one action; ARPO's 60 covers task setups)")
     desktop_limits: str = arg("", "each local desktop's bounds, e.g. memory=1g,pids=512,cpus=1,disk=256m,tmp=256m "
@@ -732,7 +740,8 @@ def evaluate(pool: VMPool, policy_fns: dict, run: str, a: Args, config: dict) ->
             e = R.episode_measures([s.before for s in steps], [s.after for s in steps], [s.format_ok for s in steps],
                                    [s.windows_before for s in steps], [s.windows_after for s in steps],
                                    a.eval_same_hash, a.eval_same_screen)
-            e.update(vm=steps[0].vm, actions=[logs.step_line(s) for s in steps])
+            e.update(vm=steps[0].vm, actions=[logs.step_line(s) for s in steps],
+                     apps=[x for s in steps for x in s.opened or []])  # each window opened: its app or "other"
             e["round"], slot = divmod(k, pool.size)
             if a.eval_save:
                 rundir.save_trajectory(run if name == "policy" else os.path.join(run, name), e["round"],

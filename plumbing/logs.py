@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections import Counter
 
 import numpy as np
 import torch
@@ -201,14 +202,30 @@ def explore_metrics(buffer: list, r, adv, wm_metrics: dict, upd: dict | None, ou
     """The metrics line's numbers of every rank: desktops and steps, every reward term over every
     rank's steps, the world model's and the update's numbers (None before the actor's first update),
     environment failures, generation batches, how the screens settled."""
-    parts = dist.gather((r, adv, len({s.vm for s in buffer}), len(out.failures), out.settles))
+    opened = {s.vm: [] for s in buffer if s.opened is not None}  # per desktop: the apps its steps opened
+    for s in buffer:
+        opened.get(s.vm, []).extend(s.opened or [])
+    parts = dist.gather((r, adv, len({s.vm for s in buffer}), len(out.failures), out.settles, opened))
     r_all, adv_all = R.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])  # (N_all,) each
     return {"vms": sum(p[2] for p in parts), "steps": len(r_all.total), **R.summarize_rewards(r_all), **wm_metrics,
+            **app_counts([apps for p in parts for apps in p[5].values()], len(r_all.total)),
             "actor/updated": int(upd is not None), **dict.fromkeys(ACTOR_KEYS),
             **{f"actor/{k}": v for k, v in (upd or {}).items()},
             "adv/std": float(adv_all.std()) if len(adv_all) > 1 else 0.0, "env_failures": sum(p[3] for p in parts),
             "rollout/batches": len(out.batches), "rollout/batch_mean": float(np.mean(out.batches or [0])),
             **rollout.settle_metrics([s for p in parts for s in p[4]])}
+
+
+def app_counts(episodes: list[list[str]], steps: int) -> dict:
+    """With the window lists recorded (--record-windows, or a term that reads them): windows opened
+    per step, distinct apps per episode, and the windows of each app ("other": no app of the
+    desktop's 7) opened in the iteration. {} when they were not recorded."""
+    if not episodes:
+        return {}
+    counts = Counter(x for apps in episodes for x in apps)
+    return {"windows/opened_per_step": sum(counts.values()) / max(1, steps),
+            "apps/distinct_per_episode": float(np.mean([len(set(apps) - {"other"}) for apps in episodes])),
+            **{f"apps/{name}": n for name, n in sorted(counts.items())}}
 
 
 def step_line(s) -> dict:
@@ -217,7 +234,8 @@ def step_line(s) -> dict:
     refusal if any. `valid` is the step's format_ok (the name run folders have always had)."""
     action = None if s.parsed is None else {**s.parsed.action.to_dict(), **({"refused": s.error} if s.error else {})}
     return {"step": s.step, "intent": s.parsed.thought if s.parsed else None, "action": action, "valid": s.format_ok,
-            "error": s.error, "text": s.text, "screen": list(s.before.size)}
+            "error": s.error, "text": s.text, "screen": list(s.before.size),
+            **({"opened": s.opened} if s.opened is not None else {})}
 
 
 def save_steps(run: str, it: int, buffer: list, r, adv) -> None:

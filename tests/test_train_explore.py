@@ -267,6 +267,7 @@ def test_eval_counts_windows_screens_and_diversity(vm_desktop, tmp_path):
     # wherever the previous action left the mouse.
     assert pointers[:3] == [[(640, 360)], [(x, y)], [(700, 400)]], pointers
     assert opener["windows"] >= 1 and any("xterm" in t for t in opener["window_titles"]), opener
+    assert opener["apps"] == ["terminal"] * opener["windows"] and still["apps"] == []  # by WM_CLASS (env.app_of)
     assert opener["distinct_screens"] >= 2 and opener["diversity"] > 0.1
     # Nothing opened, the screen never changed: one screen, no diversity, no window.
     assert (still["windows"], still["distinct_screens"], still["diversity"]) == (0, 1, 0.0), still
@@ -306,6 +307,15 @@ def test_the_windows_term_reads_the_window_lists_the_rollout_recorded(vm_desktop
     assert buffer[1].windows_before == buffer[0].windows_after  # one step's after is the next one's before
     opened = [len(set(s.windows_after) - set(s.windows_before)) for s in buffer]
     assert sum(opened) >= 1, opened  # the terminal's window
+    # each window a step opened, by app (WM_CLASS): the double-click opened the terminal, the move nothing
+    assert buffer[0].opened == ["terminal"] * opened[0] and buffer[1].opened == ["terminal"] * opened[1]
+    assert plain[0].opened is None
+    line = logs.step_line(buffer[0])
+    assert line["opened"] == buffer[0].opened and "opened" not in logs.step_line(plain[0])
+    m = logs.app_counts([buffer[0].opened + buffer[1].opened], 2)
+    assert m == {"windows/opened_per_step": sum(opened) / 2, "apps/distinct_per_episode": 1.0,
+                 "apps/terminal": sum(opened)}
+    assert logs.app_counts([], 2) == {}  # not recorded: no apps/* metrics
     learner = trainer(R.parse_reward_flags("none,windows"))
     r, m = scored(learner, buffer)
     assert r.windows.tolist() == opened and r.total.tolist() == opened and m["wm/loss"] is None

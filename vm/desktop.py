@@ -5,7 +5,8 @@ and pcmanfm (desktop icons pinned to a fixed grid), and a HOME of its own, copie
 template before every episode. N servers are N independent desktops on one machine, standing in
 for N VMs. Top to bottom: the icon layout (`desktop_icons`, `DESKTOP_APPS`), the HOME template
 (`template_files`), `start_xvfb` and its cookie, `start_session` (up and settled, read off X
-properties), `restore_home`, `reset_desktop` (POST /reset: a fresh desktop again), and
+properties; openbox and tint2 configured so that no click or key ends the session: `openbox_config`,
+`tint2_config`), `restore_home`, `reset_desktop` (POST /reset: a fresh desktop again), and
 `local_desktop`, which puts them together. vm/sandbox.py runs all of it inside bubblewrap.
 
 vm_server.py imports this file (and vm/sandbox.py) lazily, only when `--xvfb` is given, so a VM serving its own display
@@ -269,25 +270,94 @@ def _sticky(x) -> set[str]:
     return names
 
 
-def openbox_config(config_home: str) -> None:
-    """openbox's rc.xml for this desktop (config_home/openbox/rc.xml, which openbox reads before
-    the system's): the system's own, with the workspace popup switched off. A scroll on the empty
-    desktop switches workspaces and openbox shows "desktop 2" in the middle of the screen for
-    most of a second, on a timer of its own: the watched settle (vm/settle.py) answers before it
-    goes, a fixed 1-2 s sleep after, so the popup was a screen only the watch ever saw (bench/settle.py
-    --explore found it, on scrolls only).
-    The workspace switch itself stays: the screen it leaves is the same with either settle."""
+# The openbox actions that end the session or step outside it: Exit and SessionLogout quit the
+# window manager, Restart re-execs it (or, given a command, replaces it with another program),
+# Reconfigure reloads its config from a folder the agent's terminal can write, Execute runs a
+# program. openbox matches action names without regard to case.
+OPENBOX_SESSION_ACTIONS = ("Execute", "Exit", "SessionLogout", "Restart", "Reconfigure")
+_SESSION_ACTION = re.compile(r"""<action\s+name\s*=\s*["'](?:%s)["']""" % "|".join(OPENBOX_SESSION_ACTIONS), re.I)
+
+
+def _system_config(*rel: str) -> str | None:
+    """The system's copy of a config file (XDG_CONFIG_DIRS, then /etc/xdg), or None."""
     dirs = (os.environ.get("XDG_CONFIG_DIRS") or "/etc/xdg").split(":") + ["/etc/xdg"]
-    system = next((os.path.join(d, "openbox", "rc.xml") for d in dirs
-                   if os.path.isfile(os.path.join(d, "openbox", "rc.xml"))), None)
+    return next((os.path.join(d, *rel) for d in dirs if os.path.isfile(os.path.join(d, *rel))), None)
+
+
+def openbox_config(config_home: str) -> None:
+    """openbox's rc.xml and menu.xml for this desktop (config_home/openbox/, which openbox reads
+    before the system's): the system's rc.xml, with
+
+    - the workspace popup switched off. A scroll on the empty desktop switches workspaces and
+      openbox shows "desktop 2" in the middle of the screen for most of a second, on a timer of its
+      own: the watched settle (vm/settle.py) answers before it goes, a fixed 1-2 s sleep after, so
+      the popup was a screen only the watch ever saw (bench/settle.py --explore found it, on
+      scrolls only). The workspace switch itself stays: the screen it leaves is the same with
+      either settle.
+    - no binding, key or mouse, that runs a session action (OPENBOX_SESSION_ACTIONS) or shows the
+      root menu, and no menu file but ours, which defines no menu. An exploring agent
+      right-clicked the taskbar's empty end (tint2 hands such clicks to the window manager), got
+      openbox's root menu (Terminal, Web browser, Applications, ObConf, Reconfigure, Restart,
+      Exit) and opened its "Exit Openbox" prompt: one more click, and no window manager for the
+      rest of the episode. The stock keys ran programs too: Print and alt+Print start scrot (a
+      PNG in HOME, or a pointer grab that eats the next clicks), super+e Konqueror.
+      No root menu at all, rather than one of harmless entries: every entry one could keep
+      (the apps) is already an icon on the desktop, and a menu is a new screen an exploring
+      agent is paid for opening, so a menu that only repeats the icons is a place to farm
+      novelty, not to learn the desktop. A right-click on the panel now does nothing.
+      What stays is what windows need: decorations with their close buttons, focus, moving and
+      resizing, alt+f4 and alt+tab, the window menu (alt+space, a right-click on a title bar:
+      its "Close" closes one window) and the middle button's window list (workspaces and
+      windows; the action schema has no middle button anyway). Both menus are built into
+      openbox; no menu file can redefine them."""
+    system = _system_config("openbox", "rc.xml")
     text = open(system).read() if system else "<openbox_config></openbox_config>"
     text, said = re.subn(r"<popupTime>\s*\d+\s*</popupTime>", "<popupTime>0</popupTime>", text)
     if not said:  # openbox's built-in default is 875 ms: say 0 inside <desktops> (made if missing)
         if "<desktops>" not in text:
             text = text.replace("</openbox_config>", "<desktops></desktops></openbox_config>", 1)
         text = text.replace("<desktops>", "<desktops><popupTime>0</popupTime>", 1)
+    # Comments first: a commented-out binding must not pair with a real one below it.
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+
+    def harmless(m: re.Match) -> str:
+        bad = _SESSION_ACTION.search(m[0]) or re.search(r"<menu>\s*root-menu\s*</menu>", m[0])
+        return "" if bad else m[0]
+    # A binding holding no other binding (a key chain's inner keys are bindings in their own
+    # right), dropped whole if any action in it, however deep inside an If, is a session action.
+    text = re.sub(r"<(keybind|mousebind)\b[^>]*>(?:(?!<\1\b).)*?</\1>", harmless, text, flags=re.S)
+    # With no <file> left openbox loads "menu.xml", and config_home's comes first: ours.
+    text = re.sub(r"<file>.*?</file>", "", text, flags=re.S)
+    if _SESSION_ACTION.search(text):  # a layout the patterns above did not foresee
+        raise RuntimeError(f"could not remove openbox's session actions from {system}; "
+                           "give the desktop an rc.xml without Execute, Exit, Restart and Reconfigure")
     os.makedirs(os.path.join(config_home, "openbox"), exist_ok=True)
     with open(os.path.join(config_home, "openbox", "rc.xml"), "w") as fh:
+        fh.write(text)
+    with open(os.path.join(config_home, "openbox", "menu.xml"), "w") as fh:
+        fh.write('<?xml version="1.0" encoding="UTF-8"?>\n<openbox_menu xmlns="http://openbox.org/3.4/menu"/>\n')
+
+
+def tint2_config(config_home: str) -> None:
+    """tint2's config for this desktop (config_home/tint2/tint2rc, which tint2 reads instead of
+    copying the system's there): the system's, with no launcher, button or executor on the panel
+    (panel_items without L, B, E) and every command empty. The stock panel's launcher showed one
+    icon, tint2conf, the panel's own configurator, at the panel's left end: one click opened it
+    (explore runs found it; docs/log.md), and its OK rewrites this file and reloads the panel.
+    The stock clock runs `orage` on a right-click, where installed. Written at every session
+    start, like openbox's: the file is in the run folder, which only the sandbox's reset empties,
+    so on a --no-sandbox desktop a panel changed in one episode used to be the next one's too.
+    Kept: the taskbar (a right-click on a task closes that window), the clock, the system tray,
+    and handing clicks on its empty parts to openbox, where they now find nothing."""
+    system = _system_config("tint2", "tint2rc")
+    if system is None:  # nothing to strip (every tint2 package ships one): tint2's own defaults
+        return
+    text = open(system).read()
+    text = re.sub(r"(?m)^(\s*panel_items\s*=\s*)(\S*)", lambda m: m[1] + re.sub("[LBE]", "", m[2]), text)
+    text = re.sub(r"(?m)^\s*launcher_item_app\s*=.*\n?", "", text)
+    text = re.sub(r"(?m)^(\s*\w+_(?:command|cmd)\s*=).*$", r"\1 ", text)
+    os.makedirs(os.path.join(config_home, "tint2"), exist_ok=True)
+    with open(os.path.join(config_home, "tint2", "tint2rc"), "w") as fh:
         fh.write(text)
 
 
@@ -307,6 +377,7 @@ def start_session(desk: DesktopState) -> None:
     started = time.monotonic()
     _wait(lambda: _wm_gone(x), "the last window manager's exit")
     openbox_config(own.env["XDG_CONFIG_HOME"])
+    tint2_config(own.env["XDG_CONFIG_HOME"])
     spawn(own, ["openbox"])
     _wait(lambda: _wm_ready(x), "openbox")
     spawn(own, ["tint2"])

@@ -104,6 +104,7 @@ sys.path.insert(0, ROOT)
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
     sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
+from claims import fisher_one_sided  # noqa: E402,F401  (the statistics live with the claim runner)
 from learning_warm import FM_ICON, MAX_PIXELS, warm_start, warm_start_multi  # noqa: E402
 
 TASK_IDS = "calc-open,clock-open,terminal-open,editor-open"
@@ -114,20 +115,8 @@ SUCCESS = 0.1       # ARPO's success threshold (train_arpo --success-threshold)
 MULTI_ITERATIONS = 400  # arpo-multi's default budget (fewer if --minutes leaves less)
 
 # ------------------------------------------------------------------------------------------------
-# Statistics (pure functions; tests/test_learning.py checks them by hand)
-
-
-def fisher_one_sided(k_before: int, n_before: int, k_after: int, n_after: int) -> float:
-    """P(after >= k_after successes) if before and after had the same success rate: the upper tail
-    of the hypergeometric distribution given all k_before + k_after successes (Fisher's exact test,
-    one-sided). Exact, from binomial coefficients."""
-    k, n = k_before + k_after, n_before + n_after
-    if n_after == 0 or k == 0:
-        return 1.0
-    total = math.comb(n, k)
-    tail = sum(math.comb(n_after, j) * math.comb(n_before, k - j)
-               for j in range(k_after, min(k, n_after) + 1))
-    return tail / total
+# Statistics (pure functions; tests/test_learning.py checks them by hand; fisher_one_sided is
+# bench/claims.py's, with the other tests the claims use)
 
 
 def windows(metrics: list[dict], size: int) -> tuple[list[float], list[float]]:
@@ -221,19 +210,29 @@ def step_rates(path: str, task_ids: list[str]) -> dict:
 
 
 def run_seed(a, seed: int) -> dict:
-    """Warm start, before, train, after for one seed; every number of the table."""
+    """Warm start, before, train, after for one seed; every number of the table. The training's
+    iterations come from the --minutes budget left after the eval before (at most --iterations)."""
     t0 = time.perf_counter()
-    budget = a.minutes * 60
+    r = seed_start(a, seed)
+    iterations = planned_iterations(a, r, time.perf_counter() - t0)
+    print(f"seed {seed}: eval before {r['before_seconds']:.0f}s; training {iterations} iterations", flush=True)
+    r.update(train_arm(a, seed, r, iterations, [], "train"))
+    r["seconds"] = time.perf_counter() - t0
+    return r
+
+
+def seed_start(a, seed: int) -> dict:
+    """The seed's folder (<out>/seed<k>, emptied), its warm start and the warm start's eval on every
+    task; every arm of a comparison (bench/claims_arpo.py) starts from these."""
     out = os.path.join(a.out, f"seed{seed}")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     log = os.path.join(out, "console.log")
-    multi = a.method == "arpo-multi"
-    task_ids = MULTI_TASK_IDS if multi else TASK_IDS
+    task_ids = a.task_ids or (MULTI_TASK_IDS if a.method == "arpo-multi" else TASK_IDS)
     ids = task_ids.split(",")
-    r = {"seed": seed}
-    warm = os.path.join(out, "warm_start")
-    if multi:
+    r = {"seed": seed, "out": out, "log": log, "task_ids": task_ids}
+    warm = r["warm_path"] = os.path.join(out, "warm_start")
+    if a.method == "arpo-multi":
         r["warm"] = warm_start_multi(warm, seed, ids, a.warm_epochs, a.warm_lr)
         print(f"seed {seed}: warm start {r['warm']['seconds']:.0f}s, {r['warm']['samples']} samples x "
               f"{r['warm']['epochs']} epochs, NLL per token {r['warm']['nll_first']:.2f} -> {r['warm']['nll_last']:.3f}",
@@ -244,73 +243,84 @@ def run_seed(a, seed: int) -> dict:
               f"{r['warm']['nll_last']:.2f} (the floor, a uniform choice of 7 icons: ln 7 = {math.log(7):.2f})",
               flush=True)
     # Before: the warm start at T=1 on every task (the selected ones are read out of it later).
-    before_json = os.path.join(out, "eval_before.json")
+    r["before_json"] = os.path.join(out, "eval_before.json")
     rc = train_arpo(["--eval-only", "--model", warm, "--task-ids", task_ids, *common_flags(a),
                      "--eval-episodes", str(a.eval_episodes), "--eval-temperature", "1.0",
                      "--sample-seed", str(1000 + seed), "--runs-dir", out, "--run-name", "before",
-                     "--eval-out", before_json], log)
+                     "--eval-out", r["before_json"]], log)
     if rc != 0:
         raise SystemExit(f"the eval before training failed (exit {rc}); see {log}.")
-    with open(before_json) as f:
-        before_eval = json.load(f)
-    # Iterations from the time left: an iteration is about one eval wave (reset, setup, a step,
-    # score) plus its update; the selection and the eval after cost what the eval before did.
+    with open(r["before_json"]) as f:
+        r["before_seconds"] = json.load(f)["seconds"]
+    return r
+
+
+def planned_iterations(a, r: dict, elapsed: float) -> int:
+    """Iterations from the time left: an iteration is about one eval wave (reset, setup, a step,
+    score) plus its update; the selection and the eval after cost what the eval before did. Fixed
+    before training, so the evaluated checkpoint (the last) is fixed in advance too."""
+    ids = r["task_ids"].split(",")
     waves = math.ceil(len(ids) * a.eval_episodes / a.vms)
-    per_wave = before_eval["seconds"] / max(1, waves)
+    per_wave = r["before_seconds"] / max(1, waves)
     select_s = math.ceil(len(ids) * a.select_tasks / a.vms) * per_wave
-    left = budget - (time.perf_counter() - t0) - before_eval["seconds"] - select_s - 30  # 30 s: 3 starts
+    left = a.minutes * 60 - elapsed - r["before_seconds"] - select_s - 30  # 30 s: 3 starts
     per_iteration = math.ceil((a.groups or max(1, a.vms // a.group_size)) * a.group_size / a.vms)  # its waves
     fit = max(2, int(left / (per_wave * per_iteration * 1.25)))
-    iterations = min(a.iterations, fit) if a.iterations else fit
-    r["iterations"] = iterations
-    print(f"seed {seed}: eval before {before_eval['seconds']:.0f}s ({per_wave:.1f}s a wave); "
-          f"training {iterations} iterations", flush=True)
-    flags = ["--model", warm, "--task-ids", task_ids, *common_flags(a), "--iterations", str(iterations),
+    return min(a.iterations, fit) if a.iterations else fit
+
+
+def train_arm(a, seed: int, r: dict, iterations: int, extra: list[str], name: str) -> dict:
+    """Train from the seed's warm start (seed_start's r) for exactly `iterations` iterations, with
+    the recipe's flags plus `extra` (an arm's own: --no-replay, ...), into <seed folder>/<name>;
+    then evaluate its last checkpoint (the rule fixed in advance) on the tasks it trained. -> the
+    numbers of the table (before, after, p, parse, the training curve, ...)."""
+    out, log, task_ids = r["out"], r["log"], r["task_ids"]
+    flags = ["--model", r["warm_path"], "--task-ids", task_ids, *common_flags(a), "--iterations", str(iterations),
              "--lr", str(a.lr), "--lr-warmup", str(max(1, iterations // 10)), "--lr-schedule", a.lr_schedule,
              "--epochs", str(a.epochs), "--beta", str(a.beta), *(["--groups", str(a.groups)] if a.groups else []),
              "--format-penalty", str(a.format_penalty), "--format-penalty-on", a.format_penalty_on,
-             "--seed", str(seed), "--runs-dir", out, "--run-name", "train",
-             "--ckpt-every", str(max(1, iterations // 4))]
+             "--seed", str(seed), "--runs-dir", out, "--run-name", name,
+             "--ckpt-every", str(max(1, iterations // 4)), *extra]
     if a.select_tasks:
         flags += ["--select-tasks", str(a.select_tasks)]
-    run = os.path.join(out, "train")
+    run = os.path.join(out, name)
     rc = train_arpo(flags, log)
     sel_path = os.path.join(run, "selected_tasks.json")
-    selected = ids
+    selected = task_ids.split(",")
     if os.path.exists(sel_path):
         with open(sel_path) as f:
             selected = json.load(f)["selected"]
-    r["selected"] = selected
     if rc != 0:
         raise SystemExit(f"training failed (exit {rc}); see {log}.")
     with open(os.path.join(run, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f if line.strip()]
     # After: the last checkpoint (the rule fixed in advance), on the selected tasks.
-    after_json = os.path.join(out, "eval_after.json")
+    after_json = os.path.join(out, "eval_after.json" if name == "train" else f"eval_after_{name}.json")
     rc = train_arpo(["--eval-only", "--resume", run, "--task-ids", ",".join(selected), "--eval-episodes",
                      str(a.eval_episodes), "--eval-temperature", "1.0", "--sample-seed", str(2000 + seed),
                      "--eval-out", after_json, "--vms", str(a.vms)], log)
     if rc != 0:
         raise SystemExit(f"the eval after training failed (exit {rc}); see {log}.")
+    before_json = r["before_json"]
     b, af = eval_numbers(before_json, selected), eval_numbers(after_json, selected)
     early, late = windows(metrics, max(1, len(metrics) // 4))
     early_k, late_k = sum(s > SUCCESS for s in early), sum(s > SUCCESS for s in late)
     quarter = max(1, len(metrics) // 4)
     train_parse = [sum(m["format_rate"] for m in metrics[i:i + quarter]) / len(metrics[i:i + quarter])
                    for i in range(0, len(metrics), quarter)]
-    r.update(before=b["k"] / max(1, b["n"]), after=af["k"] / max(1, af["n"]), n_before=b["n"], n_after=af["n"],
-             p=fisher_one_sided(b["k"], b["n"], af["k"], af["n"]),
+    t = dict(iterations=iterations, selected=selected, run=run, after_json=after_json,
+             before=b["k"] / max(1, b["n"]), after=af["k"] / max(1, af["n"]), n_before=b["n"], n_after=af["n"],
+             k_before=b["k"], k_after=af["k"], p=fisher_one_sided(b["k"], b["n"], af["k"], af["n"]),
              per_task_before=b["per_task"], per_task_after=af["per_task"],
              parse_before=b["parse"], parse_after=af["parse"], parse_train=train_parse,
              parse=min([b["parse"], af["parse"], *train_parse]),
              early=early_k / max(1, len(early)), late=late_k / max(1, len(late)), n_early=len(early),
              n_late=len(late), p_train=fisher_one_sided(early_k, len(early), late_k, len(late)),
              curve=[sum(s > SUCCESS for g in m["groups"] for s in g["scores"]) /
-                    max(1, sum(len(g["scores"]) for g in m["groups"])) for m in metrics],
-             seconds=time.perf_counter() - t0)
-    if multi:
-        r["steps_before"], r["steps_after"] = step_rates(before_json, selected), step_rates(after_json, selected)
-    return r
+                    max(1, sum(len(g["scores"]) for g in m["groups"])) for m in metrics])
+    if a.method == "arpo-multi":
+        t["steps_before"], t["steps_after"] = step_rates(before_json, selected), step_rates(after_json, selected)
+    return t
 
 
 # ------------------------------------------------------------------------------------------------
@@ -439,6 +449,8 @@ def parse_args(argv=None):
     p.add_argument("--warm-epochs", type=int, default=None,
                    help="passes of the warm start over prompts x icons (default: 16, arpo-multi 32)")
     p.add_argument("--warm-lr", type=float, default=6e-3, help="learning rate of the warm start")
+    p.add_argument("--task-ids", default="", help="comma-separated task ids (default: the method's own: "
+                   f"{TASK_IDS} for arpo, {MULTI_TASK_IDS} for arpo-multi)")
     p.add_argument("--warm-start-only", default="", metavar="DIR",
                    help="only build the ARPO warm start (seed 0) into DIR, for `train_arpo.py --model DIR`")
     return p.parse_args(argv)

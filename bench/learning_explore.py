@@ -76,6 +76,7 @@ import model as M  # noqa: E402
 from model import encode_chat, explore_messages  # noqa: E402
 from env import VMPool  # noqa: E402
 from plumbing.warm_start import EXPLORE_CALLS  # noqa: E402
+from claims import permutation_p  # noqa: E402  (the statistics live with the claim runner)
 
 transformers.utils.logging.disable_progress_bar()  # the warm start's save: no progress bar in the table
 
@@ -223,26 +224,7 @@ def evaluate(model: str, run: str, seed: int, a, log: str, baseline: bool) -> di
 
 
 # -----------------------------------------------------------------------------------------------
-# Statistics
-
-
-def permutation_p(after: list[float], before: list[float], n: int = 20000, seed: int = 0) -> float:
-    """One-sided permutation test of mean(after) > mean(before): the share of n random relabelings
-    of the pooled values whose mean difference is at least the observed one, with the observed
-    labeling counted once ((hits + 1) / (n + 1), so p is never 0)."""
-    x = np.asarray(after + before, dtype=float)
-    k = len(after)
-    observed = x[:k].mean() - x[k:].mean()
-    rng = np.random.default_rng(seed)
-    hits = 0
-    for _ in range(n):
-        p = rng.permutation(x)
-        hits += p[:k].mean() - p[k:].mean() >= observed - 1e-12
-    return (hits + 1) / (n + 1)
-
-
-# -----------------------------------------------------------------------------------------------
-# One seed, all seeds
+# One seed, all seeds (its test: bench/claims.py's permutation_p)
 
 
 def reward_terms(run: str) -> dict:

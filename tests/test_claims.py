@@ -1,0 +1,176 @@
+"""bench/claims.py, the claim runner: its statistics by hand, the claims' own bookkeeping on hand-made
+runs, and every claim end to end with a tiny budget (--smoke) on real desktops.
+
+Run: python -m pytest -q tests/test_claims.py      (the smoke runs take a few minutes)
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import claims as C  # noqa: E402
+import claims_explore as CE  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------
+# Statistics, by hand
+
+
+def test_sign_flip_by_hand():
+    # [1, 2, 3]: observed sum 6; of the 8 sign assignments only (+, +, +) reaches 6 -> 1/8.
+    assert C.sign_flip_p([1, 2, 3]) == 1 / 8
+    # [2, -1]: observed 1; sums 1, 3, -1, -3 -> two of four reach 1.
+    assert C.sign_flip_p([2, -1]) == 0.5
+    # The fewest pairs for p < 0.05: 5 all-positive pairs give 1/32; 4 give 1/16.
+    assert C.sign_flip_p([1] * 5) == 1 / 32 < 0.05 < C.sign_flip_p([1] * 4) == 1 / 16
+    assert C.sign_flip_p([0, 0]) == 1.0  # no effect: every assignment ties
+    assert C.sign_flip_p([]) == 1.0
+
+
+def test_permutation_exact_and_sampled_by_hand():
+    # after [3, 4], before [1, 2]: of the C(4, 2) = 6 ways to pick "after", mean differences
+    # -2, -1, 0, 0, 1, 2; only the observed one reaches 2 -> 1/6, exactly (6 <= n).
+    assert C.permutation_p([3, 4], [1, 2]) == 1 / 6
+    assert C.permutation_p([1, 2], [3, 4]) == 1.0
+    # Sampled (C(24, 12) > n): the observed labelling is counted once, so p >= 1 / (n + 1).
+    assert C.permutation_p([3] * 12, [1] * 12, n=999) == 1 / 1000
+    assert C.permutation_p([], [1, 2]) == 1.0
+
+
+def test_fisher_by_hand():
+    # 0/2 before, 2/2 after: given 2 successes in 4, P(both after) = 1 / C(4, 2) = 1/6.
+    assert math.isclose(C.fisher_one_sided(0, 2, 2, 2), 1 / 6)
+    assert C.fisher_one_sided(0, 5, 0, 5) == 1.0
+
+
+def test_bootstrap_intervals_by_hand():
+    assert C.bootstrap_mean([5, 5, 5]) == (5.0, 5.0)
+    # [1, 3]: resampled means 1, 2, 2, 3 with probability 1/4 each: the 5% and 95% quantiles are 1 and 3.
+    assert C.bootstrap_mean([1, 3]) == (1.0, 3.0)
+    # Independent samples: after [2, 2], before [0, 0] -> every resample differs by exactly 2.
+    assert C.bootstrap_diff([2, 2], [0, 0]) == (2.0, 2.0)
+    lo, hi = C.bootstrap_diff([1, 3], [0, 0])
+    assert (lo, hi) == (1.0, 3.0)
+
+
+def test_a_test_passes_only_one_way():
+    t = C.episodes_test("x", [3, 4], [1, 2])
+    assert (t.after, t.before, t.diff, t.p) == (3.5, 1.5, 2.0, 1 / 6) and not t.ok  # p 0.17: not enough
+    t = C.episodes_test("x", [3] * 12, [1] * 12)
+    assert t.ok and (t.lo, t.hi) == (2.0, 2.0) and "diff +2.000 [+2.000, +2.000]" in t.line()
+    assert not C.episodes_test("x", [1] * 12, [3] * 12).ok
+    r = C.rate_test("s", 10, 10, 0, 10)  # 10/10 vs 0/10: Fisher's 1 / C(20, 10)
+    assert r.ok and r.diff == 1.0 and math.isclose(r.p, 1 / math.comb(20, 10))
+    p = C.paired_test("d", [2, 3, 4, 5, 6], [1, 1, 1, 1, 1])
+    assert p.diff == 3.0 and p.p == 1 / 32 and p.ok
+
+
+def test_quarters_and_settings():
+    assert C.quarters([1, 2, 3, 4, 5, 6, 7, 8]) == (1.5, 7.5)
+    ns = C.parse_args(["x", "--set", "iterations=30", "--set", "rewards=all,windows", "--set", "flag=no"])
+    s = C.settings({"iterations": 48, "rewards": "all", "flag": True, "vms": 8}, ns, {"vms": 2})
+    assert s == {"iterations": 30, "rewards": "all,windows", "flag": False, "vms": 8}  # smoke off: vms stays
+    ns.smoke = True
+    assert C.settings({"iterations": 48, "rewards": "all", "flag": True, "vms": 8}, ns, {"vms": 2})["vms"] == 2
+    with pytest.raises(SystemExit, match="this claim's settings are"):
+        C.settings({"iterations": 48}, C.parse_args(["x", "--set", "nope=1"]))
+
+
+# ------------------------------------------------------------------------------------------------
+# The explore claims' bookkeeping, on hand-made records
+
+
+def test_step_kinds_by_hand():
+    seen = set()
+    line = lambda opened, change=0.0: {"opened": opened, "rewards": {"image_immediate": change}}  # noqa: E731
+    assert CE.step_kind(line(["terminal"]), seen) == "new app"
+    seen.add("terminal")
+    assert CE.step_kind(line(["terminal"]), seen) == "same app"
+    assert CE.step_kind(line(["terminal", "editor"]), seen) == "new app"  # one of them is new
+    assert CE.step_kind(line(["other"]), seen) == "other window"
+    assert CE.step_kind(line([], 0.07), seen) == "menu or change"  # a right-click menu: 0.07-0.16
+    assert CE.step_kind(line([], 0.0), seen) == "nothing"
+
+
+def test_apps_of_an_eval_by_hand():
+    ev = {"policy": {"episodes": [
+        {"apps": ["terminal", "terminal", "other"], "windows": 3, "distinct_screens": 3, "format": 1.0},
+        {"apps": ["editor", "terminal"], "windows": 2, "distinct_screens": 4, "format": 0.5},
+        {"apps": [], "windows": 0, "distinct_screens": 1, "format": 1.0}]}}
+    m = CE.apps_of(ev)
+    assert m["apps"] == [1, 2, 0] and m["windows"] == [3, 2, 0] and m["screens"] == [3, 4, 1]
+    # terminal 3 of the 4 app windows (a dialog of no app is "other"): share 0.75, coverage 2
+    assert m["counts"] == {"terminal": 3, "editor": 1} and m["top"] == "terminal" and m["top_share"] == 0.75
+    assert m["coverage"] == 2 and m["format"] == pytest.approx(2.5 / 3)
+
+
+def test_what_each_kind_of_step_was_paid(tmp_path):
+    """paid() reads a run's trajectory files: per iteration, per desktop, the steps in order."""
+    run = tmp_path / "run"
+    for it, rows in enumerate([
+        [(["terminal"], 1.0, 0.7), (["terminal"], 0.5, 0.6), ([], 0.1, 0.1)],   # iteration 0, desktop 0
+        [(["editor"], 2.0, 0.9), ([], 0.0, 0.0), (["other"], 0.3, 0.2)],        # iteration 1
+    ]):
+        d = run / "trajectories" / f"it{it:06d}"
+        d.mkdir(parents=True)
+        with open(d / "vm00.jsonl", "w") as fh:
+            for step, (opened, total, imm) in enumerate(rows):
+                fh.write(json.dumps({"step": step, "valid": True, "opened": opened, "reward": total,
+                                     "rewards": {"format": 1.0, "image_immediate": imm}}) + "\n")
+    p = CE.paid(str(run))  # 2 iterations: the first quarter is iteration 0, the last iteration 1
+    assert p["first"]["new app"] == {"n": 1, "total": 1.0, "format": 1.0, "image_immediate": 0.7}
+    assert p["first"]["same app"]["n"] == 1 and p["first"]["menu or change"]["total"] == 0.1
+    assert p["last"]["new app"]["total"] == 2.0 and p["last"]["nothing"]["n"] == 1
+    assert p["last"]["other window"]["image_immediate"] == 0.2
+
+
+# ------------------------------------------------------------------------------------------------
+# Every claim, end to end, with a tiny budget
+
+
+def test_list_names_every_claim():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "claims.py"), "--list"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0
+    for name in C.all_claims():
+        assert name in out.stdout
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "claims.py"), "no-such-claim"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--list" in bad.stdout
+
+
+def smoke(name: str, out, *more: str) -> dict:
+    """`python bench/claims.py NAME --smoke --out OUT`: it must run through (no `stopped:`) and end
+    in its verdict line; -> its JSON."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "claims.py"), name, "--smoke", "--out", str(out),
+                        *more], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+    assert p.returncode == 0 and last.startswith(f"claim {name}: ") and last.endswith(": smoke"), \
+        p.stdout[-3000:] + p.stderr[-3000:]
+    assert "stopped:" not in last, last  # the claim ran through, it did not stop on an error
+    with open(os.path.join(out, f"{name}.json")) as fh:
+        result = json.load(fh)
+    assert result["smoke"] is True
+    return result
+
+
+@pytest.mark.parametrize("name", sorted(set(C.all_claims()) - {"explore-diversity", "explore-curves"}))
+def test_each_claim_runs_with_a_tiny_budget(name, tmp_path):
+    smoke(name, tmp_path)
+
+
+def test_diversity_then_its_curves_with_a_tiny_budget(tmp_path):
+    """explore-curves reads explore-diversity's runs (--set source=), as it does after a real run."""
+    div = smoke("explore-diversity", tmp_path / "div")
+    assert div["per_seed"][0]["apps"]["rl"]["apps"]  # one number per eval episode
+    curves = smoke("explore-curves", tmp_path / "curves", "--set", f"source={tmp_path / 'div'}")
+    assert curves["per_seed"][0]["run"] == str(tmp_path / "div" / "seed0" / "rl")
+    assert os.path.exists(curves["png"])

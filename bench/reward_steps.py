@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import rewards as R  # noqa: E402
+import ocr as O  # noqa: E402
 from conftest import start_vm_server  # noqa: E402
 from vm.desktop import desktop_icons  # noqa: E402
 from env import VMClient  # noqa: E402
@@ -66,7 +67,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=1, help="times each step is measured (medians)")
     a = p.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
-    tools = R.load_text_tools()
+    tools = O.load_text_tools()
     server = start_vm_server()
     vm = VMClient(server.url, server.token, timeout=60)
     rows: dict = {}

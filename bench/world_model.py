@@ -32,6 +32,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rewards as R  # noqa: E402
+import ocr as O  # noqa: E402
 
 WORDS = "File Edit View Search Document Help Terminal Calculator Open Save Close Settings Tools".split()
 
@@ -90,7 +91,7 @@ def main():
     rows.append(("screen features (2N images)", t_feat))
     sb, sa = R.screen_features(before), R.screen_features(after)  # (N, D)
 
-    tools = R.load_text_tools()
+    tools = O.load_text_tools()
     e_dim = tools.dim if tools else 384
     eb = torch.nn.functional.normalize(torch.randn(n, e_dim), dim=1)  # (N, E) stand-ins if no embedder
     ea = torch.nn.functional.normalize(torch.randn(n, e_dim), dim=1)  # (N, E)
@@ -111,11 +112,11 @@ def main():
 
     if tools is not None:
         k = min(args.ocr_screens, len(chain))
-        t_ocr, _ = timed(lambda: R.ocr_many(tools, chain[:k]), 1)  # one process per core
+        t_ocr, _ = timed(lambda: O.ocr_many(tools, chain[:k]), 1)  # one process per core
         distinct = len(chain)  # N + vms distinct screens
         rows.append((f"OCR, {distinct} distinct screens (measured {k}, {os.cpu_count()} procs)", t_ocr * distinct / k))
         texts = [" ".join(rng.sample(WORDS, 8)) for _ in range(3 * n + n // 3)]
-        t_emb, _ = timed(lambda: R.embed_texts(tools, texts), args.repeats)
+        t_emb, _ = timed(lambda: O.embed_texts(tools, texts), args.repeats)
         rows.append((f"embedder, {len(texts)} strings", t_emb))
     else:
         print("(text tools missing: OCR and embedder rows skipped)")

@@ -121,9 +121,11 @@ def test_trainers_are_the_tops():
 DESIGN = {"train_arpo", "train_explore", "grpo", "rewards", "model", "env", "vm_server"}
 
 
-def test_the_top_level_is_the_designs_files_and_at_most_six_more():
+def test_the_top_level_is_the_designs_files_and_at_most_seven_more():
+    # Seven since ocr.py: the screen's text (tesseract, the embedder, their cache, reading only what
+    # changed) grew to ~500 lines of its own, and rewards.py stays the terms a reader comes for.
     top = {m for m in OURS if "." not in m and m not in PACKAGES}
-    assert DESIGN <= top and len(top - DESIGN) <= 6, sorted(top - DESIGN)
+    assert DESIGN <= top and len(top - DESIGN) <= 7, sorted(top - DESIGN)
     folders = sorted(d for d in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, d))
                      and any(f.endswith(".py") for f in os.listdir(os.path.join(ROOT, d))))
     assert [d for d in folders if d not in ("tests", "bench", "tasks")] == sorted(PACKAGES), folders

@@ -236,7 +236,7 @@ def play_tasks(pool: VMPool, tasks: list[Task], policy_fn, args, groups: list[in
 
 
 def model_policy(policy, args: Args, temperature: float):
-    """The default policy_fn: one batched generate over all observations -> Generations."""
+    """The default policy_fn: one batched generate over all observations -> Answers."""
     def policy_fn(observations: list[Observation]) -> list[Answer]:
         return generate(policy, [o.messages for o in observations], max_new_tokens=args.max_new_tokens,
                         temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0)

@@ -7,14 +7,14 @@
     python train_explore.py --resume runs/<name>                     # continue a run
     python train_explore.py --eval-only --model runs/<name>/models/E1 --episodes 20   # vs random actions
 
-One iteration (`iteration`, which `main`'s loop `train` calls): --steps steps on every live
-desktop, each an `episode` on its own (screenshot -> the exploration prompt -> the policy's
-answer, one batched generate for whatever is waiting (rollout.play) -> {"intent", "action"}
-parsed -> the action, and the screen once it settled) -> the format-valid steps' screen features
-(and OCR text) -> `predict_and_learn`: the world model's guesses (curiosity), then it learns the
-buffer -> `step_rewards`: every reward term that is on (rewards.py) -> advantages over the whole
-buffer, ONE group -> `update` (after --update-actor-delay iterations) -> the iteration's best
-steps kept for distillation -> log, checkpoint. Between generations (--generations G) the next starts again from
+One iteration (`iteration`, which `main`'s loop `train` calls): --steps steps on every live desktop,
+each an `episode` on its own (screenshot -> the exploration prompt -> the policy's answer, one
+batched generate for whatever is waiting (rollout.play) -> {"intent", "action"} parsed -> the
+action, and the screen once it settled) -> the format-valid steps' screen features (and OCR text) ->
+`predict_and_learn`: the world model's guesses (curiosity), then it learns the buffer ->
+`step_rewards`: every reward term that is on (rewards.py) -> advantages over the whole buffer, ONE
+group -> `update` (after --update-actor-delay iterations) -> the iteration's best steps kept for
+distillation -> log, checkpoint. Between generations (--generations G) the next starts again from
 the BASE model fine-tuned on every distilled step so far (`start_generation`). The file reads in
 that order; after `main` come what the loop calls by name: the flags (`Args`, with the paper's
 defaults: LoRA r 64, lr 4e-5, KL 0.04, clip 0.2 / 0.28, one optimizer step per 16 steps, the actor
@@ -153,7 +153,7 @@ def episode(desk: rollout.Desktop, steps: int, settle, reset: bool, windows: boo
 
 
 def parse_answer(answer, screen: tuple, cursor: tuple) -> tuple:
-    """-> (text, Parsed or None, Answer or None). The model's answer (a Answer) is parsed in
+    """-> (text, Parsed or None, Answer or None). The model's answer (an Answer) is parsed in
     the resized image it saw, its coordinates mapped to the screen; a stand-in's text (the random
     baseline, a test's script) is in screen pixels. None: a format failure."""
     if isinstance(answer, Answer):
@@ -177,7 +177,7 @@ def play_steps(pool: VMPool, vms: set, policy_fn, steps: int, settle, reset: boo
 
 
 def model_policy(policy, a: Args, temperature: float):
-    """The default policy_fn: one batched generate over all observations -> Generations."""
+    """The default policy_fn: one batched generate over all observations -> Answers."""
     def policy_fn(observations: list[Observation]) -> list[Answer]:
         return generate(policy, [explore_messages(o.image) for o in observations], a.max_new_tokens, temperature,
                         a.top_p if temperature > 0 else 1.0)
@@ -227,7 +227,7 @@ def predict_and_learn(tr: Trainer, f: R.Features | None, actions: list, a: Args)
     if "world_model" not in R.reads(tr.reward_flags) or not actions:
         return None, None, {"wm/loss": None, "wm/loss_first_epoch": None}
     return R.predict_and_learn(tr.wm, tr.wm_opt, f, actions, format_ok=[1] * len(actions), epochs=a.wm_epochs,
-                                batch_size=a.wm_batch_size, train_first=a.wm_train_first)  # (V, D), (V, E)
+                               batch_size=a.wm_batch_size, train_first=a.wm_train_first)  # (V, D), (V, E)
 
 
 def step_rewards(tr: Trainer, buffer: list[Step], f: R.Features | None, pred_s=None, pred_t=None) -> R.Rewards:

@@ -23,6 +23,13 @@ desktop, T = 1, `steps` steps): distinct apps opened, windows opened, distinct s
 dHash). Over an evaluation: the most-opened app's share of the app windows, and coverage (apps
 opened at least once).
 
+B, C and D build on A's runs, so the arms of a comparison share A's warm start and A's trained
+arm is not trained twice: they read `--set source=DIR` (default: runs/claims/explore-diversity, A's
+last output; with --smoke, A's smoke output beside theirs) and run A there first if a seed is
+missing. B trains its one new arm (no curiosity) from A's warm start; C copies A's run and resumes
+it into a second generation; D reads A's training curves. So run A, then B, C, D on its output:
+each verdict of B, C, D is on the same seeds and warm starts as the A run it names.
+
 Statistics: per seed, over evaluation episodes (bench/claims.py `episodes_test`: a one-sided
 permutation test with the difference of means and its 90% bootstrap interval), every seed must
 pass. Why not paired over seeds: a sign-flip test needs 5 seeds for p < 0.05, and a seed here costs
@@ -34,7 +41,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 from collections import Counter
 
 import numpy as np
@@ -103,6 +109,34 @@ def train_arm(seed: int, s: dict, start: dict, arm: str, extra: list, out: str) 
 def evaluate(model: str, seed: int, s: dict, start: dict, name: str, out: str) -> dict:
     a = le_args(s, out)
     return LE.evaluate(model, os.path.join(start["root"], name), 1000 + seed, a, start["log"], baseline=False)
+
+
+def diversity_runs(a, s: dict) -> tuple[str, dict]:
+    """A's runs for B, C and D: per seed its warm start, the warm start's eval (beside random
+    actions), the trained run and its eval, read from `source` (--set source=DIR; default A's own
+    output folder beside this claim's), after running A there for the seeds it lacks. -> (source,
+    {seed: {"root", "warm", "before", "rl", "after"}})."""
+    src = s["source"] or os.path.join(os.path.dirname(a.out), "explore-diversity" + ("-smoke" if a.smoke else ""))
+
+    def have(seed):
+        root = os.path.join(src, f"seed{seed}")
+        return all(os.path.exists(os.path.join(root, p)) for p in
+                   ("warm", "before/eval.json", "rl/models/E1", "after/eval.json", "rl/metrics.jsonl"))
+    missing = [seed for seed in a.seed_list if not have(seed)]
+    if missing:
+        print(f"explore-diversity has no runs of seeds {missing} in {src}: running them first", flush=True)
+        div = argparse.Namespace(**{**vars(a), "out": src, "seed_list": missing})
+        diversity(div)
+    runs = {}
+    for seed in a.seed_list:
+        root = os.path.join(src, f"seed{seed}")
+        with open(os.path.join(root, "before", "eval.json")) as fh:
+            before = json.load(fh)
+        with open(os.path.join(root, "after", "eval.json")) as fh:
+            after = json.load(fh)
+        runs[seed] = {"root": root, "warm": os.path.join(root, "warm"), "before": before,
+                      "rl": os.path.join(root, "rl"), "after": after}
+    return src, runs
 
 
 # ------------------------------------------------------------------------------------------------
@@ -265,21 +299,27 @@ def top_share(per_seed: list[dict]) -> str:
 
 
 def curiosity(a) -> dict:
-    """B. The same seeds and warm starts, two arms: the paper's reward against it without the world
-    model's terms (`,no_world_model`). With curiosity, after training: more distinct apps an
-    episode (and distinct screens, reported), and in the first quarter of training a larger std of
-    the raw rewards across the buffer (per iteration; before any normalisation): curiosity is what
-    gives a GRPO group something to compare at the cold start. Every seed must pass both."""
+    """B. The same seeds and warm starts, two arms: the paper's reward (A's trained run) against it
+    without the world model's terms (`,no_world_model`, trained here from A's warm start for as many
+    iterations). With curiosity, after training: more distinct apps an episode (and distinct
+    screens, reported), and in the first quarter of training a larger std of the raw rewards across
+    the buffer (per iteration; before any normalisation): curiosity is what gives a GRPO group
+    something to compare at the cold start. Every seed must pass both."""
     s = C.settings(DEFAULTS, a, SMOKE)
+    src, runs = diversity_runs(a, s)
     per_seed, ok = [], True
     for seed in a.seed_list:
-        start = seed_start(seed, s, a.out)
-        res = {}
-        for arm, rewards in (("curiosity", s["rewards"]), ("no_curiosity", s["rewards"] + ",no_world_model")):
-            r = train_arm(seed, {**s, "rewards": rewards}, start, arm, [], a.out)
-            r["eval"] = apps_of(evaluate(os.path.join(r["run"], "models", "E1"), seed, s, start, f"after_{arm}", a.out))
+        d = runs[seed]
+        root = os.path.join(a.out, f"seed{seed}")
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+        start = {"root": root, "log": os.path.join(root, "console.log"), "warm": d["warm"]}
+        without = train_arm(seed, {**s, "rewards": s["rewards"] + ",no_world_model"}, start, "no_curiosity", [], a.out)
+        res = {"curiosity": {"run": d["rl"], "eval": apps_of(d["after"])},
+               "no_curiosity": {"run": without["run"], "eval": apps_of(evaluate(
+                   os.path.join(without["run"], "models", "E1"), seed, s, start, "after_no_curiosity", a.out))}}
+        for r in res.values():
             r["curves"] = curves(r["run"])
-            res[arm] = r
         w, wo = res["curiosity"], res["no_curiosity"]
         q = max(1, len(w["curves"]["reward_std"]) // 4)
         tests = [C.episodes_test("apps/ep with > without", w["eval"]["apps"], wo["eval"]["apps"], seed),
@@ -288,15 +328,15 @@ def curiosity(a) -> dict:
                  C.episodes_test("screens/ep with > without", w["eval"]["screens"], wo["eval"]["screens"], seed)]
         seed_ok = tests[0].ok and tests[1].ok
         ok &= seed_ok
-        print(f"\nseed {seed} ({'pass' if seed_ok else 'FAIL'}):")
-        print(app_row("warm", apps_of(start["before"])))
+        print(f"\nseed {seed} ({'pass' if seed_ok else 'FAIL'}), with curiosity: {d['rl']}")
+        print(app_row("warm", apps_of(d["before"])))
         for arm in res:
             print(app_row(arm[:8], res[arm]["eval"]))
         for t in tests:
             print("  " + t.line())
         for arm in res:
-            terms = {k: t for k, t in res[arm]["curves"]["tests"].items()}
-            print(f"  {arm}: " + ", ".join(f"{k.split('/')[-1]} {t.before:.3f}->{t.after:.3f}" for k, t in terms.items()))
+            print(f"  {arm}, first -> last quarter: " + ", ".join(
+                f"{k.split('/')[-1]} {t.before:.3f}->{t.after:.3f}" for k, t in res[arm]["curves"]["tests"].items()))
         per_seed.append({"seed": seed, "tests": [vars(t) for t in tests], "ok": seed_ok,
                          **{arm: {"eval": r["eval"], "reward_std": r["curves"]["reward_std"], "run": r["run"],
                                   "curves": {k: vars(t) for k, t in r["curves"]["tests"].items()}}
@@ -304,38 +344,53 @@ def curiosity(a) -> dict:
     numbers = "; ".join(f"seed {r['seed']}: " + ", ".join(
         f"{t['name'].split(',')[0].split(' with')[0]} {t['diff']:+.3f} p {t['p']:.3f}" for t in r["tests"])
         for r in per_seed)
-    return {"numbers": numbers, "pass": ok, "settings": s, "per_seed": per_seed}
+    return {"numbers": numbers, "pass": ok, "settings": s, "source": src, "per_seed": per_seed}
 
 
 def distillation(a) -> dict:
     """C. Experience-stream distillation: generation 2 starts from the BASE model (the seed's warm
-    start) fine-tuned on generation 1's best steps (models/E2_sft). Its start explores more than
-    generation 1's start did: more distinct apps an episode than the warm start (p < 0.05, every
-    seed). Where generation 2 ends (models/E2) is reported beside generation 1's end (models/E1)."""
+    start) fine-tuned on generation 1's best steps (models/E2_sft). A's run is generation 1: a copy
+    of it is resumed with `--generations 2` (the boundary runs the SFT, then as many iterations
+    again). Generation 2's start explores more than generation 1's start did: more distinct apps an
+    episode than the warm start (p < 0.05, every seed). Where generation 2 ends (models/E2) is
+    reported beside generation 1's end (models/E1, A's eval)."""
     s = C.settings(DEFAULTS, a, SMOKE)
+    src, runs = diversity_runs(a, s)
     per_seed, ok = [], True
     for seed in a.seed_list:
-        start = seed_start(seed, s, a.out)
+        d = runs[seed]
+        root = os.path.join(a.out, f"seed{seed}")
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+        start = {"root": root, "log": os.path.join(root, "console.log"), "warm": d["warm"]}
+        run = os.path.join(root, "rl")
+        shutil.copytree(d["rl"], run)
         ipg = s["iterations"]
-        arm = train_arm(seed, {**s, "iterations": ipg}, start, "rl", ["--generations", 2,
-                                                                      "--iterations-per-generation", ipg], a.out)
-        ev = {name: apps_of(evaluate(os.path.join(arm["run"], "models", name), seed, s, start, f"after_{name}", a.out))
-              for name in ("E1", "E2_sft", "E2")}
-        warm = apps_of(start["before"])
+        seconds = LE.trainer(["--resume", run, "--generations", 2, "--iterations-per-generation", ipg,
+                              "--iterations", ipg], start["log"])
+        print(f"seed {seed}: generation 2 in {seconds / 60:.1f} min", flush=True)
+        ev, warm = {"E1": apps_of(d["after"])}, apps_of(d["before"])
+        for name in ("E2_sft", "E2"):
+            model = os.path.join(run, "models", name)
+            if os.path.isdir(model):
+                ev[name] = apps_of(evaluate(model, seed, s, start, f"after_{name}", a.out))
+            else:  # no format-valid step to distil: generation 2 started from the base model itself
+                print(f"seed {seed}: no {name} (generation 1 kept no step): its start is the warm start", flush=True)
+                ev[name] = warm
         tests = [C.episodes_test("apps/ep E2 start > E1 start", ev["E2_sft"]["apps"], warm["apps"], seed),
                  C.episodes_test("apps/ep E2 end > E1 end", ev["E2"]["apps"], ev["E1"]["apps"], seed)]
         seed_ok = tests[0].ok
         ok &= seed_ok
-        print(f"\nseed {seed} ({'pass' if seed_ok else 'FAIL'}):")
+        print(f"\nseed {seed} ({'pass' if seed_ok else 'FAIL'}), generation 1: {d['rl']}")
         for name, m in (("E1 start", warm), ("E1 end", ev["E1"]), ("E2 start", ev["E2_sft"]), ("E2 end", ev["E2"])):
             print(app_row(name, m))
         for t in tests:
             print("  " + t.line())
         per_seed.append({"seed": seed, "tests": [vars(t) for t in tests], "ok": seed_ok, "evals": ev, "warm": warm,
-                         "run": arm["run"]})
+                         "run": run})
     numbers = "; ".join(f"seed {r['seed']}: E2 start - E1 start {r['tests'][0]['diff']:+.2f} apps/ep "
                         f"p {r['tests'][0]['p']:.3f}, E2 end - E1 end {r['tests'][1]['diff']:+.2f}" for r in per_seed)
-    return {"numbers": numbers, "pass": ok, "settings": s, "per_seed": per_seed}
+    return {"numbers": numbers, "pass": ok, "settings": s, "source": src, "per_seed": per_seed}
 
 
 def reward_curves(a) -> dict:
@@ -346,13 +401,9 @@ def reward_curves(a) -> dict:
     world model's loss "stays high" when its last quarter keeps at least half its first quarter.
     Pass: the total reward rises (p < 0.05) in every seed; each term is reported, risen or not."""
     s = C.settings(DEFAULTS, a, SMOKE)
-    src = s["source"] or os.path.join(os.path.dirname(a.out), "explore-diversity" + ("-smoke" if a.smoke else ""))
-    runs = {seed: os.path.join(src, f"seed{seed}", "rl") for seed in a.seed_list}
-    if not all(os.path.exists(os.path.join(r, "metrics.jsonl")) for r in runs.values()):
-        print(f"no explore-diversity runs in {src}: running them first", flush=True)
-        diversity(argparse.Namespace(**{**vars(a), "out": src}))
+    src, div = diversity_runs(a, s)
     per_seed, ok = [], True
-    for seed, run in runs.items():
+    for seed, run in ((seed, d["rl"]) for seed, d in div.items()):
         cv = curves(run)
         total = cv["tests"]["reward/total"]
         wm = cv["tests"].get("wm/loss")
@@ -372,7 +423,7 @@ def reward_curves(a) -> dict:
     numbers = (f"total reward rises in {sum(r['ok'] for r in per_seed)}/{len(per_seed)} seeds; rising terms "
                f"(any seed): {', '.join(rises) or 'none'}; wm loss stays high in "
                f"{sum(r['wm_high'] for r in per_seed)}/{len(per_seed)}")
-    return {"numbers": numbers, "pass": ok, "per_seed": per_seed, "png": png}
+    return {"numbers": numbers, "pass": ok, "source": src, "per_seed": per_seed, "png": png}
 
 
 def curves_png(runs: list[str], path: str, smooth: int = 5) -> None:

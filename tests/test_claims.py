@@ -162,15 +162,25 @@ def smoke(name: str, out, *more: str) -> dict:
     return result
 
 
-@pytest.mark.parametrize("name", sorted(set(C.all_claims()) - {"explore-diversity", "explore-curves"}))
-def test_each_claim_runs_with_a_tiny_budget(name, tmp_path):
+@pytest.mark.parametrize("name", sorted(n for n in C.all_claims() if not n.startswith("explore-")))
+def test_each_arpo_claim_runs_with_a_tiny_budget(name, tmp_path):
     smoke(name, tmp_path)
 
 
-def test_diversity_then_its_curves_with_a_tiny_budget(tmp_path):
-    """explore-curves reads explore-diversity's runs (--set source=), as it does after a real run."""
+def test_each_explore_claim_runs_with_a_tiny_budget_on_the_diversity_runs(tmp_path):
+    """ScreenExplorer's B, C and D build on A's runs (--set source=), as after a real run of A."""
     div = smoke("explore-diversity", tmp_path / "div")
     assert div["per_seed"][0]["apps"]["rl"]["apps"]  # one number per eval episode
-    curves = smoke("explore-curves", tmp_path / "curves", "--set", f"source={tmp_path / 'div'}")
-    assert curves["per_seed"][0]["run"] == str(tmp_path / "div" / "seed0" / "rl")
-    assert os.path.exists(curves["png"])
+    for name in ("explore-curiosity", "explore-distillation", "explore-curves"):
+        result = smoke(name, tmp_path / name, "--set", f"source={tmp_path / 'div'}")
+        assert result["source"] == str(tmp_path / "div")
+    curves = json.load(open(tmp_path / "explore-curves" / "explore-curves.json"))
+    assert curves["per_seed"][0]["run"] == str(tmp_path / "div" / "seed0" / "rl") and os.path.exists(curves["png"])
+    # C resumed a copy of A's run into generation 2 (its SFT start, models/E2_sft, only if generation 1
+    # kept a format-valid step), and A's run is untouched
+    gen2 = tmp_path / "explore-distillation" / "seed0" / "rl" / "models"
+    assert (gen2 / "E2").is_dir()
+    assert not (tmp_path / "div" / "seed0" / "rl" / "models" / "E2").exists()
+    # B trained only the arm without curiosity, from A's warm start
+    assert (tmp_path / "explore-curiosity" / "seed0" / "no_curiosity" / "metrics.jsonl").exists()
+    assert not (tmp_path / "explore-curiosity" / "seed0" / "warm").exists()

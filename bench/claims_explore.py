@@ -49,14 +49,13 @@ import claims as C
 import learning_explore as LE
 
 DEFAULTS = dict(
-    vms=8, steps=10, iterations=48, eval_episodes=24, rewards="all", scale_rewards="on",
+    vms=8, steps=10, iterations=48, eval_episodes=24, rewards="all", paper_rewards="all", scale_rewards="on",
     lr=1e-3, lr_warmup=2, lr_schedule="linear", update_actor_delay=2, max_new_tokens=40, max_pixels=12544,
     settle="watch", warm_steps=150, warm_batch=4, warm_lr=3e-3, warm_screens=6, warm_points="drawn",
-    generation_iterations=0,  # distillation: iterations of generation 2 (0: as many as generation 1)
-    source="",  # explore-curves: the explore-diversity output folder to read (default: its own runs)
+    source="",  # B, C, D: the explore-diversity output folder to build on (default: its own, beside theirs)
 )
 SMOKE = dict(vms=2, steps=2, iterations=2, eval_episodes=2, warm_steps=4, warm_screens=2, update_actor_delay=0,
-             lr_warmup=0, generation_iterations=1)
+             lr_warmup=0)
 STEP_KINDS = ("new app", "same app", "other window", "menu or change", "nothing")
 CHANGED = 0.01  # image_immediate above this: the screen changed (a click on the empty desktop: 0.000,
 #                 a right-click menu 0.07-0.16, an app's window 0.06-1.03; docs/log.md, 2026-12-02)
@@ -185,7 +184,8 @@ def trajectory_steps(run: str) -> list[list[dict]]:
 def step_kind(line: dict, seen: set) -> str:
     """ALGO (the claim's, not the method's): what one format-valid step did, from its trajectory
     line: opened an app not yet opened in its episode, the same app again, a window that is no app
-    (a dialog), no window but a changed screen (a menu, a focus, a scroll), or nothing visible."""
+    (a dialog), no window but a changed screen (a menu, a focus, a scroll: the image immediate term,
+    or with it off the novelty term, above CHANGED), or nothing visible."""
     opened = line.get("opened") or []
     apps = [x for x in opened if x != "other"]
     if any(x not in seen for x in apps):
@@ -194,7 +194,8 @@ def step_kind(line: dict, seen: set) -> str:
         return "same app"
     if opened:
         return "other window"
-    return "menu or change" if (line.get("rewards") or {}).get("image_immediate", 0) > CHANGED else "nothing"
+    paid = line.get("rewards") or {}  # the screen's change: the immediate term, or novelty where that is off
+    return "menu or change" if max(paid.get("image_immediate", 0), paid.get("image_novelty", 0)) > CHANGED else "nothing"
 
 
 def paid(run: str) -> dict:
@@ -254,41 +255,64 @@ def curves(run: str) -> dict:
 def diversity(a) -> dict:
     """A. A trained agent opens more apps an episode than its warm start and than random actions
     (each p < 0.05, in every seed), and no one app takes more than half of the app windows it opens;
-    coverage (apps opened at least once in the eval) is reported against its goal of 4 of 7."""
+    coverage (apps opened at least once in the eval) is reported against its goal of 4 of 7.
+    Two rows, each trained from the seed's warm start: `rewards` (the recipe; its run is `rl`, which
+    B, C and D read) and, when it differs, `paper_rewards` (the paper's exact reward, `rl_paper`),
+    each with its own verdict; the claim's is the recipe's."""
     s = C.settings(DEFAULTS, a, SMOKE)
-    per_seed, ok = [], True
+    rows = [("rl", s["rewards"])] + ([("rl_paper", s["paper_rewards"])]
+                                     if s["paper_rewards"] and s["paper_rewards"] != s["rewards"] else [])
+    per_seed = []
     for seed in a.seed_list:
         start = seed_start(seed, s, a.out)
-        arm = train_arm(seed, s, start, "rl", [], a.out)
-        after = evaluate(os.path.join(arm["run"], "models", "E1"), seed, s, start, "after", a.out)
-        m = {"random": apps_of(start["before"], "random"), "warm": apps_of(start["before"]), "rl": apps_of(after)}
-        tests = [C.episodes_test("apps/ep RL > warm", m["rl"]["apps"], m["warm"]["apps"], seed),
-                 C.episodes_test("apps/ep RL > random", m["rl"]["apps"], m["random"]["apps"], seed),
-                 C.episodes_test("screens/ep RL > warm", m["rl"]["screens"], m["warm"]["screens"], seed)]
-        spread = m["rl"]["top_share"] is not None and m["rl"]["top_share"] <= 0.5
-        seed_ok = tests[0].ok and tests[1].ok and spread
-        ok &= seed_ok
-        print(f"\nseed {seed} ({'pass' if seed_ok else 'FAIL'}):")
-        for name in ("random", "warm", "rl"):
-            print(app_row(name, m[name]))
-        for t in tests:
-            print("  " + t.line())
-        print(f"  most-opened app {m['rl']['top']}: {m['rl']['top_share']} of the app windows (goal <= 0.50); "
-              f"coverage {m['rl']['coverage']}/7 (goal >= 4)")
-        p = paid(arm["run"])
-        print("  what each term paid, per kind of step (first / last quarter of training):")
-        print("\n".join(paid_table(p)))
-        cv = curves(arm["run"])
-        per_seed.append({"seed": seed, "apps": m, "tests": [vars(t) for t in tests], "spread": spread, "ok": seed_ok,
-                         "paid": p, "curves": {k: vars(t) for k, t in cv["tests"].items()},
-                         "reward_std": cv["reward_std"], "run": arm["run"], "train_seconds": arm["seconds"]})
+        for name, rewards in rows:
+            per_seed.append(diversity_row(seed, {**s, "rewards": rewards}, start, name, a.out))
+    lines = {name: row_numbers([r for r in per_seed if r["row"] == name]) for name, _ in rows}
+    ok = {name: all(r["ok"] for r in per_seed if r["row"] == name) for name, _ in rows}
+    if len(rows) > 1:
+        print(f"\nthe paper's exact reward ({s['paper_rewards']}): {lines['rl_paper']} : "
+              f"{'pass' if ok['rl_paper'] else 'FAIL'}")
+    numbers = lines["rl"] + (f"; the paper's exact reward: {'pass' if ok['rl_paper'] else 'FAIL'}" if len(rows) > 1 else "")
+    return {"numbers": numbers, "pass": ok["rl"], "settings": s, "rows": dict(rows), "row_pass": ok,
+            "per_seed": [r for r in per_seed if r["row"] == "rl"], "paper_row": [r for r in per_seed if r["row"] != "rl"]}
+
+
+def diversity_row(seed: int, s: dict, start: dict, name: str, out: str) -> dict:
+    """One row of A on one seed: train from the seed's warm start with s["rewards"] into <seed>/<name>,
+    evaluate its last model (into after/, or after_paper/ for the paper's row), test, print."""
+    arm = train_arm(seed, s, start, name, [], out)
+    after = evaluate(os.path.join(arm["run"], "models", "E1"), seed, s, start, name.replace("rl", "after"), out)
+    m = {"random": apps_of(start["before"], "random"), "warm": apps_of(start["before"]), "rl": apps_of(after)}
+    tests = [C.episodes_test("apps/ep RL > warm", m["rl"]["apps"], m["warm"]["apps"], seed),
+             C.episodes_test("apps/ep RL > random", m["rl"]["apps"], m["random"]["apps"], seed),
+             C.episodes_test("screens/ep RL > warm", m["rl"]["screens"], m["warm"]["screens"], seed)]
+    spread = m["rl"]["top_share"] is not None and m["rl"]["top_share"] <= 0.5
+    seed_ok = tests[0].ok and tests[1].ok and spread
+    print(f"\nseed {seed}, --rewards {s['rewards']} ({'pass' if seed_ok else 'FAIL'}):")
+    for who in ("random", "warm", "rl"):
+        print(app_row(who, m[who]))
+    for t in tests:
+        print("  " + t.line())
+    share = "-" if m["rl"]["top_share"] is None else f"{m['rl']['top_share']:.2f}"
+    print(f"  most-opened app {m['rl']['top']}: {share} of the app windows (goal <= 0.50); "
+          f"coverage {m['rl']['coverage']}/7 (goal >= 4)")
+    p = paid(arm["run"])
+    print("  what each term paid, per kind of step (first / last quarter of training):")
+    print("\n".join(paid_table(p)))
+    cv = curves(arm["run"])
+    return {"seed": seed, "row": name, "rewards": s["rewards"], "apps": m, "tests": [vars(t) for t in tests],
+            "spread": spread, "ok": seed_ok, "paid": p, "curves": {k: vars(t) for k, t in cv["tests"].items()},
+            "reward_std": cv["reward_std"], "run": arm["run"], "train_seconds": arm["seconds"]}
+
+
+def row_numbers(per_seed: list[dict]) -> str:
+    """A row's numbers for the last line: the worst seed's apps/ep, the largest p, top share, coverage."""
     worst = min(per_seed, key=lambda r: r["tests"][0]["diff"])
-    numbers = (f"apps/ep {np.mean(worst['apps']['warm']['apps']):.2f} -> "
-               f"{np.mean(worst['apps']['rl']['apps']):.2f} (random {np.mean(worst['apps']['random']['apps']):.2f}), "
-               f"p {max(max(r['tests'][0]['p'], r['tests'][1]['p']) for r in per_seed):.4f}, top share "
-               f"{top_share(per_seed)}, coverage "
-               f"{min(r['apps']['rl']['coverage'] for r in per_seed)}/7, seeds {len(per_seed)}")
-    return {"numbers": numbers, "pass": ok, "settings": s, "per_seed": per_seed}
+    return (f"apps/ep {np.mean(worst['apps']['warm']['apps']):.2f} -> "
+            f"{np.mean(worst['apps']['rl']['apps']):.2f} (random {np.mean(worst['apps']['random']['apps']):.2f}), "
+            f"p {max(max(r['tests'][0]['p'], r['tests'][1]['p']) for r in per_seed):.4f}, top share "
+            f"{top_share(per_seed)}, coverage {min(r['apps']['rl']['coverage'] for r in per_seed)}/7, "
+            f"seeds {len(per_seed)}")
 
 
 def top_share(per_seed: list[dict]) -> str:

@@ -184,8 +184,8 @@ def trajectory_steps(run: str) -> list[list[dict]]:
 def step_kind(line: dict, seen: set) -> str:
     """ALGO (the claim's, not the method's): what one format-valid step did, from its trajectory
     line: opened an app not yet opened in its episode, the same app again, a window that is no app
-    (a dialog), no window but a changed screen (a menu, a focus, a scroll: the image immediate term,
-    or with it off the novelty term, above CHANGED), or nothing visible."""
+    (a dialog), no window but a changed screen (a menu, a focus, a scroll: the image immediate term
+    above CHANGED), or nothing visible."""
     opened = line.get("opened") or []
     apps = [x for x in opened if x != "other"]
     if any(x not in seen for x in apps):
@@ -194,8 +194,7 @@ def step_kind(line: dict, seen: set) -> str:
         return "same app"
     if opened:
         return "other window"
-    paid = line.get("rewards") or {}  # the screen's change: the immediate term, or novelty where that is off
-    return "menu or change" if max(paid.get("image_immediate", 0), paid.get("image_novelty", 0)) > CHANGED else "nothing"
+    return "menu or change" if (line.get("rewards") or {}).get("image_immediate", 0) > CHANGED else "nothing"
 
 
 def paid(run: str) -> dict:

@@ -17,10 +17,7 @@ buffer's N steps (`Buffer`) and one line of the table `TERMS` (name -> function,
 reward or not, the --rewards switches that turn it off); the flags, metrics, trajectory lines,
 console line and view.py read that table. `all` is the paper's reward, `all,no_world_model` an
 ablation, and a term that is off by default joins by name (`all,windows`: + the windows a step
-opened, our example of a term that reads more than pixels). Ours, off by default: the novelty
-terms, 1 - max S[p<t, t] (the nearest screen the episode had shown before step t, on the image
-features and on the text), which `all,no_sequence,novelty` puts in place of the sequence terms
-(nearest_similarity says why; bench/claims.py explore-diversity measures both). This follows the authors' release
+opened, our example of a term that reads more than pixels). This follows the authors' release
 (niuzaisheng/ScreenExplorer), not its bugs. The file reads: the reward (Buffer, the terms, TERMS,
 reward), curiosity (predict_and_learn), the features; then what they call by name: the screen
 features' details, the world model's network, the flags' parsing, the eval's measures. The text
@@ -131,21 +128,6 @@ def sequence_similarity(start: torch.Tensor, afters: torch.Tensor) -> torch.Tens
     return torch.stack([s[:t, t:].mean() for t in range(1, len(afters) + 1)])  # (T,)
 
 
-def nearest_similarity(start: torch.Tensor, afters: torch.Tensor) -> torch.Tensor:
-    """near_t = max(S[p, t] for p < t), t = 1..T, S = cos matrix of X = [s_0, s'_1, ..., s'_T]: how
-    close step t's after-screen is to the closest screen its episode had shown before it acted
-    (its before-screen included). The reward is 1 - near_t: a step is paid for reaching a screen
-    unlike any the episode had seen, and nothing for returning to one (our departure from the
-    sequence term: its mean over every earlier screen, and over the screens after t too, pays a
-    step that re-opens a window the episode already opened about as much as one that opens a new
-    one, docs/log.md). Example, T = 3, X = [s_0, s'_1, s'_2, s'_3]:
-        near_1 = S01      near_2 = max(S02, S12)      near_3 = max(S03, S13, S23)
-    start (D,), afters (T, D) -> (T,)."""
-    x = F.normalize(torch.cat([start[None], afters]).float(), dim=-1, eps=1e-8)  # (T+1, D)
-    s = x @ x.T  # (T+1, T+1)
-    return torch.stack([s[:t, t].max() for t in range(1, len(afters) + 1)]).clamp(-1.0, 1.0)  # (T,)
-
-
 def _require(x, what, flag):
     if x is None:
         raise ValueError(f"The '{flag}' reward is on but {what} was not given; pass it, or switch the "
@@ -160,23 +142,12 @@ def _sequence(s: Buffer, before, after) -> torch.Tensor:
     return out
 
 
-def _novelty(s: Buffer, before, after) -> torch.Tensor:
-    out = torch.zeros(len(s.episode_ids))  # (N,)
-    for rows in s.episodes():
-        out[rows] = 1 - nearest_similarity(before[rows[0]], after[rows])  # (T,)
-    return out
-
-
 def image_immediate(s: Buffer) -> torch.Tensor:
     return 1 - cosine(s.screen_before, s.screen_after)  # ALGO: the screen changed
 
 
 def image_sequence(s: Buffer) -> torch.Tensor:
     return _sequence(s, s.screen_before, s.screen_after)  # ALGO: the trajectory keeps reaching new screens
-
-
-def image_novelty(s: Buffer) -> torch.Tensor:
-    return _novelty(s, s.screen_before, s.screen_after)  # ALGO: (ours) a screen unlike any the episode had shown
 
 
 def image_world_model(s: Buffer) -> torch.Tensor:
@@ -190,10 +161,6 @@ def text_immediate(s: Buffer) -> torch.Tensor:
 
 def text_sequence(s: Buffer) -> torch.Tensor:
     return _sequence(s, _require(s.text_before, "text before", "text"), _require(s.text_after, "text after", "text"))
-
-
-def text_novelty(s: Buffer) -> torch.Tensor:
-    return _novelty(s, _require(s.text_before, "text before", "text"), _require(s.text_after, "text after", "text"))
 
 
 def text_world_model(s: Buffer) -> torch.Tensor:
@@ -248,10 +215,6 @@ TERMS = {
     "intent_after": Term(intent_after, True, ("intent",), ("text",)),
     "intent_click": Term(intent_click, True, ("intent_click",), ("text",)),
     "windows": Term(windows_opened, False, ("windows",), ("windows",)),
-    # Ours: the sequence terms with the nearest earlier screen instead of the mean over all of them
-    # (nearest_similarity says why); `all,no_sequence,novelty` swaps them in.
-    "image_novelty": Term(image_novelty, False, ("image", "novelty")),
-    "text_novelty": Term(text_novelty, False, ("text", "novelty"), ("text",)),
 }
 COMPONENTS = tuple(TERMS)  # every term, in the table's order (logged even when off, as 0)
 SWITCHES = tuple(dict.fromkeys(w for t in TERMS.values() for w in t.switches))  # every --rewards word

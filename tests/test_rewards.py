@@ -88,25 +88,6 @@ def test_sequence_start_is_first_valid_before_screen():
     assert close(r.image_sequence, [0.0, 0.2])
 
 
-def test_novelty_is_the_nearest_earlier_screen_by_hand():
-    # The same X = [(1,0), (0,1), (1,0), (0.6,0.8)] as above: S01 = 0, S02 = 1, S12 = 0, S03 = 0.6,
-    # S13 = 0.8, S23 = 0.6. near_1 = S01 = 0; near_2 = max(S02, S12) = 1 (step 2 went back to s_0);
-    # near_3 = max(S03, S13, S23) = 0.8. The sequence term paid step 2 1 - 0.6 = 0.4 for that return;
-    # novelty pays it 0.
-    assert close(R.nearest_similarity(t(1, 0), t((0, 1), (1, 0), (0.6, 0.8))), [0.0, 1.0, 0.8])
-    # Per episode, valid steps only, as the sequence term (the rows of test_sequence_term_per_trajectory_...):
-    # a1: 1 - 0 = 1; a3: 1 - 1 = 0; a4: 1 - 0.8 = 0.2; a2 (malformed): 0; b1: 1 - S01 = 1 - 0.8 = 0.2.
-    ids, valid = ["a", "b", "a", "a", "a"], [1, 1, 0, 1, 1]
-    before = t((1, 0), (0, 1), (5, 5), (9, 9), (9, 9))
-    after = t((0, 1), (0.6, 0.8), (-1, 0), (1, 0), (0.6, 0.8))
-    r = exploration_rewards(parse_reward_flags("none,image,novelty"), ids, valid, before, after)
-    assert close(r.image_novelty, [1.0, 0.2, 0.0, 0.0, 0.2])
-    # `all,no_sequence,novelty`: the paper's terms with novelty in place of both sequence terms
-    on = R.terms_on(parse_reward_flags("all,no_sequence,novelty"))
-    assert {"image_novelty", "text_novelty"} <= set(on) and not {"image_sequence", "text_sequence"} & set(on)
-    assert "image_novelty" not in R.terms_on(parse_reward_flags("all"))  # not the paper's: off by default
-
-
 def test_world_model_curiosity_term():
     # s' = (1, 0), prediction (0.8, 0.6): cos 0.8 -> 0.2; prediction (1.6, 1.2) is the same direction.
     # s' = (0, 1), prediction (0, 3): cos 1 -> 0

@@ -328,12 +328,11 @@ def test_console_line_reads_the_table():
          "reward/windows": 2.0, "wm/loss": None, "actor/kl": 0.0123, "actor/clip_low": 0.0, "actor/clip_high": 0.0,
          "time/iteration": 5.0}
     line = logs.explore_line(m, R.parse_reward_flags("none,image,immediate,sequence,windows"), beta=0.04)
-    # the terms on, grouped by their first word in the table's order (image: immediate, sequence,
-    # world model, novelty), "-" for the group's term that is off; no text/intent
-    assert "format 0.75 image 0.100/0.200/-/- windows 2.000 | wm - | kl 0.0123 clip 0.00/0.00" in line, line
+    # the terms on, grouped by their first word, "-" for the group's term that is off; no text/intent
+    assert "format 0.75 image 0.100/0.200/- windows 2.000 | wm - | kl 0.0123 clip 0.00/0.00" in line, line
     assert "text" not in line and "intent" not in line
     paper = logs.explore_line(m, R.parse_reward_flags("all"), beta=0.04)
-    assert "image 0.100/0.200/0.000/- text -/-/-/- intent -/-/- |" in paper and "windows" not in paper  # "-": not logged
+    assert "image 0.100/0.200/0.000 text -/-/- intent -/-/- |" in paper and "windows" not in paper  # "-": not logged
     # --beta 0 computes no KL: the console says so instead of printing a measured-looking 0.0000
     assert "kl n/a clip" in logs.explore_line({**m, "actor/kl": 0.0}, R.parse_reward_flags("all"), beta=0.0)
     assert "kl n/a clip" in logs.explore_line({**m, "actor/kl": None}, R.parse_reward_flags("all"), beta=0.04)

@@ -214,8 +214,8 @@ def test_arpo_report_shows_episodes_scores_and_curves(arpo_run, tmp_path):
     assert b["kind"] == "arpo" and s["steps"] == 8 and b["img-loaded"] == "8" and b["img-broken"] == "0"
     assert s["acts"] == ["none"] * 8  # the random model never parses: each step says so on its screenshot
     assert dom.count("<b>episode end</b>") == 4
-    for f in finals:
-        assert view.esc(f["instruction"]) in dom  # the task's instruction heads its episode
+    for f in finals:  # the task's instruction heads its episode (the browser writes a text node's quotes as they are)
+        assert view.esc(f["instruction"]).replace("&#x27;", "'").replace("&quot;", '"') in dom
     assert dom.count(">format_penalty</th><td>-0.5</td>") == 4
     assert "eval_it000002.json: success rate, 2 episodes (0 lost)" in dom
     assert re.search(r"<tr><td>calc-open</td><td>[\d.]+</td><td>[\d.]+</td></tr>.*<tr><td>overall</td>", dom)

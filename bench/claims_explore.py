@@ -238,7 +238,9 @@ def curves(run: str) -> dict:
         ms = [json.loads(x) for x in fh if x.strip()]
     q = max(1, len(ms) // 4)
     out = {}
-    for k in ["reward/total"] + [k for k in ms[0] if k.startswith("reward/") and k != "reward/total"] + ["wm/loss"]:
+    keys = [k for k in ms[0] if k.startswith("reward/") and k != "reward/total"
+            and any(m.get(k) for m in ms)]  # a term that is off is logged as 0 throughout: left out
+    for k in ["reward/total"] + keys + ["wm/loss"]:
         first = [m[k] for m in ms[:q] if m.get(k) is not None]
         last = [m[k] for m in ms[-q:] if m.get(k) is not None]
         if first and last:
@@ -440,18 +442,19 @@ def reward_curves(a) -> dict:
         per_seed.append({"seed": seed, "run": run, "ok": total.ok, "wm_high": high,
                          "tests": {k: vars(t) for k, t in cv["tests"].items()}})
     png = os.path.join(a.out, "explore_curves.png")
-    curves_png([r["run"] for r in per_seed], png)
+    curves_png([r["run"] for r in per_seed], png, [f"seed {r['seed']}" for r in per_seed])
     print(f"curves: {png}")
-    rises = sorted({k.split('/')[-1] for r in per_seed for k, t in r["tests"].items() if t["p"] < 0.05 and t["diff"] > 0})
+    rises = sorted({k.replace("reward/", "").replace("wm/loss", "wm loss") for r in per_seed
+                    for k, t in r["tests"].items() if t["p"] < 0.05 and t["diff"] > 0})
     numbers = (f"total reward rises in {sum(r['ok'] for r in per_seed)}/{len(per_seed)} seeds; rising terms "
                f"(any seed): {', '.join(rises) or 'none'}; wm loss stays high in "
                f"{sum(r['wm_high'] for r in per_seed)}/{len(per_seed)}")
     return {"numbers": numbers, "pass": ok, "source": src, "per_seed": per_seed, "png": png}
 
 
-def curves_png(runs: list[str], path: str, smooth: int = 5) -> None:
-    """One panel per reward term that moved (and the world model's loss), one line per seed:
-    moving means over `smooth` iterations. PIL only (no matplotlib here)."""
+def curves_png(runs: list[str], path: str, labels: list[str] | None = None, smooth: int = 5) -> None:
+    """One panel per reward term that moved (and the world model's loss), one line per seed
+    (`labels`, in the first panel): moving means over `smooth` iterations. PIL only (no matplotlib here)."""
     from PIL import Image, ImageDraw
     series = []
     for run in runs:
@@ -463,6 +466,8 @@ def curves_png(runs: list[str], path: str, smooth: int = 5) -> None:
     img = Image.new("RGB", (cols * W, ((len(keys) + cols - 1) // cols) * H), "white")
     d = ImageDraw.Draw(img)
     colours = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189)]
+    for j, c in enumerate(colours[:len(series)]):  # which line is which seed, in the first panel
+        d.text((W - 70, 4 + 12 * j), (labels or [f"run {i + 1}" for i in range(len(runs))])[j], fill=c)
     for n, k in enumerate(keys):
         x0, y0 = (n % cols) * W, (n // cols) * H
         vals = [v for ms in series for m in ms if (v := m.get(k)) is not None] or [0.0]

@@ -146,9 +146,6 @@ class Test:
         return (f"{self.name}: {self.after:.3f} vs {self.before:.3f}, diff {self.diff:+.3f} "
                 f"[{self.lo:+.3f}, {self.hi:+.3f}], p {self.p:.4f} {'ok' if self.ok else 'no'}")
 
-    def short(self) -> str:
-        return f"{self.name} {self.diff:+.2f} p {self.p:.3f}"
-
 
 def episodes_test(name: str, after: list[float], before: list[float], seed: int = 0, alpha: float = 0.05) -> Test:
     """Per seed, over evaluation episodes: permutation test and bootstrap interval of the difference."""

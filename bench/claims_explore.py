@@ -78,12 +78,9 @@ def le_args(s: dict, out: str) -> argparse.Namespace:
 def seed_start(seed: int, s: dict, out: str) -> dict:
     """The seed's warm start and its eval beside random actions, built once and kept in
     <out>/seed<k>/ (every arm of the claim starts from it; a rerun of the claim rebuilds it)."""
-    root = os.path.join(out, f"seed{seed}")
-    shutil.rmtree(root, ignore_errors=True)
-    os.makedirs(root)
-    log = os.path.join(root, "console.log")
+    start = fresh_start(out, seed, os.path.join(out, f"seed{seed}", "warm"))
+    root, log, warm = start["root"], start["log"], start["warm"]
     a = le_args(s, out)
-    warm = os.path.join(root, "warm")
     info = LE.build_warm_start(warm, seed, LE.desktop_screens(a.warm_screens, seed), a)
     print(f"seed {seed}: warm start {info['seconds']:.0f} s, parse {info['parse']:.2f}", flush=True)
     before = LE.evaluate(warm, os.path.join(root, "before"), 1000 + seed, a, log, baseline=True)
@@ -108,6 +105,14 @@ def train_arm(seed: int, s: dict, start: dict, arm: str, extra: list, out: str) 
 def evaluate(model: str, seed: int, s: dict, start: dict, name: str, out: str) -> dict:
     a = le_args(s, out)
     return LE.evaluate(model, os.path.join(start["root"], name), 1000 + seed, a, start["log"], baseline=False)
+
+
+def fresh_start(out: str, seed: int, warm: str) -> dict:
+    """An emptied <out>/seed<k> whose arms start from `warm` (A's warm start of that seed)."""
+    root = os.path.join(out, f"seed{seed}")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    return {"root": root, "log": os.path.join(root, "console.log"), "warm": warm}
 
 
 def diversity_runs(a, s: dict) -> tuple[str, dict]:
@@ -335,10 +340,7 @@ def curiosity(a) -> dict:
     per_seed, ok = [], True
     for seed in a.seed_list:
         d = runs[seed]
-        root = os.path.join(a.out, f"seed{seed}")
-        shutil.rmtree(root, ignore_errors=True)
-        os.makedirs(root)
-        start = {"root": root, "log": os.path.join(root, "console.log"), "warm": d["warm"]}
+        start = fresh_start(a.out, seed, d["warm"])
         without = train_arm(seed, {**s, "rewards": s["rewards"] + ",no_world_model"}, start, "no_curiosity", [], a.out)
         res = {"curiosity": {"run": d["rl"], "eval": apps_of(d["after"])},
                "no_curiosity": {"run": without["run"], "eval": apps_of(evaluate(
@@ -384,11 +386,8 @@ def distillation(a) -> dict:
     per_seed, ok = [], True
     for seed in a.seed_list:
         d = runs[seed]
-        root = os.path.join(a.out, f"seed{seed}")
-        shutil.rmtree(root, ignore_errors=True)
-        os.makedirs(root)
-        start = {"root": root, "log": os.path.join(root, "console.log"), "warm": d["warm"]}
-        run = os.path.join(root, "rl")
+        start = fresh_start(a.out, seed, d["warm"])
+        run = os.path.join(start["root"], "rl")
         shutil.copytree(d["rl"], run)
         ipg = s["iterations"]
         seconds = LE.trainer(["--resume", run, "--generations", 2, "--iterations-per-generation", ipg,

@@ -4,6 +4,7 @@
     python bench/claims.py arpo-replay      # the replay buffer against --no-replay, on two-step tasks
     python bench/claims.py arpo-selection   # --select-tasks 16 against every task, on a mixed task list
     python bench/claims.py arpo-generalisation  # trained tasks against reworded and other-app tasks
+    python bench/claims.py arpo-self-correction # a wrong app opened first: closed again, and the task done
 
 Each plays the tiny Qwen2.5-VL on real local desktops from bench/learning.py's warm starts (the
 format and a uniform prior over the desktop's icons, no task knowledge) with bench/learning.py's
@@ -206,13 +207,110 @@ def generalisation(a) -> dict:
     return {"numbers": numbers, "pass": ok, "per_seed": per_seed}
 
 
-def eval_on(la, r: dict, what: str, task_ids: list[str], sample_seed: int, name: str, model: bool) -> dict:
+# The desktop icon of the app each self-correction task asks for (a first step elsewhere is wrong).
+APP_ICON = {"calc-alone": "Calculator", "terminal-alone": "Terminal"}
+
+
+def self_correction(a) -> dict:
+    """Self-correction (the paper: after a wrong step the agent notices it on the next screenshot,
+    undoes it and still succeeds). Tasks an agent can spoil and repair: open one app and leave no
+    other window open (calc-alone, terminal-alone): a wrong app opened on the way fails the task
+    unless it is closed again (alt+f4) before the episode ends. Episodes of up to 4 steps on
+    arpo-multi's recipe (bench/learning.py --method arpo-repair), from a warm start whose uniform
+    prior includes the close key and finishing. Trained on the clean starts only. Before and after
+    training: the success from a spoiled start (the same tasks with a wrong app opened by the
+    setup, calc-alone-spoiled and terminal-alone-spoiled, never trained on), and on the clean starts
+    the success of the episodes whose first step opened a wrong app. Pass: the spoiled-start success
+    rises (Fisher, p < 0.05) in every seed; the other is reported beside it, and one repaired episode
+    of the eval after training is shown step by step with its screenshots' paths."""
+    la = bench_args(a, "arpo-repair")
+    ids = (la.task_ids or L.REPAIR_TASK_IDS).split(",")
+    if set(ids) - set(APP_ICON):
+        raise SystemExit(f"arpo-self-correction knows the app icon of {sorted(APP_ICON)} only; add the others to "
+                         "APP_ICON (bench/claims_arpo.py) with a <id>-spoiled task each.")
+    la.task_ids, spoiled = ",".join(ids), [i + "-spoiled" for i in ids]
+    per_seed, ok = [], True
+    for seed in a.seed_list:
+        r = L.seed_start(la, seed)
+        before = eval_on(la, r, r["warm_path"], spoiled, 1000 + seed, "eval_before_spoiled.json", model=True)
+        t = L.train_arm(la, seed, r, la.iterations, [], "train")
+        after = eval_on(la, r, t["run"], spoiled, 2000 + seed, "eval_after_spoiled.json", model=False, save=True)
+        wb, wa = wrong_first(r["before_json"], ids), wrong_first(t["after_json"], ids)
+        tests = [C.rate_test("spoiled-start success after > before", *total(after, spoiled), *total(before, spoiled)),
+                 C.rate_test("success after a wrong first step, after > before", *wa, *wb)]
+        seed_ok = tests[0].ok
+        ok &= seed_ok
+        print(f"\nseed {seed} ({'pass' if seed_ok else 'FAIL'}): trained on {ids}, parse {t['parse']:.2f}")
+        for tid in ids:
+            sp = tid + "-spoiled"
+            print(f"  {tid:16s} clean start {share(per_task(r['before_json']), tid)} -> "
+                  f"{share(per_task(t['after_json']), tid)}   spoiled start {share(before, sp)} -> {share(after, sp)}")
+        print(f"  episodes whose first step opened a wrong app: {wb[1]} before ({wb[0]} succeeded), "
+              f"{wa[1]} after ({wa[0]} succeeded)")
+        for x in tests:
+            print("  " + x.line())
+        shown = repaired(os.path.join(r["out"], "eval_after_spoiled.json"), la.eval_episodes)
+        print("\n".join("  " + line for line in shown))
+        per_seed.append({"seed": seed, "ok": seed_ok, "tests": [vars(x) for x in tests], "before_spoiled": before,
+                         "after_spoiled": after, "wrong_first": {"before": wb, "after": wa}, "run": t["run"],
+                         "parse": t["parse"], "repaired": shown})
+    numbers = "; ".join(f"seed {r['seed']}: spoiled start {r['tests'][0]['before']:.2f} -> {r['tests'][0]['after']:.2f} "
+                        f"p {r['tests'][0]['p']:.3f}, after a wrong first step {r['tests'][1]['before']:.2f} -> "
+                        f"{r['tests'][1]['after']:.2f}" for r in per_seed)
+    return {"numbers": numbers, "pass": ok, "per_seed": per_seed}
+
+
+def wrong_first(path: str, task_ids: list[str]) -> tuple[int, int]:
+    """Of an --eval-only JSON's episodes of `task_ids`: (successes, episodes) among those whose
+    first action double-clicked another app's desktop icon than the task's (APP_ICON)."""
+    import json
+    from vm.desktop import desktop_icons
+    with open(path) as fh:
+        details = [e for e in json.load(fh)["details"] if e["task"] in task_ids]
+    wrong = [e for e in details if e["actions"] and any(L.on_icon(e["actions"][0], label)
+                                                         for label in desktop_icons() if label != APP_ICON[e["task"]])]
+    return sum(e["score_hard"] > L.SUCCESS for e in wrong), len(wrong)
+
+
+def total(counts: dict, task_ids: list[str]) -> tuple[int, int]:
+    """(successes, episodes) over `task_ids` of a per_task() dict (a task with no episode counts 0/0)."""
+    return tuple(sum(counts.get(i, (0, 0))[j] for i in task_ids) for j in (0, 1))
+
+
+def share(counts: dict, tid: str) -> str:
+    """"k/n": task `tid`'s successes and episodes in a per_task() dict."""
+    k, n = counts.get(tid, (0, 0))
+    return f"{k}/{n}"
+
+
+def repaired(path: str, n: int) -> list[str]:
+    """Lines showing the first successful episode of a saved eval (eval_on(..., save=True)) whose
+    start was spoiled: each step's action and the screenshot it was chosen on."""
+    import json
+    with open(path) as fh:
+        details = json.load(fh)["details"]
+    good = [e for e in details if e["score_hard"] > L.SUCCESS]
+    if not good:
+        return ["no repaired episode: no spoiled start succeeded after training"]
+    e = good[0]
+    folder = os.path.join(os.path.splitext(path)[0], "trajectories", f"it{e['job'] // n:06d}")
+    lines = [f"a repaired episode: {e['task']}, {e['steps']} steps, ended by {e['end']} ({folder}):"]
+    vm = f"vm{e['job'] % n:02d}"
+    for i, (act, text) in enumerate(zip(e["actions"], e["texts"])):
+        lines.append(f"  step {i + 1}: {json.dumps(act)}, seen on {os.path.join(folder, f'{vm}_step{i:02d}.png')}")
+        lines.append(f"          its answer: {text!r}")
+    return lines
+
+
+def eval_on(la, r: dict, what: str, task_ids: list[str], sample_seed: int, name: str, model: bool,
+            save: bool = False) -> dict:
     """train_arpo.py --eval-only of a model folder (model=True) or a run's last checkpoint on
-    `task_ids`, as bench/learning.py evaluates (T = 1, --eval-episodes a task). -> per_task()."""
+    `task_ids`, as bench/learning.py evaluates (T = 1, --eval-episodes a task); save: the episodes'
+    screenshots and answers too (in <name without .json>/trajectories/). -> per_task()."""
     out = os.path.join(r["out"], name)
     flags = ["--eval-only", *(["--model", what] if model else ["--resume", what]), "--task-ids", ",".join(task_ids),
              *L.common_flags(la), "--eval-episodes", str(la.eval_episodes), "--eval-temperature", "1.0",
-             "--sample-seed", str(sample_seed), "--eval-out", out]
+             "--sample-seed", str(sample_seed), "--eval-out", out, *(["--save-trajectories"] if save else [])]
     if model:
         flags += ["--runs-dir", r["out"], "--run-name", name.replace(".json", "")]
     rc = L.train_arpo(flags, r["log"])
@@ -333,6 +431,9 @@ CLAIMS = {
     "arpo-generalisation": C.Claim(generalisation, "RL raises success on the training tasks a lot (43.8% -> "
                                    "81.25%) and on unseen tasks only a little.",
                                    "per seed, Fisher on in-domain success (every seed); out-of-domain reported"),
+    "arpo-self-correction": C.Claim(self_correction, "After a wrong step the agent notices it on the next "
+                                    "screenshot, undoes it and still succeeds.",
+                                    "per seed, Fisher on spoiled-start success (every seed)"),
     "arpo-selection": C.Claim(selection, "Task selection (tasks solved once in 16 tries) gives more non-flat "
                               "groups, a larger reward std inside groups and faster convergence.",
                               "per seed over groups of the kept tasks (permutation), every seed"),

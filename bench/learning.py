@@ -4,6 +4,7 @@
     python bench/learning.py --method arpo --seeds 1 --minutes 8
     python bench/learning.py --method arpo-multi             # 2 seeds, two steps on two screens a task
     python bench/learning.py --method arpo-multi --seeds 2 --first-seed 10   # development seeds
+    python bench/learning.py --method arpo-repair            # up to 4 steps: open one app, close a wrong one
     python bench/learning.py --method explore                # ScreenExplorer (bench/learning_explore.py)
     python bench/learning.py --warm-start-only runs/warm     # only the ARPO warm start (the quickstart)
 
@@ -72,6 +73,15 @@ the first action was right (a double-click on the file manager's icon) and how o
 was, among the episodes whose first was (the task's folder opened), so it shows what of the second
 step was learned.
 
+--method arpo-repair: the setting of the self-correction claim (bench/claims.py
+arpo-self-correction), arpo-multi's recipe on tasks that ask for one app and no other window
+(calc-alone, terminal-alone), episodes of up to 4 steps with the last 2 screenshots in the prompt.
+A wrong app opened on the way fails the task unless the policy closes it again (alt+f4) before it
+finishes. Its warm start (learning_warm.warm_start_repair) knows no task: on every screen each
+thing the screen affords equally often, the close key and `finished()` included where a window
+is open, half its episodes from a spoiled start (a random app already open). The claim also
+evaluates on those tasks' spoiled starts (calc-alone-spoiled, ...), never trained on.
+
 Last line, one verdict over all seeds (the worst seed: the smallest gain, the largest p, the lowest parse):
     learning_arpo: before <b> after <a> gain <+g> p <p> parse <r> seeds 2: pass
     (learning_arpo_multi: ... for --method arpo-multi)
@@ -105,7 +115,7 @@ if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
     sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 from claims import fisher_one_sided  # noqa: E402,F401  (the statistics live with the claim runner)
-from learning_warm import FM_ICON, MAX_PIXELS, warm_start, warm_start_multi  # noqa: E402
+from learning_warm import FM_ICON, MAX_PIXELS, warm_start, warm_start_multi, warm_start_repair  # noqa: E402
 
 TASK_IDS = "calc-open,clock-open,terminal-open,editor-open"
 # arpo-multi: two actions on two screens. The first (the file manager's desktop icon) is the same for
@@ -113,6 +123,10 @@ TASK_IDS = "calc-open,clock-open,terminal-open,editor-open"
 MULTI_TASK_IDS = "files-open-documents,files-open-downloads,files-open-pictures"
 SUCCESS = 0.1       # ARPO's success threshold (train_arpo --success-threshold)
 MULTI_ITERATIONS = 400  # arpo-multi's default budget (fewer if --minutes leaves less)
+# arpo-repair: one app and no other window, up to 4 steps (see the docstring); arpo-multi's recipe.
+REPAIR_TASK_IDS = "calc-alone,terminal-alone"
+MULTI = ("arpo-multi", "arpo-repair")  # the methods on arpo-multi's recipe
+STEPS = {"arpo": 1, "arpo-multi": 2, "arpo-repair": 4}
 
 # ------------------------------------------------------------------------------------------------
 # Statistics (pure functions; tests/test_learning.py checks them by hand; fisher_one_sided is
@@ -150,9 +164,9 @@ def final_line(method: str, line: dict, n_seeds: int, ok: bool) -> str:
 
 
 def common_flags(a) -> list[str]:
-    steps = 2 if a.method == "arpo-multi" else 1
+    steps = STEPS[a.method]
     return ["--vms", str(a.vms), "--group-size", str(a.group_size), "--max-steps", str(steps),
-            "--max-images", str(steps), "--max-new-tokens", str(a.max_new_tokens), "--settle", str(a.settle),
+            "--max-images", str(min(steps, 2)), "--max-new-tokens", str(a.max_new_tokens), "--settle", str(a.settle),
             "--max-pixels", str(MAX_PIXELS), "--temperature", "1.0", "--vm-timeout", "60"]
 
 
@@ -181,15 +195,19 @@ def eval_numbers(path: str, task_ids: list[str]) -> dict:
                          max(1, sum(e["task"] == t for e in d)) for t in task_ids}}
 
 
-def first_right(action: dict | None, screen=(1280, 720)) -> bool:
-    """Step 1 of arpo-multi was right: a double-click on the file manager's desktop icon (inside the
-    icon's cell on pcmanfm's desktop grid)."""
+def on_icon(action: dict | None, label: str, screen=(1280, 720)) -> bool:
+    """The action is a double-click inside desktop icon `label`'s cell on pcmanfm's desktop grid."""
     from vm.desktop import ICON_PITCH, desktop_icons, ICON_CENTRE
     if not action or action.get("type") != "double_click":
         return False
-    cx, cy = desktop_icons(screen)[FM_ICON]
+    cx, cy = desktop_icons(screen)[label]
     left, top = cx - ICON_CENTRE[0], cy - ICON_CENTRE[1]
     return left <= action["x"] < left + ICON_PITCH[0] and top <= action["y"] < top + ICON_PITCH[1]
+
+
+def first_right(action: dict | None, screen=(1280, 720)) -> bool:
+    """Step 1 of arpo-multi was right: a double-click on the file manager's desktop icon."""
+    return on_icon(action, FM_ICON, screen)
 
 
 def step_rates(path: str, task_ids: list[str]) -> dict:
@@ -228,12 +246,13 @@ def seed_start(a, seed: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     log = os.path.join(out, "console.log")
-    task_ids = a.task_ids or (MULTI_TASK_IDS if a.method == "arpo-multi" else TASK_IDS)
+    task_ids = a.task_ids or {"arpo-multi": MULTI_TASK_IDS, "arpo-repair": REPAIR_TASK_IDS}.get(a.method, TASK_IDS)
     ids = task_ids.split(",")
     r = {"seed": seed, "out": out, "log": log, "task_ids": task_ids}
     warm = r["warm_path"] = os.path.join(out, "warm_start")
-    if a.method == "arpo-multi":
-        r["warm"] = warm_start_multi(warm, seed, ids, a.warm_epochs, a.warm_lr)
+    if a.method in MULTI:
+        make = warm_start_multi if a.method == "arpo-multi" else warm_start_repair
+        r["warm"] = make(warm, seed, ids, a.warm_epochs, a.warm_lr)
         print(f"seed {seed}: warm start {r['warm']['seconds']:.0f}s, {r['warm']['samples']} samples x "
               f"{r['warm']['epochs']} epochs, NLL per token {r['warm']['nll_first']:.2f} -> {r['warm']['nll_last']:.3f}",
               flush=True)
@@ -382,8 +401,8 @@ def curve_png(rs: list[dict], path: str, smooth: int = 5, title: str = "ARPO") -
 
 
 def main_arpo(a) -> int:
-    name = a.method.replace("-", "_")  # arpo, arpo_multi
-    title = "ARPO, 2 steps a task" if a.method == "arpo-multi" else "ARPO"
+    name = a.method.replace("-", "_")  # arpo, arpo_multi, arpo_repair
+    title = {"arpo-multi": "ARPO, 2 steps a task", "arpo-repair": "ARPO, one app alone"}.get(a.method, "ARPO")
     os.makedirs(a.out, exist_ok=True)
     rs, failed = [], []
     for seed in seed_list(a):
@@ -414,8 +433,9 @@ def seed_list(a) -> list[int]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--method", choices=["arpo", "arpo-multi", "explore"], default="arpo",
-                   help="arpo: one step a task; arpo-multi: two steps on two screens; explore: ScreenExplorer")
+    p.add_argument("--method", choices=["arpo", "arpo-multi", "arpo-repair", "explore"], default="arpo",
+                   help="arpo: one step a task; arpo-multi: two steps on two screens; arpo-repair: one app and no "
+                        "other window, up to 4 steps (arpo-multi's recipe); explore: ScreenExplorer")
     p.add_argument("--seeds", type=int, default=2, help="independent runs (warm start, train, evals)")
     p.add_argument("--first-seed", type=int, default=0, help="seeds --first-seed .. + --seeds - 1 (develop on others)")
     p.add_argument("--minutes", type=float, default=None,
@@ -457,31 +477,33 @@ def parse_args(argv=None):
 
 
 def resolve(a):
-    """Per-method defaults: the two methods never share seed folders, and explore gets
-    iterations=None so learning_explore keeps its own default."""
+    """Per-method defaults: the methods never share seed folders, arpo-repair takes arpo-multi's
+    recipe (MULTI), and explore gets iterations=None so learning_explore keeps its own default."""
     a.out = a.out or os.path.join(ROOT, "runs", "learning", a.method)
     if a.minutes is None:  # arpo-multi: room for its 400 iterations (see its part of the docstring)
-        a.minutes = 30.0 if a.method == "arpo-multi" else 20.0
+        a.minutes = 30.0 if a.method in MULTI else 20.0
     if a.method == "arpo" and a.iterations is None:
         a.iterations = 120
-    if a.method == "arpo-multi" and a.iterations is None:
+    if a.method in MULTI and a.iterations is None:
         a.iterations = MULTI_ITERATIONS
     if a.select_tasks is None:
         # arpo-multi: a random 2-step episode succeeds 1 time in 35 (1/7 icons x 1/5 items), so 16
-        # rollouts would drop a task 63% of the time: every task is trained and evaluated instead.
-        a.select_tasks = 0 if a.method == "arpo-multi" else 16
+        # rollouts would drop a task 63% of the time: every task is trained and evaluated instead
+        # (arpo-repair: its warm start's prior succeeds 1 time in 39 from a clean start, 1 in 150 from a
+        # spoiled one, on a desktop reduced to its stack of windows).
+        a.select_tasks = 0 if a.method in MULTI else 16
     if a.format_penalty is None:  # see the docstring (3.)
         a.format_penalty = 1.0
     if a.lr_schedule is None:  # arpo-multi: see its part of the docstring
-        a.lr_schedule = "constant" if a.method == "arpo-multi" else "linear"
+        a.lr_schedule = "constant" if a.method in MULTI else "linear"
     if a.lr is None and a.method != "explore":  # arpo-multi: see its part of the docstring
-        a.lr = 3e-4 if a.method == "arpo-multi" else 5e-4
+        a.lr = 3e-4 if a.method in MULTI else 5e-4
     if a.vms is None and a.method != "explore":  # explore: None keeps learning_explore's own default
         a.vms = 4
     if a.max_new_tokens is None:
-        a.max_new_tokens = 48 if a.method == "arpo-multi" else 40
+        a.max_new_tokens = 48 if a.method in MULTI else 40
     if a.warm_epochs is None:  # arpo-multi: see its part of the docstring
-        a.warm_epochs = 32 if a.method == "arpo-multi" else 16
+        a.warm_epochs = 32 if a.method in MULTI else 16
     return a
 
 

@@ -6,6 +6,8 @@ desktop screenshots, with NO task knowledge (every prompt answered with every ic
 warm_start: one step a task (--method arpo): each task prompt x each desktop icon, once an epoch.
 warm_start_multi: two steps (--method arpo-multi): the first answer each icon equally often, the
 second each thing the screen that icon opened affords equally often (`affordances`).
+warm_start_repair: up to four steps (--method arpo-repair, the self-correction claim): on every
+screen each thing it affords equally often, closing a window and finishing included.
 """
 from __future__ import annotations
 
@@ -201,3 +203,97 @@ def warm_start_multi(out: str, seed: int, task_ids: list[str], epochs: int, lr: 
     save_policy(policy, out)
     return {"seconds": time.perf_counter() - t0, "samples": len(per_epoch[0]), "epochs": epochs, "image": [w, h],
             "steps": steps, "nll_first": nll[0], "nll_last": sum(nll[-5:]) / len(nll[-5:])}
+
+
+# The self-correction claim (bench/claims.py arpo-self-correction): episodes of up to 4 steps where a
+# wrong app can be opened and closed again. Two more affordances where a window is open: openbox's
+# close-window key and finishing (on the bare desktop neither does anything).
+CLOSE, FINISH = "hotkey(key='alt f4')", "finished()"
+
+
+def repair_walk(rng: random.Random, labels: list[str], spoiled: bool, steps: int = 4) -> tuple[list, list]:
+    """One episode of the uniform prior, on a desktop reduced to its stack of open windows (icon
+    labels): every step picks uniformly among what the screen affords (the 7 icons, plus "close"
+    and "finish" when a window is open); a spoiled start begins with a window of a random app open
+    (a wrong one, for most tasks: the prior knows no task). -> (what each step saw: None = the bare
+    desktop, else the label of the window on top; what each step did: a label, "close", "finish")."""
+    stack = [rng.choice(labels)] if spoiled else []
+    seen, did = [], []
+    for _ in range(steps):
+        seen.append(stack[-1] if stack else None)
+        did.append(rng.choice(labels + (["close", "finish"] if stack else [])))
+        if did[-1] == "finish":
+            break
+        if did[-1] == "close":
+            stack.pop()
+        else:
+            stack.append(did[-1])
+    return seen, did
+
+
+def warm_start_repair(out: str, seed: int, task_ids: list[str], epochs: int, lr: float, screen=(1280, 720),
+                      screens: tuple | None = None, batch: int = 16, walks: int = 28, max_images: int = 2) -> dict:
+    """SFT the tiny model on episodes of up to 4 steps in the UI-TARS format (the last `max_images`
+    screenshots in each prompt, the earlier answers as text), with NO task knowledge: per task prompt
+    and epoch, `walks` random walks of the uniform prior (`repair_walk`), half of them from a
+    spoiled start; each step of a walk is one sample, its prompt as the rollout builds it and only
+    its own answer as the target. A screen is the real screenshot of the window on top (the
+    desktop after double-clicking that icon, `first_screens`; a window under it is not drawn: an
+    approximation the prior can afford). The lr decays linearly to 10%, as warm_start_multi's.
+    Saved to `out` (save_policy)."""
+    import torch
+    import transformers
+
+    from actions import smart_resize
+    from env import load_tasks
+    from grpo import distill_step, trajectory_sample
+    from model import encode_chat, load_policy, save_policy, uitars_messages
+    from vm.desktop import desktop_icons
+
+    t0 = time.perf_counter()
+    tasks = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
+    desk, after = screens or first_screens(screen)
+    policy = load_policy("tiny", seed=seed, max_pixels=MAX_PIXELS)
+    h, w = smart_resize(desk.height, desk.width, max_pixels=MAX_PIXELS)
+    icons = desktop_icons(screen)
+    labels = list(icons)
+
+    def reply(ins: str, act: str) -> str:
+        if act in ("close", "finish"):
+            return f"Thought: {ins}\nAction: {CLOSE if act == 'close' else FINISH}"
+        x, y = icons[act]
+        return answer(ins, (round(x * w / screen[0]), round(y * h / screen[1])))
+    cache = {}
+
+    def sample(tid: str, seen: tuple, did: tuple):
+        if (tid, seen, did) not in cache:
+            ins = tasks[tid].instruction
+            msgs = uitars_messages(ins, [desk if s is None else after[s] for s in seen], [reply(ins, d) for d in did],
+                                   max_images=max_images)
+            cache[(tid, seen, did)] = last_turn_only(trajectory_sample(encode_chat(policy, msgs,
+                                                                                   add_generation_prompt=False)))
+        return cache[(tid, seen, did)]
+    rng = random.Random(seed)
+    per_epoch = []
+    for _ in range(epochs):
+        keys = []
+        for tid in task_ids:
+            for k in range(walks):
+                seen, did = repair_walk(rng, labels, spoiled=k % 2 == 1)
+                keys += [(tid, tuple(seen[:i + 1]), tuple(did[:i + 1])) for i in range(len(did))]
+        rng.shuffle(keys)
+        per_epoch.append(keys)
+    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    steps = sum(math.ceil(len(x) / batch) for x in per_epoch)
+    nll, step = [], 0
+    for keys in per_epoch:
+        for i in range(0, len(keys), batch):
+            for g in opt.param_groups:
+                g["lr"] = lr * (1 - 0.9 * step / max(1, steps - 1))
+            nll.append(distill_step(policy, opt, [sample(*k) for k in keys[i:i + batch]], micro_batch_size=batch)["nll"])
+            step += 1
+    transformers.utils.logging.disable_progress_bar()  # the save's shard bar would land in the table
+    save_policy(policy, out)
+    return {"seconds": time.perf_counter() - t0, "samples": sum(map(len, per_epoch)) // max(1, epochs),
+            "epochs": epochs, "image": [w, h], "steps": steps, "nll_first": nll[0],
+            "nll_last": sum(nll[-5:]) / len(nll[-5:])}

@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import claims as C  # noqa: E402
+import claims_arpo as CA  # noqa: E402
 import claims_explore as CE  # noqa: E402
 
 
@@ -130,6 +131,40 @@ def test_what_each_kind_of_step_was_paid(tmp_path):
     assert p["first"]["same app"]["n"] == 1 and p["first"]["menu or change"]["total"] == 0.1
     assert p["last"]["new app"]["total"] == 2.0 and p["last"]["nothing"]["n"] == 1
     assert p["last"]["other window"]["image_immediate"] == 0.2
+
+
+def test_self_correction_bookkeeping_by_hand(tmp_path):
+    """arpo-self-correction's counts on a hand-made eval: a first step on another app's icon is
+    wrong (a click beside every icon, or on the task's own, is not); the shown episode is the first
+    success, with its screenshots where --save-trajectories puts them (it<task>/vm<k>_step<i>.png)."""
+    dc = lambda x, y: {"type": "double_click", "x": x, "y": y}  # noqa: E731
+    close = {"type": "key", "keys": ["alt", "f4"]}
+    ep = lambda task, job, acts, score: {"task": task, "job": job, "end": "max_steps", "steps": len(acts),  # noqa: E731
+                                         "actions": acts, "texts": [f"a{i}" for i in range(len(acts))],
+                                         "score_hard": score, "format_ok": [True] * len(acts)}
+    details = [ep("calc-alone", 0, [dc(74, 46), close, dc(74, 246)], 1.0),   # Terminal first: wrong, repaired
+               ep("calc-alone", 1, [dc(194, 46)], 0.0),                       # Clock first: wrong, not repaired
+               ep("calc-alone", 2, [dc(74, 246)], 1.0),                       # its own icon: right
+               ep("terminal-alone", 3, [dc(640, 400)], 0.0),                  # no icon: not counted
+               ep("terminal-alone", 4, [], 0.0),                              # no action at all
+               ep("terminal-alone", 5, [dc(74, 246), close, dc(74, 46)], 1.0)]  # Calculator first: repaired
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({"details": details}))
+    assert CA.wrong_first(str(path), ["calc-alone", "terminal-alone"]) == (2, 3)  # jobs 0, 1, 5
+    assert CA.wrong_first(str(path), ["calc-alone"]) == (1, 2)
+    assert CA.per_task(str(path)) == {"calc-alone": (2, 3), "terminal-alone": (1, 3)}
+    assert CA.total(CA.per_task(str(path)), ["calc-alone", "terminal-alone"]) == (3, 6)
+    assert CA.share(CA.per_task(str(path)), "calc-alone") == "2/3" and CA.share({}, "calc-alone") == "0/0"
+    assert CA.total({"calc-alone": (2, 3)}, ["calc-alone", "terminal-alone"]) == (2, 3)  # none played: 0/0
+    lines = CA.repaired(str(path), n=3)  # 3 episodes a task: job 0 is task 0's first episode
+    shots = os.path.join(str(tmp_path / "eval"), "trajectories", "it000000")
+    assert lines[0].startswith("a repaired episode: calc-alone, 3 steps") and len(lines) == 1 + 2 * 3
+    assert lines[3].endswith(os.path.join(shots, "vm00_step01.png")) and '"alt", "f4"' in lines[3]
+    (tmp_path / "later.json").write_text(json.dumps({"details": details[3:]}))  # job 5 = task 1's third
+    assert CA.repaired(str(tmp_path / "later.json"), n=3)[1].endswith(
+        os.path.join(str(tmp_path / "later"), "trajectories", "it000001", "vm02_step00.png"))
+    (tmp_path / "none.json").write_text(json.dumps({"details": [details[1]]}))
+    assert CA.repaired(str(tmp_path / "none.json"), n=3)[0].startswith("no repaired episode")
 
 
 # ------------------------------------------------------------------------------------------------

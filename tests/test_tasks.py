@@ -265,6 +265,29 @@ def test_the_solution_reaches_no_prompt_and_no_trajectory(vm_desktop, tmp_path):
     assert marker not in json.dumps(record, default=str) and T.from_dict(record).task.id == "secret"
 
 
+def test_an_alone_task_fails_while_a_wrong_app_is_open(vm_desktop):
+    """The self-correction tasks (bench/claims.py arpo-self-correction) pay only for the asked-for app
+    alone: from the spoiled start, opening it beside the wrong one scores 0; closing the wrong one
+    first (alt+f4, its solution) scores 1, and it stays 1 when the asked-for app's icon is
+    double-clicked again (one calculator window or two: either is the app alone)."""
+    client = VMClient(vm_desktop.url, vm_desktop.token, timeout=60)
+    task = BY_ID["calc-alone-spoiled"]
+    calc = {"type": "double_click", "x": 74, "y": 246}
+    try:
+        client.reset()
+        client.setup(task.setup)
+        client.act(calc, settle="watch")  # the calculator beside the terminal the setup opened
+        assert client.evaluate(task.evaluator)["score"] == 0
+        client.reset()
+        client.setup(task.setup)
+        for action in (*task.solution, calc):  # close the terminal, open the calculator, and once more
+            client.act(action, settle="watch")
+        assert {w["title"] for w in client.windows()} == {"galculator"}
+        assert client.evaluate(task.evaluator)["score"] == 1
+    finally:
+        client.reset()  # leave the shared desktop as we found it
+
+
 # ---------------------------------------------------------------------------------------------
 # Every task on a real desktop
 

@@ -141,6 +141,29 @@ def last_turn_only(sample):
     return dataclasses.replace(sample, target_mask=[0] * start + mask[start:])
 
 
+def decaying_sft(policy, per_epoch: list[list], sample, lr: float, batch: int, out: str) -> tuple[list[float], int]:
+    """The multi-step warm starts' SFT: the keys of each epoch in their order, `batch` samples
+    (sample(key)) an optimizer step, the lr decaying linearly to 10% so the last steps settle on
+    the prior; saved to `out` (save_policy). -> (the NLL per token of each step, the steps)."""
+    import torch
+    import transformers
+
+    from grpo import distill_step
+    from model import save_policy
+    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    steps = sum(math.ceil(len(x) / batch) for x in per_epoch)
+    nll, step = [], 0
+    for keys in per_epoch:
+        for i in range(0, len(keys), batch):
+            for g in opt.param_groups:
+                g["lr"] = lr * (1 - 0.9 * step / max(1, steps - 1))
+            nll.append(distill_step(policy, opt, [sample(k) for k in keys[i:i + batch]], micro_batch_size=batch)["nll"])
+            step += 1
+    transformers.utils.logging.disable_progress_bar()  # the save's shard bar would land in the table
+    save_policy(policy, out)
+    return nll, steps
+
+
 def warm_start_multi(out: str, seed: int, task_ids: list[str], epochs: int, lr: float, screen=(1280, 720),
                      screens: tuple | None = None, batch: int = 16, fm_extra: int = 4) -> dict:
     """SFT the tiny model on two-step episodes in the UI-TARS format with 2 screenshots of history,
@@ -154,15 +177,12 @@ def warm_start_multi(out: str, seed: int, task_ids: list[str], epochs: int, lr: 
     step-2 answer as a target (step 1 stays uniform, every item and every task equally often).
     Every prompt gets the same uniform prior on every screen; the learning rate
     decays linearly to 10%, so the last steps settle on that prior. Saved to `out` (save_policy)."""
-    import torch
-    import transformers
-
     from actions import smart_resize
     from model import encode_chat, uitars_messages
     from vm.desktop import desktop_icons
     from env import load_tasks
-    from grpo import distill_step, trajectory_sample
-    from model import load_policy, save_policy
+    from grpo import trajectory_sample
+    from model import load_policy
 
     t0 = time.perf_counter()
     tasks = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
@@ -182,25 +202,14 @@ def warm_start_multi(out: str, seed: int, task_ids: list[str], epochs: int, lr: 
             s = trajectory_sample(encode_chat(policy, msgs, add_generation_prompt=False))
             cache[(tid, label, q, last_only)] = last_turn_only(s) if last_only else s
         return cache[(tid, label, q, last_only)]
-    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
     icons = desktop_icons(screen)
     per_epoch = [[(tid, label, q, False) for tid in task_ids for label in icons for q in second_answers(label, e, screen)]
                  + [(tid, FM_ICON, q, True) for tid in task_ids for q in FM_ITEMS.values() for _ in range(fm_extra)]
                  for e in range(epochs)]
-    steps = sum(math.ceil(len(x) / batch) for x in per_epoch)
-    nll, step = [], 0
-    for e in range(epochs):
-        order = list(per_epoch[e])
-        rng.shuffle(order)
-        for i in range(0, len(order), batch):
-            for g in opt.param_groups:
-                g["lr"] = lr * (1 - 0.9 * step / max(1, steps - 1))
-            part = [sample(*k) for k in order[i:i + batch]]
-            nll.append(distill_step(policy, opt, part, micro_batch_size=batch)["nll"])
-            step += 1
-    transformers.utils.logging.disable_progress_bar()  # the save's shard bar would land in the table
-    save_policy(policy, out)
+    for keys in per_epoch:
+        rng.shuffle(keys)
+    nll, steps = decaying_sft(policy, per_epoch, lambda k: sample(*k), lr, batch, out)
     return {"seconds": time.perf_counter() - t0, "samples": len(per_epoch[0]), "epochs": epochs, "image": [w, h],
             "steps": steps, "nll_first": nll[0], "nll_last": sum(nll[-5:]) / len(nll[-5:])}
 
@@ -241,13 +250,10 @@ def warm_start_repair(out: str, seed: int, task_ids: list[str], epochs: int, lr:
     desktop after double-clicking that icon, `first_screens`; a window under it is not drawn: an
     approximation the prior can afford). The lr decays linearly to 10%, as warm_start_multi's.
     Saved to `out` (save_policy)."""
-    import torch
-    import transformers
-
     from actions import smart_resize
     from env import load_tasks
-    from grpo import distill_step, trajectory_sample
-    from model import encode_chat, load_policy, save_policy, uitars_messages
+    from grpo import trajectory_sample
+    from model import encode_chat, load_policy, uitars_messages
     from vm.desktop import desktop_icons
 
     t0 = time.perf_counter()
@@ -283,17 +289,7 @@ def warm_start_repair(out: str, seed: int, task_ids: list[str], epochs: int, lr:
                 keys += [(tid, tuple(seen[:i + 1]), tuple(did[:i + 1])) for i in range(len(did))]
         rng.shuffle(keys)
         per_epoch.append(keys)
-    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    steps = sum(math.ceil(len(x) / batch) for x in per_epoch)
-    nll, step = [], 0
-    for keys in per_epoch:
-        for i in range(0, len(keys), batch):
-            for g in opt.param_groups:
-                g["lr"] = lr * (1 - 0.9 * step / max(1, steps - 1))
-            nll.append(distill_step(policy, opt, [sample(*k) for k in keys[i:i + batch]], micro_batch_size=batch)["nll"])
-            step += 1
-    transformers.utils.logging.disable_progress_bar()  # the save's shard bar would land in the table
-    save_policy(policy, out)
+    nll, steps = decaying_sft(policy, per_epoch, lambda k: sample(*k), lr, batch, out)
     return {"seconds": time.perf_counter() - t0, "samples": sum(map(len, per_epoch)) // max(1, epochs),
             "epochs": epochs, "image": [w, h], "steps": steps, "nll_first": nll[0],
             "nll_last": sum(nll[-5:]) / len(nll[-5:])}

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -230,7 +231,31 @@ class ActResult:
 def decode_image(data: bytes) -> Image.Image:
     img = Image.open(BytesIO(data))
     img.load()  # decode now, so a truncated body fails here
-    return img if img.mode == "RGB" else img.convert("RGB")
+    if img.mode != "RGB":
+        return img.convert("RGB")
+    if img.format == "PNG":  # what it came as: lossless, so png_bytes() need not encode it again
+        _PNG[id(img)] = (weakref.ref(img), data)
+        weakref.finalize(img, _PNG.pop, id(img), None)  # the entry goes with the image, before its id is reused
+    return img
+
+
+# id(screenshot) -> (weak reference to it, the PNG bytes it was decoded from). Not in the image's
+# own `info`: Pillow copies that into every image made from it (a crop would claim the bytes of
+# the whole screen), and a weak reference in it would make the image unpicklable.
+_PNG: dict[int, tuple] = {}
+
+
+def png_bytes(img: Image.Image) -> bytes:
+    """A screenshot as PNG bytes: those it arrived as, when a VM sent it as an RGB PNG (the same
+    pixels: PNG is lossless), else encoded here (level 1: much faster than 6, a little bigger). The
+    trainers store every screenshot (trajectory files, the replay buffer); encoding each one again
+    took a tenth of the trainer's CPU on the two-step bench (bench/arpo_multi_iter.py)."""
+    hit = _PNG.get(id(img))
+    if hit is not None and hit[0]() is img:
+        return hit[1]
+    buf = BytesIO()
+    img.save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
 
 
 @dataclass

@@ -155,13 +155,15 @@ class Desktop:
     def evaluate(self, evaluator: dict) -> dict:
         return self._call("evaluate", "evaluate", evaluator)
 
-    def act(self, action, settle: str | float) -> Image.Image:
+    def act(self, action, settle: str | float, screenshot: bool = True) -> Image.Image | None:
         """Run `action`, let the screen settle on the server (`settle`: "watch" until it stops
         changing, with a cap; or seconds of a fixed sleep) and return the settled screen: ONE round
-        trip (POST /action?settle=...&screenshot=png). How it settled goes into `settles`."""
-        out = self._call("env", "act", action, settle=settle, screenshot="png")
-        self.settles.append(out.settle)
-        return out.image
+        trip (POST /action?settle=...&screenshot=png). How it settled goes into `settles`.
+        screenshot=False: settle all the same, but answer None (an episode's last action: what
+        follows is its evaluation, which needs the settled desktop, not a picture of it)."""
+        out = self._call("env", "act", action, settle=settle, screenshot="png" if screenshot else False)
+        self.settles.append(out.settle if screenshot else out.get("settle", {}))
+        return out.image if screenshot else None
 
 
 def settle_metrics(settles: list[dict]) -> dict:

@@ -59,7 +59,7 @@ from transformers.utils import logging as hf_logging
 import grpo
 import rollout
 from actions import MIN_PIXELS, parse_action, smart_resize
-from env import SETTLE_HELP, Task, TaskError, VMError, VMPool, load_tasks, parse_settle
+from env import SETTLE_HELP, Task, TaskError, VMError, VMPool, load_tasks, parse_settle, png_bytes
 from model import PROMPTS, Answer, encode_chat, generate, load_policy, sync_weights, uitars_messages
 from plumbing import ckpt, dist, logs, progress, rundir
 from plumbing.rundir import arg
@@ -126,9 +126,12 @@ def episode(desk: rollout.Desktop, task: Task, args, group: int = 0, iteration: 
             o = observe(e, img, args)
             answer = yield o
             action = add_answer(e, o, answer, args)
+            last = len(e.answers) >= min(args.max_steps, task.max_steps)  # no screen after it is ever seen
             if action is not None:
                 try:
-                    img = desk.act(action, settle)  # a window takes a moment to map; the model should see it
+                    # A window takes a moment to map: the model should see it (the last action's
+                    # screen is only evaluated, so it is settled but not sent).
+                    img = desk.act(action, settle, screenshot=not last)
                 except VMError as err:
                     if not err.refused:
                         raise
@@ -138,7 +141,7 @@ def episode(desk: rollout.Desktop, task: Task, args, group: int = 0, iteration: 
                     e.actions[-1] = {**e.actions[-1], "refused": str(err)}
                     e.end = "format" if args.stop_on_format_error else None  # ALGO: ARPO stops the episode
                     action = None
-            if e.end is None and len(e.answers) >= min(args.max_steps, task.max_steps):
+            if e.end is None and last:
                 e.end = "max_steps"  # ALGO: the step budget (ARPO: 15)
             if e.end is None and action is None:
                 img = desk.screenshot()  # nothing ran, and the episode goes on: look again
@@ -494,6 +497,7 @@ def main(argv=None) -> None:
     dist.mute_others()
     args, state, given = resolve_args(argv)
     hf_logging.disable_progress_bar()  # one summary line per iteration; load/save bars are noise here
+    rundir.cpu_threads(args.threads, torch.cuda.is_available())  # on a CPU, half the cores: the desktops need the rest
     rundir.seed_all(args.seed, args.sample_seed)
     # A resumed run trains on the task list it trained on (after --select-tasks), unless told otherwise.
     # The tasks before the run folder: a bad --tasks or --task-ids leaves nothing behind.
@@ -532,14 +536,9 @@ def to_dict(e: Episode) -> dict:
     """An episode as plain data, for the replay buffer and checkpoints: screenshots as PNG bytes
     (much smaller than the pixels), the task as a dict without its scripted solution (the test
     suite's, never part of what the policy learns from); unpickling needs no class of ours."""
-    def png(img):
-        if isinstance(img, bytes):
-            return img
-        buf = BytesIO()
-        img.save(buf, format="PNG", compress_level=1)
-        return buf.getvalue()
     d = {STORED_AS.get(f.name, f.name): getattr(e, f.name) for f in fields(Episode)}
-    return {**d, "task": {**asdict(e.task), "solution": []}, "screenshots": [png(s) for s in e.screenshots]}
+    shots = [s if isinstance(s, bytes) else png_bytes(s) for s in e.screenshots]  # (as the VM sent them)
+    return {**d, "task": {**asdict(e.task), "solution": []}, "screenshots": shots}
 
 
 def from_dict(d: dict) -> Episode:
@@ -588,6 +587,8 @@ class Args:
     lora_rank: int = arg(0, "LoRA rank; 0 = full fine-tuning (ARPO)")
     lora_alpha: int = arg(16, "LoRA alpha (ARPO trains the full model; 16 is ScreenExplorer's)")
     gradient_checkpointing: bool = arg(False, "trade compute for memory in the update")
+    threads: int | None = arg(None, "torch CPU threads (default: half the cores on a CPU run, since the desktops "
+                                    "need the rest)")
     max_pixels: int = arg(2116800, "max pixels of a screenshot as the model sees it (ARPO: 2116800)")
     min_pixels: int = arg(MIN_PIXELS, "min pixels of a screenshot as the model sees it")
     max_new_tokens: int = arg(256, "tokens one answer may take (Thought + Action; ours, untuned: twice "
@@ -658,6 +659,7 @@ def check_args(args: Args) -> None:
     import vllm_engine  # plain Python until an engine is built (vLLM itself is imported there)
     rundir.check([
         (args.group_size < 1, "--group-size must be at least 1 (ARPO uses 8)"),
+        (args.threads is not None and args.threads < 1, "--threads must be at least 1"),
         (args.groups is not None and args.groups < 1, "--groups must be at least 1"),
         (args.engine not in ("hf", "vllm"), "--engine must be hf or vllm"),
         (args.loss_agg not in ("seq-mean-token-mean", "token-mean"), "--loss-agg must be seq-mean-token-mean or token-mean"),

@@ -458,10 +458,7 @@ def main(argv=None) -> None:
     args, state = resolve_args(argv)
     transformers.utils.logging.disable_progress_bar()  # one console line per iteration, not bars
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    if args.threads or not (args.device.startswith("cuda") or (not args.device and torch.cuda.is_available())):
-        # OpenMP threads spin while they wait; next to Xvfb desktops and tesseract on the same cores
-        # the default (every core) ran our tiny-model steps far slower than one thread did.
-        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // 2))
+    rundir.cpu_threads(args.threads, args.device.startswith("cuda") or (not args.device and torch.cuda.is_available()))
     # The desktops first: an unreachable VM should leave no run folder behind.
     print(f"starting {args.vms} desktop(s) ..." if args.vms.isdigit() else f"connecting to {args.vms} ...", flush=True)
     pool, _, screen = rundir.open_desktops(args.vms, args.token, args.vm_timeout, limits=args.desktop_limits)

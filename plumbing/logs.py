@@ -17,6 +17,7 @@ import torch
 
 import rewards as R
 import rollout
+from env import png_bytes
 from plumbing import dist, rundir
 
 # ------------------------------------------------------------------------------------------------
@@ -259,12 +260,10 @@ def save_steps(run: str, it: int, buffer: list, r, adv) -> None:
 def save_distilled(run: str, g: int, it: int, buffer: list, r, rows: list[int]) -> None:
     """Append the kept steps `rows` of this rank's buffer (every rank's, gathered) to generation g's
     distillation data."""
-    import io
     mine = []
     for k in rows:
-        s, png = buffer[k], io.BytesIO()
-        s.before.save(png, format="PNG", compress_level=1)
-        mine.append({"vm": s.vm, "step": s.step, "png": png.getvalue(), "text": s.text, "completion_ids": s.answer.ids,
+        s = buffer[k]
+        mine.append({"vm": s.vm, "step": s.step, "png": png_bytes(s.before), "text": s.text, "completion_ids": s.answer.ids,
                      "intent": s.parsed.thought, "action": s.parsed.action.to_dict(), "reward": float(r.total[k])})
     kept = dist.every(mine)
     if dist.is_main():

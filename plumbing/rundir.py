@@ -32,7 +32,7 @@ from dataclasses import asdict, field, is_dataclass
 import numpy as np
 import torch
 
-from env import VMPool
+from env import VMPool, png_bytes
 from plumbing import dist, progress
 
 # -----------------------------------------------------------------------------------------------
@@ -187,6 +187,15 @@ def seed_all(seed: int, sample_seed: int | None = None) -> None:
     torch.manual_seed(seed if sample_seed is None else sample_seed)
 
 
+def cpu_threads(threads: int | None, on_gpu: bool) -> None:
+    """torch's CPU threads: `threads` if given, else on a CPU run half the cores (a GPU run keeps
+    torch's default). OpenMP threads spin while they wait; next to Xvfb desktops (and ScreenExplorer's
+    OCR) on the same cores, a tiny model's steps on every core ran far slower than on half of them,
+    and took the desktops' CPU while they waited (docs/log.md: bench/arpo_multi_iter.py)."""
+    if threads or not on_gpu:
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) // 2))
+
+
 @contextlib.contextmanager
 def timed(times: dict, phase: str):
     """Add the block's wall time to times["time/<phase>"] (a phase may run several times)."""
@@ -266,7 +275,8 @@ def save_trajectory(run: str, iteration: int, vm: int, steps: list[dict], images
             step = dict(step)
             if img is not None:
                 name = f"vm{vm:02d}_step{i:02d}.png"
-                img.save(os.path.join(folder, name), compress_level=1)  # level 1: much faster than 6, a little bigger
+                with open(os.path.join(folder, name), "wb") as out:
+                    out.write(png_bytes(img))  # the PNG the VM sent, as it came (no encoding again)
                 step["screenshot"] = name
             f.write(json.dumps(step, default=str) + "\n")
     return folder

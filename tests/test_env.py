@@ -62,6 +62,28 @@ def test_client_round_trip(client, vm):
     assert client.setup([]) == {"ok": True, "results": []}  # nothing to do: no request at all
 
 
+def test_a_screenshot_is_stored_as_the_png_it_came_as(client):
+    """env.png_bytes: a screenshot from a VM gives back the very bytes the server sent (no encoding
+    again), and those decode to its pixels; anything else (a crop, which carries the screenshot's
+    PIL info, or an image made here) is encoded, never mistaken for the screen it came from."""
+    import io
+    from env import png_bytes
+    sent = client._call("GET", "/screenshot", retries=2).content
+    img = client.screenshot()
+    got = png_bytes(img)
+    assert got[:8] == b"\x89PNG\r\n\x1a\n" and len(got) == len(sent)
+    assert Image.open(io.BytesIO(got)).tobytes() == img.tobytes()  # the same pixels: what the model saw
+    assert png_bytes(img) is got  # kept, not encoded again
+    crop = img.crop((0, 0, 64, 32))
+    assert Image.open(io.BytesIO(png_bytes(crop))).size == (64, 32)  # its own pixels, not the screen's
+    made = Image.new("RGB", (8, 8), (1, 2, 3))
+    assert Image.open(io.BytesIO(png_bytes(made))).getpixel((0, 0)) == (1, 2, 3)
+    jpeg = client.screenshot(format="jpeg")  # not lossless: its bytes are never stored as the screen
+    assert png_bytes(jpeg)[:8] == b"\x89PNG\r\n\x1a\n" and png_bytes(jpeg) is not png_bytes(jpeg)
+    shown = client.act(Action("move", x=10, y=10), settle="watch", screenshot="png").image  # an action's screen
+    assert png_bytes(shown) is png_bytes(shown)  # kept as it came, too
+
+
 def test_client_errors_name_the_url(vm):
     c = VMClient(vm.url, vm.token, timeout=15)
     with pytest.raises(VMError) as e:

@@ -66,6 +66,22 @@ def test_next_iteration_reads_every_format():
     assert ckpt.next_iteration({"iteration": 5, "generation": 1}) == 6  # train_explore.py's old: the last done
 
 
+def test_cpu_threads_by_hand(monkeypatch):
+    """Both trainers' torch threads: what --threads says; else on a CPU half the cores (at least
+    one), the desktops' share; a GPU run keeps torch's own number."""
+    import torch
+    before = torch.get_num_threads()
+    try:
+        for cores, threads, on_gpu, want in ((2, None, False, 1), (16, None, False, 8), (1, None, False, 1),
+                                              (2, 3, False, 3), (16, 5, True, 5), (16, None, True, "kept")):
+            torch.set_num_threads(7)
+            monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+            rundir.cpu_threads(threads, on_gpu)
+            assert torch.get_num_threads() == (7 if want == "kept" else want), (cores, threads, on_gpu)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_scheduled_lr_by_hand():
     # lr 1, 2 warm-up updates of 10: 0.5, 1.0; then linear from f = 0 (update 2) to f = 7/8 (update 9)
     assert [grpo.scheduled_lr(1.0, u, 10, 2, "linear") for u in (0, 1, 2, 6, 9)] == [0.5, 1.0, 1.0, 0.5, 0.125]

@@ -109,6 +109,19 @@ def test_scripted_text_parses_back_to_the_solution():
             assert abs(p.action.x - a["x"]) <= 1280 / w and abs(p.action.y - a["y"]) <= 720 / h
 
 
+def test_the_last_action_settles_and_is_scored_without_a_screen(pool):
+    """An episode that runs out of steps on an action: that action's screen is never shown to the
+    model, so the desktop settles and answers none (rollout.Desktop.act), and the task is still
+    scored on the settled desktop: the folder the last key opened is there when it is evaluated."""
+    task = TASKS["files-open-documents"]
+    args = small_args(max_steps=len(SOLUTIONS[task.id]), settle="watch")  # no finished(): the last step acts
+    eps, out = T.play_tasks(pool, [task], scripted(lambda tid, n: SOLUTIONS[tid]), args)
+    e = eps[0]
+    assert (e.end, e.score) == ("max_steps", 1.0)
+    assert len(e.screenshots) == len(e.actions) == 4  # a screen before each action, none after the last
+    assert len(out.settles) == 4 and out.settles[-1]["until"] in ("quiet", "nochange", "cap")  # it settled
+
+
 # ------------------------------------------------------------------------------------------------
 # Replay in a real iteration
 
@@ -444,6 +457,7 @@ def _metrics(run):
     (["--model", "tiny", "--engine", "vllm"], "more than this model's 8192; lower --max-images or --max-pixels"),
     (["--dual-clip", "0.5"], "--dual-clip must be above 1"),
     (["--format-penalty-on", "Advantages"], "--format-penalty-on must be reward or advantage"),
+    (["--threads", "0"], "--threads must be at least 1"),
 ])
 def test_user_errors_end_in_one_sentence(flags, says, tmp_path):
     flags = [f.format(port=free_port()) for f in flags]

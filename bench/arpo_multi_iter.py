@@ -2,6 +2,7 @@
 
     python bench/arpo_multi_iter.py                 # builds seed 0's warm start first (about 75 s)
     python bench/arpo_multi_iter.py --model runs/learning/arpo-multi/seed0/warm_start --blocks 3 --block 20
+    python bench/arpo_multi_iter.py --model tiny --vms 2 --blocks 1 --block 2   # a smoke run (tests/test_learning.py)
 
 The setting is `bench/learning.py --method arpo-multi`'s, its flags as it passes them (4 local
 desktops, one group of 4 a task, episodes of 2 steps with both screenshots in the prompt, 48 new
@@ -99,8 +100,9 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=3, help="blocks of each way (alternating)")
     p.add_argument("--block", type=int, default=20, help="iterations a block")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vms", type=int, default=4, help="local desktops (the bench's 4; fewer for a smoke run)")
     a = p.parse_args()
-    bench = learning.resolve(learning.parse_args(["--method", "arpo-multi"]))  # the bench's recipe
+    bench = learning.resolve(learning.parse_args(["--method", "arpo-multi", "--vms", str(a.vms)]))  # its recipe
     tmp = tempfile.mkdtemp(prefix="arpo_iter_")
     model = a.model
     if not model:

@@ -287,6 +287,18 @@ def test_smoke_arpo_multi_end_to_end(tmp_path):
     assert Image.open(out / "learning_arpo_multi.png").size == (640, 360)
 
 
+def test_smoke_arpo_multi_iter():
+    """bench/arpo_multi_iter.py end to end with a tiny budget: both ways run on one trainer and the
+    last line has the ratio (its numbers mean nothing at this size)."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "arpo_multi_iter.py"), "--model", "tiny", "--vms", "2",
+           "--blocks", "1", "--block", "2"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = p.stdout.strip().splitlines()
+    assert lines and re.fullmatch(r"arpo_multi_iter: before [\d.]+ s now [\d.]+ s per iteration: [\d.]+x "
+                                  r"\(cpu [\d.]+x\)", lines[-1]), p.stdout[-2000:] + p.stderr[-3000:]
+    assert re.search(r"^before .*\(1 iterations\)$", p.stdout, re.M) and re.search(r"^now .*\(2 iterations\)$", p.stdout, re.M)
+
+
 # ------------------------------------------------------------------------------------------------
 # bench/learning_replica.py: its lookups by hand, against a real desktop, and a smoke run
 

@@ -253,6 +253,33 @@ def _wm_ready(x) -> bool:
     return q is not None and len(q.value) > 0 and q.value[0] == p.value[0]
 
 
+def _wm_listening(x) -> None:
+    """Returns once the window manager answers a request. openbox publishes what _wm_ready checks
+    before it enters its event loop, and drops what reaches it in between: a window mapped then is
+    never managed. So tint2 and pcmanfm, started at once, now and then (about one session start in
+    1200 on a loaded machine) came up unmapped, and the desktop waited 30 s for icons that never
+    came. The question asked is EWMH's _NET_REQUEST_FRAME_EXTENTS about an unmapped, invisible
+    window of ours (the answer is a property on it, nothing else changes), asked again until
+    answered: the first ask right after _wm_ready is nearly always dropped."""
+    from Xlib import X, protocol
+    root = x.screen().root
+    probe = root.create_window(0, 0, 1, 1, 0, 0, X.InputOnly, X.CopyFromParent)
+    ask, answer = _atom(x, "_NET_REQUEST_FRAME_EXTENTS"), _atom(x, "_NET_FRAME_EXTENTS")
+
+    def answered():
+        if probe.get_full_property(answer, X.AnyPropertyType) is not None:
+            return True
+        root.send_event(protocol.event.ClientMessage(window=probe, client_type=ask, data=(32, [0] * 5)),
+                        event_mask=X.SubstructureRedirectMask | X.SubstructureNotifyMask)
+        x.flush()
+        return False
+    try:
+        _wait(answered, "the window manager's answer", every=0.01)
+    finally:
+        probe.destroy()
+        x.sync()
+
+
 def _sticky(x) -> set[str]:
     """The names of the managed windows on every workspace (the taskbar, the desktop icons)."""
     from Xlib import X, error
@@ -380,16 +407,19 @@ def start_session(desk: DesktopState) -> None:
     tint2_config(own.env["XDG_CONFIG_HOME"])
     spawn(own, ["openbox"])
     _wait(lambda: _wm_ready(x), "openbox")
+    _wm_listening(x)  # before anything maps a window
     spawn(own, ["tint2"])
     spawn(desk, ["pcmanfm", "--desktop"])
     px, py = desktop_icons(desk.screen)["Terminal"]
+    pixel = lambda: "#%02x%02x%02x" % ImageGrab.grab(bbox=(px, py, px + 1, py + 1),
+                                                     xdisplay=desk.display).getpixel((0, 0))[:3]
 
     def drawn():  # both sticky windows are up and the first icon's pixel is no longer background
-        if not {"pcmanfm", "tint2"} <= _sticky(x):
-            return False
-        pixel = ImageGrab.grab(bbox=(px, py, px + 1, py + 1), xdisplay=desk.display).getpixel((0, 0))
-        return "#%02x%02x%02x" % pixel[:3] != BG_COLOUR
-    _wait(drawn, "the desktop icons")
+        return {"pcmanfm", "tint2"} <= _sticky(x) and pixel() != BG_COLOUR
+    try:
+        _wait(drawn, "the desktop icons")
+    except RuntimeError as e:  # say what is missing
+        raise RuntimeError(f"{e} (managed: {sorted(_sticky(x))}, the Terminal icon's pixel {pixel()})") from None
     watch.settle(started, first_change=0.0)
 
 

@@ -257,7 +257,7 @@ def _wm_listening(x) -> None:
     """Returns once the window manager answers a request. openbox publishes what _wm_ready checks
     before it enters its event loop, and drops what reaches it in between: a window mapped then is
     never managed. So tint2 and pcmanfm, started at once, now and then (about one session start in
-    1200 on a loaded machine) came up unmapped, and the desktop waited 30 s for icons that never
+    1000 on a loaded machine) came up unmapped, and the desktop waited 30 s for icons that never
     came. The question asked is EWMH's _NET_REQUEST_FRAME_EXTENTS about an unmapped, invisible
     window of ours (the answer is a property on it, nothing else changes), asked again until
     answered: the first ask right after _wm_ready is nearly always dropped."""

@@ -602,3 +602,12 @@ def test_inside_your_own_vm_mode(vm, tmp_path):
         assert mouse(vm) == (640, 360)
     finally:
         own.stop()
+
+
+def test_reset_stress_bench_end_to_end():
+    """bench/reset_stress.py, the smallest budget: one desktop reset in a loop for 3 s, no failure."""
+    out = subprocess.run([sys.executable, os.path.join(os.path.dirname(SERVER), "bench", "reset_stress.py"),
+                          "--desktops", "1", "--seconds", "3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    n = int(out.stdout.split("resets ")[1].split()[0])
+    assert n >= 2 and "failed: 0" in out.stdout and "slow (> 5 s): 0" in out.stdout

@@ -298,8 +298,14 @@ def test_a_window_mapped_once_openbox_answers_is_managed(tmp_path, monkeypatch):
     auth = str(tmp_path / "xauth")
     D.write_xauthority(auth)
     monkeypatch.setenv("XAUTHORITY", auth)
-    xvfb, name = D.start_xvfb((320, 200), auth)
+    # Not D.start_xvfb: that takes the lowest free display, :0 on this host, and a sandboxed
+    # desktop's clients (the host's /tmp, the sandbox's network) would find its socket first.
+    n = next(i for i in range(400, 1000) if not os.path.exists(f"/tmp/.X{i}-lock"))
+    name = f":{n}"
+    xvfb = subprocess.Popen(["Xvfb", name, "-screen", "0", "320x200x24", "-nolisten", "tcp", "-auth", auth],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        D._wait(lambda: os.path.exists(f"/tmp/.X11-unix/X{n}"), "Xvfb", timeout=20)
         x = display.Display(name)
         root, fresh = x.screen().root, D.root_properties(name)
         for _ in range(10):
@@ -318,7 +324,7 @@ def test_a_window_mapped_once_openbox_answers_is_managed(tmp_path, monkeypatch):
             D._wait(lambda: D._wm_gone(x), "openbox's exit")
             D.restore_root(name, fresh)  # as a reset does: a new openbox finds no stale EWMH properties
     finally:
-        xvfb.kill()
+        xvfb.terminate()  # not kill: Xvfb removes its socket and lock file on the way out
         xvfb.wait()
 
 

@@ -731,6 +731,9 @@ def evaluate(pool: VMPool, policy_fns: dict, run: str, a: Args, config: dict) ->
         eps = [partial(episode, steps=a.steps, settle=parse_settle(a.settle), reset=True, windows=True,
                        reset_ahead=True)] * want
         out = rollout.play(pool, eps, policy_fn, retries=1, desktops=rollout.in_service(pool), desc=f"eval {name}")
+        for f in out.failures:  # an episode played again elsewhere, or lost: say why
+            print(f"eval {name}: an episode failed on {'no vm' if f.vm is None else f'vm {pool.first + f.vm}'}: {f.error}",
+                  flush=True)
         played = []
         for k, steps in enumerate(out.results):
             if isinstance(steps, rollout.Lost):

@@ -82,6 +82,7 @@ PNG_LEVEL = 1            # zlib level: 1 is the fastest that still squeezes flat
 REQUEST_TIMEOUT = 120.0  # s from a request's first byte to its last; also the longest idle wait (--request-timeout)
 MAX_CONNECTIONS = 64     # open connections; past it the longest-waiting unanswered one is closed
 LISTEN_BACKLOG = 1024    # connections the kernel queues before we accept them (the kernel may cap it)
+THREAD_WAIT = 5.0        # s a new connection waits for its thread while the desktop may not fork (Server)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -466,7 +467,19 @@ class Server(ThreadingHTTPServer):
                 with contextlib.suppress(OSError):
                     oldest.shutdown(socket.SHUT_RDWR)  # its thread reads EOF and ends
             self._conns[request] = time.monotonic()
-        super().process_request(request, client_address)
+        # The thread may not start at once: this server counts in its desktop's process limit, and a
+        # reset's kill stops every fork of the desktop for a moment (vm/limits.py: Box.kill sets
+        # pids.max to 0), ours included. A connection arriving then (a trainer's health check beside
+        # the /reset it started ahead) waits for room instead of being closed unanswered; past
+        # THREAD_WAIT (the limit stays full: the agent's own processes fill it) it is closed.
+        deadline = time.monotonic() + THREAD_WAIT
+        while True:
+            try:
+                return super().process_request(request, client_address)
+            except RuntimeError:  # "can't start new thread"
+                if time.monotonic() > deadline:
+                    raise  # socketserver logs it and closes the connection
+                time.sleep(0.005)
 
     def shutdown_request(self, request):
         with self._conns_lock:

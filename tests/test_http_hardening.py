@@ -426,8 +426,9 @@ def test_a_connection_made_during_a_resets_kill_is_answered(vm_desktop):
     """A reset's kill stops every fork of the desktop for a moment (pids.max 0: vm/limits.py
     Box.kill), the server's own threads included. A trainer's /health on a new connection beside
     the /reset it started ahead (rollout: the next episode's revive) used to be closed unanswered
-    then, about one check in sixteen here, and the desktop counted as dead (a lost eval episode
-    in CI). Each check here is a new connection, sent while a /reset runs; every one is answered."""
+    then (1 in 16 of those sent within 30 ms of the /reset), and the desktop counted as dead (a
+    lost eval episode in CI). Each check here is a new connection, sent while a /reset runs (the
+    old server failed 2 of 1783); every one is answered."""
     import threading
     failed, checks = [], 0
     for _ in range(10):

@@ -307,7 +307,8 @@ def play(pool: VMPool, episodes: list, policy_fn, retries: int = 0, on: list | N
         # A job no desktop left can take (its pinned one is gone, or every one is) is lost.
         for job in [j for j in todo if not any(fits(j, i) for i in use if i not in gone)]:
             todo.remove(job)
-            out.failures.append(Lost("no desktop was left to play it", pin(job)))
+            why = "; ".join(f"{pool.urls[i]}: {w}" for i, w in enumerate(pool.why_down) if w)  # revive's, mark_down's
+            out.failures.append(Lost("no desktop was left to play it" + (f" ({why})" if why else ""), pin(job)))
             finish(job, out.failures[-1])
 
     def handle(kind, i, ticket, payload, when) -> None:

@@ -265,6 +265,16 @@ def test_a_desktop_that_cannot_be_revived_leaves_the_run(loopback):
     assert dead.count("/reset") == 0 and not pool.alive[1] and "503" in pool.why_down[1]
 
 
+def test_a_job_no_desktop_is_left_for_says_why_they_are_down(loopback):
+    """The one desktop fails its health check: the job is lost, and its error says why (the message
+    alone once hid a CI failure's cause: a /health refused during a reset)."""
+    pool, (dead,) = loopback({"health": 503})
+    fn, _ = recorder()
+    out = rollout.play(pool, [moves(1)], fn, retries=0)
+    assert isinstance(out.results[0], rollout.Lost) and out.results[0].vm is None
+    assert out.results[0].error.startswith("no desktop was left to play it (") and "503" in out.results[0].error
+
+
 def test_a_bug_in_an_episode_is_raised_not_blamed_on_the_environment(loopback):
     pool, _ = loopback("ok")
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from functools import partial
@@ -252,10 +254,12 @@ def test_a_sigkilled_launcher_leaves_nothing_once_the_next_desktop_starts():
     pid = first.local[0].proc.pid
     cgroups = Agent(first).cg.values()
     assert len(mounted()) == 1 and all(os.path.isdir(d) for d in cgroups)
-    first.local[0].proc.kill()
-    first.local[0].proc.wait()
-    wait_for(lambda: not any(open(os.path.join(d, "cgroup.procs")).read().split() for d in cgroups), "the sandbox's end", 10)
-    assert len(mounted()) == 1 and all(os.path.isdir(d) for d in cgroups)  # left behind
+    with L.sweep_lock():  # a desktop another test starts meanwhile would sweep it before we look
+        first.local[0].proc.kill()
+        first.local[0].proc.wait()
+        wait_for(lambda: not any(open(os.path.join(d, "cgroup.procs")).read().split() for d in cgroups),
+                 "the sandbox's end", 10)
+        assert len(mounted()) == 1 and all(os.path.isdir(d) for d in cgroups)  # left behind
     first.close()
     second = VMPool(1, limits=LIMITS)
     try:
@@ -263,3 +267,24 @@ def test_a_sigkilled_launcher_leaves_nothing_once_the_next_desktop_starts():
         second.clients[0].health()  # and the new desktop serves
     finally:
         second.close()
+
+
+def test_launchers_that_sweep_at_once_all_start():
+    """Launchers start in parallel (a pool's all at once), and each first sweeps what killed ones
+    left. Two sweeping the same dead launcher's cgroups raced: the second read the cgroup.procs of
+    one the first had just removed, and died at start (FileNotFoundError; 8 of 12 launchers in 3
+    rounds of 4 before the sweep took a lock). Here 100 dead launchers' cgroups (PIDs above
+    pid_max: never a live process's) are swept by 4 launchers' sweeps at once, three times."""
+    own, pid_max = L._own_paths(), int(open("/proc/sys/kernel/pid_max").read())
+    parents = [os.path.join(f"/sys/fs/cgroup/{c}", own.get(c, "/").lstrip("/"), L.PARENT)
+               for c in ("memory", "pids", "cpu", "cpuacct")]
+    dead = [os.path.join(p, f"desktop-{pid_max + 1 + k}") for p in parents for k in range(100)]
+    code = "from vm import limits as L; from vm.desktop import remove_tree; L.sweep(remove_tree)"
+    for _ in range(3):
+        for d in dead:
+            os.makedirs(d, exist_ok=True)
+        sweeps = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+                  for _ in range(4)]
+        stderr = [p.communicate(timeout=60)[1] for p in sweeps]
+        errors = [err.strip()[-200:] for p, err in zip(sweeps, stderr) if p.returncode != 0]
+        assert errors == [] and not any(os.path.isdir(d) for d in dead)

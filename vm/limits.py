@@ -38,7 +38,9 @@ whatever runs it (the VM's or container's own memory and CPU settings; docs/vm.m
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import os
 import re
 import signal
@@ -58,6 +60,7 @@ DEFAULTS = {
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 PERIOD_US = 100_000  # CFS period: the quota is cpus * this
 PARENT = "gui-agent-rl"  # every desktop's cgroup sits below one of this name, below the launcher's own
+SWEEP_LOCK = "/run/vm_server-sweep.lock"  # in root's own folder: no other user can plant it or hold it
 
 
 @dataclass(frozen=True)
@@ -239,10 +242,30 @@ class Box:
                     time.sleep(0.02)
 
 
+@contextlib.contextmanager
+def sweep_lock():
+    """One sweep at a time on this host. Launchers start in parallel (env.launch_local_vms starts
+    all of a pool's at once), and two sweeping one dead launcher's cgroups would race: the second
+    reads the cgroup.procs of a cgroup the first has just removed, and its launcher dies at start
+    on the FileNotFoundError. Tests hold it to look at what a killed launcher left before a sweep."""
+    fd = os.open(SWEEP_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes, or when its process dies
+        yield
+    finally:
+        os.close(fd)
+
+
 def sweep(remove_tree) -> None:
     """What launchers killed by SIGKILL left behind (their `finally` never ran): their desktops'
     cgroups and sized disks. Each name carries its launcher's PID (desktop-<pid>, vm_server-<pid>-*);
-    a dead launcher's are removed, after a SIGKILL to anything still in them."""
+    a dead launcher's are removed, after a SIGKILL to anything still in them. One sweep at a time
+    (sweep_lock)."""
+    with sweep_lock():
+        _sweep(remove_tree)
+
+
+def _sweep(remove_tree) -> None:
     own = _own_paths()
     for c in ("memory", "pids", "cpu", "cpuacct"):
         parent = os.path.join(f"/sys/fs/cgroup/{c}", own.get(c, "/").lstrip("/"), PARENT)

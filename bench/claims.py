@@ -163,10 +163,11 @@ def paired_test(name: str, after: list[float], before: list[float], alpha: float
 
 def rate_test(name: str, k_after: int, n_after: int, k_before: int, n_before: int, alpha: float = 0.05) -> Test:
     """Success counts: Fisher's exact test; the effect size is the difference of the rates, its
-    interval a bootstrap of the two samples of 0/1 outcomes."""
+    interval a bootstrap of the two samples of 0/1 outcomes. A rate over no episode is nan (the
+    line then reads `nan`, and the test fails), not 0: no episode is not no success."""
     a, b = [1.0] * k_after + [0.0] * (n_after - k_after), [1.0] * k_before + [0.0] * (n_before - k_before)
     lo, hi = bootstrap_diff(a, b)
-    ra, rb = k_after / max(1, n_after), k_before / max(1, n_before)
+    ra, rb = (k / n if n else float("nan") for k, n in ((k_after, n_after), (k_before, n_before)))
     return Test(name, ra, rb, ra - rb, lo, hi, fisher_one_sided(k_before, n_before, k_after, n_after), alpha)
 
 

@@ -70,6 +70,9 @@ def test_a_test_passes_only_one_way():
     assert not C.episodes_test("x", [1] * 12, [3] * 12).ok
     r = C.rate_test("s", 10, 10, 0, 10)  # 10/10 vs 0/10: Fisher's 1 / C(20, 10)
     assert r.ok and r.diff == 1.0 and math.isclose(r.p, 1 / math.comb(20, 10))
+    r = C.rate_test("s", 0, 0, 4, 37)  # no episode after: its rate is unknown, not 0
+    assert math.isnan(r.after) and math.isnan(r.diff) and r.before == 4 / 37 and not r.ok
+    assert "nan vs 0.108, diff +nan [+nan, +nan], p 1.0000 no" in r.line()
     p = C.paired_test("d", [2, 3, 4, 5, 6], [1, 1, 1, 1, 1])
     assert p.diff == 3.0 and p.p == 1 / 32 and p.ok
 

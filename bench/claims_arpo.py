@@ -207,8 +207,9 @@ def generalisation(a) -> dict:
     return {"numbers": numbers, "pass": ok, "per_seed": per_seed}
 
 
-# The desktop icon of the app each self-correction task asks for (a first step elsewhere is wrong).
-APP_ICON = {"calc-alone": "Calculator", "terminal-alone": "Terminal"}
+# The desktop icons that open an app each self-correction task accepts (a first step on another is
+# wrong). XCalc's window is titled "Calculator" too, so calc-alone's check passes on it.
+APP_ICON = {"calc-alone": ("Calculator", "XCalc"), "terminal-alone": ("Terminal",)}
 
 
 def self_correction(a) -> dict:
@@ -262,13 +263,13 @@ def self_correction(a) -> dict:
 
 def wrong_first(path: str, task_ids: list[str]) -> tuple[int, int]:
     """Of an --eval-only JSON's episodes of `task_ids`: (successes, episodes) among those whose
-    first action double-clicked another app's desktop icon than the task's (APP_ICON)."""
+    first action double-clicked the desktop icon of an app the task does not accept (APP_ICON)."""
     import json
     from vm.desktop import desktop_icons
     with open(path) as fh:
         details = [e for e in json.load(fh)["details"] if e["task"] in task_ids]
     wrong = [e for e in details if e["actions"] and any(L.on_icon(e["actions"][0], label)
-                                                         for label in desktop_icons() if label != APP_ICON[e["task"]])]
+                                                         for label in desktop_icons() if label not in APP_ICON[e["task"]])]
     return sum(e["score_hard"] > L.SUCCESS for e in wrong), len(wrong)
 
 

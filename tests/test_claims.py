@@ -137,8 +137,9 @@ def test_what_each_kind_of_step_was_paid(tmp_path):
 
 
 def test_self_correction_bookkeeping_by_hand(tmp_path):
-    """arpo-self-correction's counts on a hand-made eval: a first step on another app's icon is
-    wrong (a click beside every icon, or on the task's own, is not); the shown episode is the first
+    """arpo-self-correction's counts on a hand-made eval: a first step on the icon of an app the task
+    does not accept is wrong (a click beside every icon, or on an accepted one, is not: XCalc for
+    calc-alone, whose window is titled Calculator too); the shown episode is the first
     success, with its screenshots where --save-trajectories puts them (it<task>/vm<k>_step<i>.png)."""
     dc = lambda x, y: {"type": "double_click", "x": x, "y": y}  # noqa: E731
     close = {"type": "key", "keys": ["alt", "f4"]}
@@ -150,14 +151,16 @@ def test_self_correction_bookkeeping_by_hand(tmp_path):
                ep("calc-alone", 2, [dc(74, 246)], 1.0),                       # its own icon: right
                ep("terminal-alone", 3, [dc(640, 400)], 0.0),                  # no icon: not counted
                ep("terminal-alone", 4, [], 0.0),                              # no action at all
-               ep("terminal-alone", 5, [dc(74, 246), close, dc(74, 46)], 1.0)]  # Calculator first: repaired
+               ep("terminal-alone", 5, [dc(74, 246), close, dc(74, 46)], 1.0),  # Calculator first: repaired
+               ep("calc-alone", 6, [dc(194, 246)], 1.0),                      # XCalc (titled Calculator): right
+               ep("terminal-alone", 7, [dc(194, 246)], 0.0)]                  # XCalc first: wrong here
     path = tmp_path / "eval.json"
     path.write_text(json.dumps({"details": details}))
-    assert CA.wrong_first(str(path), ["calc-alone", "terminal-alone"]) == (2, 3)  # jobs 0, 1, 5
+    assert CA.wrong_first(str(path), ["calc-alone", "terminal-alone"]) == (2, 4)  # jobs 0, 1, 5, 7
     assert CA.wrong_first(str(path), ["calc-alone"]) == (1, 2)
-    assert CA.per_task(str(path)) == {"calc-alone": (2, 3), "terminal-alone": (1, 3)}
-    assert CA.total(CA.per_task(str(path)), ["calc-alone", "terminal-alone"]) == (3, 6)
-    assert CA.share(CA.per_task(str(path)), "calc-alone") == "2/3" and CA.share({}, "calc-alone") == "0/0"
+    assert CA.per_task(str(path)) == {"calc-alone": (3, 4), "terminal-alone": (1, 4)}
+    assert CA.total(CA.per_task(str(path)), ["calc-alone", "terminal-alone"]) == (4, 8)
+    assert CA.share(CA.per_task(str(path)), "calc-alone") == "3/4" and CA.share({}, "calc-alone") == "0/0"
     assert CA.total({"calc-alone": (2, 3)}, ["calc-alone", "terminal-alone"]) == (2, 3)  # none played: 0/0
     lines = CA.repaired(str(path), n=3)  # 3 episodes a task: job 0 is task 0's first episode
     shots = os.path.join(str(tmp_path / "eval"), "trajectories", "it000000")

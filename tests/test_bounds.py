@@ -61,9 +61,7 @@ class Agent:
         text = open(vm.log).read()
         self.home = re.search(r" home (\S+)", text)[1]
         self.launcher = vm.proc.pid
-        own = L._own_paths()
-        self.cg = {c: os.path.join(f"/sys/fs/cgroup/{c}", own.get(c, "/").lstrip("/"), L.PARENT, f"desktop-{self.launcher}")
-                   for c in ("memory", "pids", "cpuacct")}
+        self.cg = {c: os.path.join(L.parent_dir(c), f"desktop-{self.launcher}") for c in ("memory", "pids", "cpuacct")}
 
     def read(self, controller: str, name: str) -> int:
         return int(open(os.path.join(self.cg[controller], name)).read())
@@ -275,9 +273,8 @@ def test_launchers_that_sweep_at_once_all_start():
     one the first had just removed, and died at start (FileNotFoundError; 8 of 12 launchers in 3
     rounds of 4 before the sweep took a lock). Here 100 dead launchers' cgroups (PIDs above
     pid_max: never a live process's) are swept by 4 launchers' sweeps at once, three times."""
-    own, pid_max = L._own_paths(), int(open("/proc/sys/kernel/pid_max").read())
-    parents = [os.path.join(f"/sys/fs/cgroup/{c}", own.get(c, "/").lstrip("/"), L.PARENT)
-               for c in ("memory", "pids", "cpu", "cpuacct")]
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    parents = [L.parent_dir(c) for c in ("memory", "pids", "cpu", "cpuacct")]
     dead = [os.path.join(p, f"desktop-{pid_max + 1 + k}") for p in parents for k in range(100)]
     code = "from vm import limits as L; from vm.desktop import remove_tree; L.sweep(remove_tree)"
     for _ in range(3):

@@ -114,6 +114,13 @@ def _own_paths() -> dict[str, str]:
     return out
 
 
+def parent_dir(controller: str) -> str:
+    """The folder under which this process's desktops get their cgroups in `controller`: beside
+    this process's own cgroup (a launcher run inside a container's cgroup keeps them there)."""
+    own = _own_paths().get(controller, "/")
+    return os.path.join(f"/sys/fs/cgroup/{controller}", own.lstrip("/"), PARENT)
+
+
 def available() -> str | None:
     """None if this process can make per-desktop cgroups (root, cgroup v1 memory/pids/cpu/cpuacct
     mounted), else why not, in a few words."""
@@ -141,9 +148,7 @@ class Box:
 
     def __init__(self, name: str, limits: Limits):
         self.limits, self.mounted = limits, None
-        own = _own_paths()
-        self.dirs = {c: os.path.join(f"/sys/fs/cgroup/{c}", own.get(c, "/").lstrip("/"), PARENT, name)
-                     for c in ("memory", "pids", "cpu", "cpuacct")}
+        self.dirs = {c: os.path.join(parent_dir(c), name) for c in ("memory", "pids", "cpu", "cpuacct")}
         for d in self.dirs.values():
             os.makedirs(d, exist_ok=True)
         _write(os.path.join(self.dirs["memory"], "memory.limit_in_bytes"), limits.memory)
@@ -270,9 +275,8 @@ def sweep(remove_tree) -> None:
 
 
 def _sweep(remove_tree) -> None:
-    own = _own_paths()
     for c in ("memory", "pids", "cpu", "cpuacct"):
-        parent = os.path.join(f"/sys/fs/cgroup/{c}", own.get(c, "/").lstrip("/"), PARENT)
+        parent = parent_dir(c)
         for name in os.listdir(parent) if os.path.isdir(parent) else []:
             m = re.fullmatch(r"desktop-(\d+)", name)
             if m and not os.path.exists(f"/proc/{m[1]}"):

@@ -2,6 +2,7 @@
 
     python bench/learning_replica.py --seeds 4 --first-seed 10                  # the bench's recipe
     python bench/learning_replica.py --seeds 4 --first-seed 10 --lr-schedule linear --iterations 200
+    python bench/learning_replica.py --seeds 8 --first-seed 0 --no-replay       # replay's ablation (arpo-replay)
 
 The screens an arpo-multi episode sees are real screenshots, taken once from a local desktop
 (learning_warm.first_screens: the reset desktop, and the screen after double-clicking each icon);
@@ -19,7 +20,9 @@ has its runs beside the bench's, 2026-12-06).
 
 Per seed: the success of an eval at T=1 before and after training (--eval-episodes a task); the
 parse rate, the lowest over both evals and each quarter of training, as the bench's; and after
-training, per task: success, first step right, second step right when the first was. Last line:
+training, per task: success, first step right, second step right when the first was; the fresh
+episodes' success in each quarter of training (replayed ones excluded) and how many stored
+successes replay put into failed groups (0 with --no-replay). Last line:
     learning_replica: seeds <n> gain min <g> median <m>, below 0.25: <k>, parse below 0.85: <j>
 """
 from __future__ import annotations
@@ -150,34 +153,39 @@ def run_seed(c, seed: int, screens) -> dict:
         "--lr-warmup", str(max(1, c.iterations // 10)), "--lr-schedule", c.lr_schedule, "--beta", str(c.beta),
         "--format-penalty", str(c.format_penalty), "--format-penalty-on", c.format_penalty_on,
         "--scale-rewards" if c.scale_rewards else "--no-scale-rewards",
-        "--optimizer-steps", str(c.optimizer_steps),
+        "--optimizer-steps", str(c.optimizer_steps), "--replay" if c.replay else "--no-replay",
         "--seed", str(seed)])
     torch.manual_seed(seed)
     by_id = {t.id: t for t in load_tasks(os.path.join(ROOT, "tasks"))}
     tasks = [by_id[i] for i in ids]
     policy = load_policy(warm, seed=seed, max_pixels=MAX_PIXELS)
     optimizer = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.01)
-    replay_buffer = grpo.ReplayBuffer(args.replay_capacity, args.success_threshold, seed=seed)
+    replay_buffer = grpo.ReplayBuffer(args.replay_capacity, args.success_threshold, seed=seed) if args.replay else None
     tr = T.Trainer(args, None, policy, optimizer, replay_buffer, None)
     tr.ref_fn = grpo.reference_fn(args.beta, 0, lambda: load_policy(warm, seed=seed, max_pixels=MAX_PIXELS))
     before = evaluate(policy, args, screens, tasks, c.eval_episodes, 1000 + seed)
     picker = {"epoch": 0, "pos": 0}
     parsed = [[] for _ in range(4)]  # each quarter of training: did each fresh answer parse
+    won = [[] for _ in range(4)]     # ... and did each fresh episode succeed (replayed ones excluded)
+    injected = 0
     for it in range(args.iterations):  # train_arpo.iteration, with the replica's rollout
         grpo.set_lr(optimizer, T.lr_at(it, args))
         task_ids = T.pick_tasks(ids, picker, args.groups, seed)
         jobs = [by_id[t] for t in task_ids for _ in range(args.group_size)]
         fresh = play(policy, args, screens, jobs, [g for g in range(args.groups) for _ in range(args.group_size)], it)
         parsed[4 * it // args.iterations] += [ok for e in fresh for ok in e.format_ok]
-        to_train, _ = T.replay(replay_buffer, fresh, task_ids, [(e.group, e.score) for e in fresh])
-        for e in fresh:
+        won[4 * it // args.iterations] += [e.score > SUCCESS for e in fresh]
+        to_train, injections = T.replay(replay_buffer, fresh, task_ids, [(e.group, e.score) for e in fresh])
+        injected += len(injections)
+        for e in fresh if replay_buffer is not None else []:
             if e.score > replay_buffer.success_threshold:
                 replay_buffer.add(e.task.id, T.to_dict(e), e.score)
         adv = T.advantages(to_train, args)  # (N,)
         T.update(tr, [s for e, x in zip(to_train, adv) for s in T.episode_samples(policy, e, args, x)], it)
     after = evaluate(policy, args, screens, tasks, c.eval_episodes, 2000 + seed)
     parse = min([before["parse"], after["parse"]] + [sum(q) / len(q) for q in parsed if q])
-    return {"seed": seed, "before": before, "after": after, "parse": parse, "minutes": (time.perf_counter() - t0) / 60}
+    return {"seed": seed, "before": before, "after": after, "parse": parse, "injected": injected,
+            "fresh": [sum(q) / len(q) if q else float("nan") for q in won], "minutes": (time.perf_counter() - t0) / 60}
 
 
 def main(argv=None) -> int:
@@ -198,6 +206,8 @@ def main(argv=None) -> int:
                    help="train_arpo.py --scale-rewards: divide by the group's std (the bench's: yes)")
     p.add_argument("--optimizer-steps", type=int, default=2,
                    help="train_arpo.py --optimizer-steps: each iteration's batch cut into that many steps (the bench's: 2)")
+    p.add_argument("--replay", action=argparse.BooleanOptionalAction, default=True,
+                   help="train_arpo.py --replay: ARPO's replay buffer (--no-replay: its ablation, as arpo-replay's other arm)")
     p.add_argument("--eval-episodes", type=int, default=24, help="episodes a task in each eval (T=1)")
     p.add_argument("--warm-epochs", type=int, default=32, help="the warm start's epochs (the bench's: 32)")
     p.add_argument("--warm-lr", type=float, default=6e-3, help="the warm start's lr (the bench's)")
@@ -213,7 +223,8 @@ def main(argv=None) -> int:
         parses.append(r["parse"])
         per = ", ".join(f"{t[11:]} {s:.2f} (first {f:.2f}, second | first {x:.2f})" for t, (s, f, x) in a["per_task"].items())
         print(f"seed {seed}: before {b['success']:.2f} after {a['success']:.2f} gain {gains[-1]:+.2f} parse "
-              f"{r['parse']:.2f} | after: {per} | {r['minutes']:.1f} min", flush=True)
+              f"{r['parse']:.2f} | after: {per} | fresh success by quarter {' '.join(f'{x:.2f}' for x in r['fresh'])}, "
+              f"replayed {r['injected']} | {r['minutes']:.1f} min", flush=True)
     print(f"learning_replica: seeds {c.seeds} gain min {min(gains):+.2f} median {statistics.median(gains):+.2f}, "
           f"below 0.25: {sum(g < 0.25 for g in gains)}, parse below 0.85: {sum(x < 0.85 for x in parses)}")
     return 0

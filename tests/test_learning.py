@@ -363,3 +363,9 @@ def test_smoke_replica(tmp_path):
     assert re.fullmatch(r"learning_replica: seeds 1 gain min [+-]\d\.\d\d median [+-]\d\.\d\d, below 0\.25: [01], parse below 0\.85: [01]", lines[-1])
     assert re.match(r"seed 0: before \d\.\d\d after \d\.\d\d gain [+-]\d\.\d\d parse \d\.\d\d \| after: documents", lines[-2])
     assert (tmp_path / "seed0" / "warm_start-1x0.006" / "config.json").exists()  # named by its recipe
+    assert re.search(r"\| fresh success by quarter( (\d\.\d\d|nan)){4}, replayed \d+ \| ", lines[-2])
+    # replay's ablation: no buffer at all (train_arpo.py --no-replay), the same warm start reused
+    p = subprocess.run(cmd + ["--no-replay"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = p.stdout.strip().splitlines()
+    assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-3000:]
+    assert re.search(r", replayed 0 \| ", lines[-2])

@@ -173,13 +173,15 @@ def run_seed(c, seed: int, screens) -> dict:
         task_ids = T.pick_tasks(ids, picker, args.groups, seed)
         jobs = [by_id[t] for t in task_ids for _ in range(args.group_size)]
         fresh = play(policy, args, screens, jobs, [g for g in range(args.groups) for _ in range(args.group_size)], it)
-        parsed[4 * it // args.iterations] += [ok for e in fresh for ok in e.format_ok]
-        won[4 * it // args.iterations] += [e.score > SUCCESS for e in fresh]
+        quarter = 4 * it // args.iterations
+        parsed[quarter] += [ok for e in fresh for ok in e.format_ok]
+        won[quarter] += [e.score > SUCCESS for e in fresh]
         to_train, injections = T.replay(replay_buffer, fresh, task_ids, [(e.group, e.score) for e in fresh])
         injected += len(injections)
-        for e in fresh if replay_buffer is not None else []:
-            if e.score > replay_buffer.success_threshold:
-                replay_buffer.add(e.task.id, T.to_dict(e), e.score)
+        if replay_buffer is not None:  # --no-replay: no buffer, nothing stored
+            for e in fresh:
+                if e.score > replay_buffer.success_threshold:
+                    replay_buffer.add(e.task.id, T.to_dict(e), e.score)
         adv = T.advantages(to_train, args)  # (N,)
         T.update(tr, [s for e, x in zip(to_train, adv) for s in T.episode_samples(policy, e, args, x)], it)
     after = evaluate(policy, args, screens, tasks, c.eval_episodes, 2000 + seed)

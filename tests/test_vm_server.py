@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -302,10 +303,15 @@ def test_a_window_mapped_once_openbox_answers_is_managed(tmp_path, monkeypatch):
     # desktop's clients (the host's /tmp, the sandbox's network) would find its socket first.
     n = next(i for i in range(400, 1000) if not os.path.exists(f"/tmp/.X{i}-lock"))
     name = f":{n}"
-    xvfb = subprocess.Popen(["Xvfb", name, "-screen", "0", "320x200x24", "-nolisten", "tcp", "-auth", auth],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # -displayfd: Xvfb writes its number once it takes connections. Its socket file comes earlier: a
+    # connection made then was refused, and the SIGTERM that followed left its lock and socket behind.
+    r, w = os.pipe()
+    xvfb = subprocess.Popen(["Xvfb", name, "-displayfd", str(w), "-screen", "0", "320x200x24", "-nolisten", "tcp",
+                             "-auth", auth], pass_fds=(w,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.close(w)
     try:
-        D._wait(lambda: os.path.exists(f"/tmp/.X11-unix/X{n}"), "Xvfb", timeout=20)
+        D._wait(lambda: select.select([r], [], [], 0)[0], "Xvfb", timeout=20)
+        os.close(r)
         x = display.Display(name)
         root, fresh = x.screen().root, D.root_properties(name)
         for _ in range(10):
